@@ -1,0 +1,78 @@
+//! The normalized stream chunk every provider decoder produces.
+//!
+//! A provider frame (an SSE event, an NDJSON line) becomes zero or more
+//! [`Chunk`]s, in the order their effects happen within the frame. Chunks
+//! borrow from the frame's data where they can; the raw frame itself stays
+//! with the caller, which forwards it unchanged whatever the chunks say.
+//!
+//! Read [`Chunk`] first.
+
+use std::borrow::Cow;
+
+/// One effect of a provider frame on the stream's state.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Chunk<'a> {
+    /// Answer text for choice `choice`. Never empty.
+    Text { choice: u32, text: Cow<'a, str> },
+    /// Reasoning text (`reasoning_content`, `reasoning`, Ollama `thinking`,
+    /// Mistral thinking parts). Never empty.
+    Reasoning { choice: u32, text: Cow<'a, str> },
+    /// One entry of a `tool_calls` list.
+    ToolCallDelta(ToolCallDelta<'a>),
+    /// The choice reported a `finish_reason`.
+    Finish { choice: u32 },
+    /// Token usage; the last one of a stream wins.
+    Usage(Usage),
+    /// The provider reported an error inside the stream.
+    Error { message: String },
+    /// The provider said the stream is over (`[DONE]`, Ollama `done: true`).
+    Done,
+}
+
+/// One `tool_calls[j]` entry as the provider sent it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCallDelta<'a> {
+    /// `choices[k].index`, 0 when absent.
+    pub choice: u32,
+    /// `tool_calls[j].index` when it is an integer.
+    pub index: Option<u32>,
+    /// A non-empty `id`, if sent.
+    pub id: Option<Cow<'a, str>>,
+    /// A non-empty `function.name`, if sent.
+    pub name: Option<Cow<'a, str>>,
+    pub arguments: ArgumentsDelta<'a>,
+}
+
+/// What a delta does to the accumulated arguments string.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ArgumentsDelta<'a> {
+    /// Absent or `null`: unchanged.
+    Unchanged,
+    /// A string fragment, unescaped, to append.
+    Append(Cow<'a, str>),
+    /// A whole value (a JSON object some providers send, or an Ollama call),
+    /// already serialized as `JSON.stringify` would, replacing what was
+    /// accumulated.
+    Replace(String),
+}
+
+/// Token usage, in the seed's camelCase names when serialized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+}
+
+impl Usage {
+    /// Builds a usage from provider fields, computing a missing total.
+    pub fn new(prompt: Option<u64>, completion: Option<u64>, total: Option<u64>) -> Usage {
+        let prompt_tokens = prompt.unwrap_or(0);
+        let completion_tokens = completion.unwrap_or(0);
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: total.unwrap_or(prompt_tokens.saturating_add(completion_tokens)),
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! `--format ndjson` and `--format messages`: one JSON object per line.
+//!
+//! This is the wire specification of both formats. Every line is a JSON
+//! object followed by `\n`. New keys may appear in later versions;
+//! consumers must ignore keys they do not know.
+//!
+//! ## `ndjson`: the seed's `ChatStreamChunk`
+//!
+//! One line per effect, in stream order:
+//!
+//! | line | when |
+//! | --- | --- |
+//! | `{"reasoningDelta":"…"}` | non-empty reasoning text (`reasoning_content`, `reasoning`, Ollama `thinking`, Mistral thinking parts) |
+//! | `{"contentDelta":"…"}` | non-empty answer text |
+//! | `{"toolCallProgress":{"index":0,"name":"get_weather","charsAccumulated":42}}` | every entry of every `tool_calls` delta, after it is applied |
+//! | `{"done":true,"toolCalls":[…],"usage":{…}}` | once, at `[DONE]`, Ollama's `done: true`, or the end of input |
+//!
+//! - `charsAccumulated` is the length of the arguments so far, unescaped, in
+//!   UTF-16 code units (JavaScript `String.length`); the name is not counted.
+//! - For a choice other than 0, text lines carry `"choice":k` and progress
+//!   objects carry `"choice":k` inside `toolCallProgress`.
+//! - `toolCalls` lists the assembled calls in index order:
+//!   `{"id":"call_…","type":"function","function":{"name":"…","arguments":"…"}}`
+//!   (`id` is `""` when the provider sent none). When several choices made
+//!   tool calls, each gets its own `done` line, in choice order, with
+//!   `"choice":k` for k > 0; with no tool calls at all there is one
+//!   `{"done":true}`.
+//! - `usage` is `{"promptTokens":…,"completionTokens":…,"totalTokens":…}`,
+//!   the last usage of the stream, on the last `done` line only, so it is
+//!   counted once. Progress lines never carry text or usage: concatenating
+//!   `contentDelta` gives exactly the upstream text.
+//!
+//! ## `messages`: the seed's `StreamChunkMessage`
+//!
+//! The same lines, each starting with `"sessionId":"…"`, without `toolCalls`
+//! and `usage`: `{"sessionId":"s1","contentDelta":"…"}`,
+//! `{"sessionId":"s1","toolCallProgress":{…}}`, and a single
+//! `{"sessionId":"s1","done":true}` at the end.
+
+use std::fmt::Write;
+
+use super::Sink;
+use crate::chunk::Usage;
+use crate::js::push_string;
+use crate::progress::ToolCallTracker;
+
+/// Which line format.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LineFormat {
+    /// `ChatStreamChunk` lines.
+    Chunks,
+    /// `StreamChunkMessage` lines for this session id.
+    Messages { session_id: String },
+}
+
+/// Writes lines of one [`LineFormat`]; reuses one buffer for every line.
+#[derive(Debug)]
+pub struct LineEncoder {
+    format: LineFormat,
+    line: String,
+}
+
+/// The text fields of a line.
+#[derive(Debug, Clone, Copy)]
+pub enum TextField {
+    Content,
+    Reasoning,
+}
+
+impl LineEncoder {
+    pub fn new(format: LineFormat) -> Self {
+        LineEncoder {
+            format,
+            line: String::new(),
+        }
+    }
+
+    /// A `contentDelta` or `reasoningDelta` line.
+    pub fn text(&mut self, out: &mut impl Sink, field: TextField, choice: u32, text: &str) {
+        self.open();
+        self.line.push_str(match field {
+            TextField::Content => "\"contentDelta\":",
+            TextField::Reasoning => "\"reasoningDelta\":",
+        });
+        push_string(text, &mut self.line);
+        self.choice(choice);
+        self.close(out);
+    }
+
+    /// A `toolCallProgress` line, from an object rendered by
+    /// [`write_progress`](super::write_progress).
+    pub fn progress(&mut self, out: &mut impl Sink, progress_json: &str) {
+        self.open();
+        self.line.push_str("\"toolCallProgress\":");
+        self.line.push_str(progress_json);
+        self.close(out);
+    }
+
+    /// The final `done` line(s).
+    pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker) {
+        if matches!(self.format, LineFormat::Messages { .. }) {
+            self.open();
+            self.line.push_str("\"done\":true");
+            return self.close(out);
+        }
+        let usage = tracker.usage();
+        let choices = tracker.calls().count();
+        if choices == 0 {
+            self.open();
+            self.line.push_str("\"done\":true");
+            self.usage(usage);
+            return self.close(out);
+        }
+        for (i, (choice, calls)) in tracker.calls().enumerate() {
+            self.open();
+            self.line.push_str("\"done\":true");
+            self.choice(choice);
+            self.line.push_str(",\"toolCalls\":[");
+            for (j, call) in calls.iter().enumerate() {
+                if j > 0 {
+                    self.line.push(',');
+                }
+                self.line.push_str("{\"id\":");
+                push_string(&call.id, &mut self.line);
+                self.line.push_str(",\"type\":\"function\",\"function\":{\"name\":");
+                push_string(&call.name, &mut self.line);
+                self.line.push_str(",\"arguments\":");
+                push_string(&call.arguments, &mut self.line);
+                self.line.push_str("}}");
+            }
+            self.line.push(']');
+            if i + 1 == choices {
+                self.usage(usage);
+            }
+            self.close(out);
+        }
+    }
+
+    fn open(&mut self) {
+        self.line.clear();
+        self.line.push('{');
+        if let LineFormat::Messages { session_id } = &self.format {
+            self.line.push_str("\"sessionId\":");
+            push_string(session_id, &mut self.line);
+            self.line.push(',');
+        }
+    }
+
+    fn choice(&mut self, choice: u32) {
+        if choice != 0 {
+            let _ = write!(self.line, ",\"choice\":{choice}");
+        }
+    }
+
+    fn usage(&mut self, usage: Option<Usage>) {
+        if let Some(u) = usage {
+            let _ = write!(
+                self.line,
+                ",\"usage\":{{\"promptTokens\":{},\"completionTokens\":{},\"totalTokens\":{}}}",
+                u.prompt_tokens, u.completion_tokens, u.total_tokens
+            );
+        }
+    }
+
+    fn close(&mut self, out: &mut impl Sink) {
+        self.line.push_str("}\n");
+        out.insert(self.line.as_bytes());
+    }
+}

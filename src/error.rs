@@ -1,0 +1,109 @@
+//! Errors at each boundary, and the exit codes they map to.
+//!
+//! - [`Warning`]: something in a stream could not be understood. The bytes
+//!   are forwarded unchanged all the same; this only says where and why, once.
+//! - [`FilterError`]: `annotate` could not read its input or write its output.
+//!
+//! Exit codes (documented in `man/aalis-proxy.1`): 0 success, also when
+//! stdout is closed early (`| head`); 1 the input or output failed; 2 usage
+//! or configuration error (clap's own); 130 interrupted (SIGINT's default).
+
+use std::io;
+
+use crate::providers::FrameError;
+
+/// Exit status when the input or output failed.
+pub const EXIT_FAILURE: u8 = 1;
+/// Exit status of a usage error (the same as clap's).
+pub const EXIT_USAGE: u8 = 2;
+
+/// A frame a stream could not be understood; see the module docs.
+#[derive(Debug, thiserror::Error)]
+pub enum Warning {
+    #[error("{at}: {source}; passed on unchanged: {excerpt}")]
+    Undecodable {
+        at: Location,
+        source: FrameError,
+        /// The start of the frame's data, sanitized for a terminal.
+        excerpt: String,
+    },
+    #[error("{at}: upstream error: {message}")]
+    Upstream { at: Location, message: String },
+    #[error(
+        "stream ended inside SSE event {number} (byte {offset}) before its blank line: \
+         its data was not dispatched, passed on unchanged"
+    )]
+    Unterminated { number: u64, offset: u64 },
+    #[error("{count} more undecodable frames were passed on unchanged without a warning")]
+    Suppressed { count: u64 },
+    #[error("--inject {mode} applies to SSE streams; NDJSON lines get `field` injection")]
+    InjectModeNotForNdjson { mode: &'static str },
+}
+
+/// Where in a stream a frame is.
+#[derive(Debug, Clone, Copy)]
+pub struct Location {
+    /// `SSE event` or `NDJSON line`.
+    pub unit: &'static str,
+    /// 1-based number of the frame in the stream.
+    pub number: u64,
+    /// Offset of the frame's first byte in the stream.
+    pub offset: u64,
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} (byte {})", self.unit, self.number, self.offset)
+    }
+}
+
+/// Why `annotate` stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum FilterError {
+    #[error("cannot read the input: {0}")]
+    Read(#[source] io::Error),
+    #[error("cannot write the output: {0}")]
+    Write(#[source] io::Error),
+}
+
+impl FilterError {
+    /// True when stdout was closed by its reader: not a failure.
+    pub fn is_broken_pipe(&self) -> bool {
+        matches!(self, FilterError::Write(e) if e.kind() == io::ErrorKind::BrokenPipe)
+    }
+}
+
+/// The first `max_chars` characters of `bytes`, safe to print on a
+/// terminal: invalid UTF-8 becomes U+FFFD, control, bidi and zero-width
+/// characters are escaped, and an ellipsis marks a cut.
+pub fn excerpt(bytes: &[u8], max_chars: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let mut out = String::with_capacity(max_chars + 8);
+    for (n, c) in text.chars().enumerate() {
+        if n == max_chars {
+            out.push('…');
+            break;
+        }
+        let hostile = c.is_control()
+            || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}');
+        if hostile {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn excerpts_are_cut_and_neutralized() {
+        assert_eq!(excerpt(b"{\"a\":1}", 80), "{\"a\":1}");
+        assert_eq!(excerpt("ab\x1b[2Jc\u{202E}d".as_bytes(), 80), "ab\\u{1b}[2Jc\\u{202e}d");
+        assert_eq!(excerpt("東京東京".as_bytes(), 2), "東京…");
+        assert_eq!(excerpt(b"\xff\xfe", 5), "\u{fffd}\u{fffd}");
+    }
+}

@@ -1,0 +1,38 @@
+//! Byte streams → frames, incrementally and without I/O.
+//!
+//! Each decoder takes input in pieces of any size (`push`), hands out
+//! complete frames that borrow its buffer (`next_block` / `next_line`), and
+//! after `finish` hands out what is left. Every frame carries its exact raw
+//! bytes, so forwarding frames in order reproduces the input. Nothing here
+//! parses JSON: that is [`crate::providers`].
+
+pub mod ndjson;
+pub mod sse;
+
+/// How a stream is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// `text/event-stream`: OpenAI-compatible chat completions.
+    Sse,
+    /// `application/x-ndjson`: Ollama's native `/api/chat`.
+    Ndjson,
+}
+
+impl Framing {
+    /// Guesses the framing from the start of a stream: NDJSON starts with
+    /// `{` (after an optional BOM and whitespace), SSE with a field or a
+    /// comment. Returns `None` while only whitespace has been seen.
+    pub fn sniff(start: &[u8]) -> Option<Framing> {
+        const BOM: &[u8] = b"\xEF\xBB\xBF";
+        if start.len() < BOM.len() && BOM.starts_with(start) {
+            return None;
+        }
+        let start = start.strip_prefix(BOM).unwrap_or(start);
+        let first = start.iter().find(|b| !b.is_ascii_whitespace())?;
+        Some(if *first == b'{' {
+            Framing::Ndjson
+        } else {
+            Framing::Sse
+        })
+    }
+}

@@ -1,0 +1,173 @@
+//! Incremental NDJSON framing: one JSON document per `\n`-terminated line.
+//!
+//! [`NdjsonDecoder`] hands out [`NdjsonLine`]s with their exact raw bytes
+//! (terminator included), so forwarding lines in order reproduces the input.
+//! A `\r` before the `\n` is tolerated (left out of `content`), a BOM at the
+//! start of the stream is left out of the first line's `content`, and at end
+//! of input a last line without `\n` is still a line.
+//!
+//! It does not parse JSON, decode UTF-8 or limit line length.
+
+use memchr::memchr;
+
+/// One line of the stream.
+#[derive(Debug)]
+pub struct NdjsonLine<'a> {
+    /// The exact input bytes, terminator included.
+    pub raw: &'a [u8],
+    /// The line without its terminator (and without a leading BOM).
+    pub content: &'a [u8],
+    /// Offset in `raw` where `content` starts (3 after a BOM, else 0).
+    pub content_start: usize,
+    /// 1-based line number.
+    pub number: u64,
+    /// Offset of `raw[0]` in the whole stream.
+    pub offset: u64,
+}
+
+impl NdjsonLine<'_> {
+    /// Offset in `raw` of the last non-whitespace byte of the content when
+    /// it is `}`: where a top-level key can be added without re-encoding.
+    pub fn closing_brace(&self) -> Option<usize> {
+        let i = self.content.iter().rposition(|b| !b.is_ascii_whitespace())?;
+        (self.content[i] == b'}').then_some(self.content_start + i)
+    }
+
+    /// True when the line holds only whitespace.
+    pub fn is_blank(&self) -> bool {
+        self.content.iter().all(|b| b.is_ascii_whitespace())
+    }
+}
+
+/// Incremental NDJSON decoder; see the module docs.
+#[derive(Debug, Default)]
+pub struct NdjsonDecoder {
+    /// Input not yet handed out.
+    buf: Vec<u8>,
+    /// Bytes at the front of `buf` handed out last; dropped at the next call.
+    consumed: usize,
+    /// Where to resume looking for `\n` (everything before it has none).
+    scan: usize,
+    /// Stream offset of `buf[0]`.
+    base_offset: u64,
+    lines: u64,
+    eof: bool,
+}
+
+impl NdjsonDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn push(&mut self, input: &[u8]) {
+        self.compact();
+        self.buf.extend_from_slice(input);
+    }
+
+    pub fn finish(&mut self) {
+        self.eof = true;
+    }
+
+    /// Stream offset of the first byte not yet handed out.
+    pub fn offset(&self) -> u64 {
+        self.base_offset + self.consumed as u64
+    }
+
+    /// The next complete line, or `None` when more input is needed.
+    pub fn next_line(&mut self) -> Option<NdjsonLine<'_>> {
+        self.compact();
+        let end = match memchr(b'\n', &self.buf[self.scan..]) {
+            Some(i) => self.scan + i + 1,
+            None if self.eof && !self.buf.is_empty() => self.buf.len(),
+            None => {
+                self.scan = self.buf.len();
+                return None;
+            }
+        };
+        self.consumed = end;
+        self.scan = end;
+        self.lines += 1;
+        let raw = &self.buf[..end];
+        let mut content = raw.strip_suffix(b"\n").unwrap_or(raw);
+        content = content.strip_suffix(b"\r").unwrap_or(content);
+        let mut content_start = 0;
+        if self.base_offset == 0
+            && let Some(rest) = content.strip_prefix(b"\xEF\xBB\xBF")
+        {
+            content = rest;
+            content_start = 3;
+        }
+        Some(NdjsonLine {
+            raw,
+            content,
+            content_start,
+            number: self.lines,
+            offset: self.base_offset,
+        })
+    }
+
+    fn compact(&mut self) {
+        if self.consumed == 0 {
+            return;
+        }
+        let n = self.consumed;
+        self.buf.drain(..n);
+        self.base_offset += n as u64;
+        self.scan -= n;
+        self.consumed = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(pieces: &[&[u8]]) -> Vec<(String, String, u64)> {
+        let mut decoder = NdjsonDecoder::new();
+        let mut out = Vec::new();
+        let mut drain = |d: &mut NdjsonDecoder, out: &mut Vec<(String, String, u64)>| {
+            while let Some(line) = d.next_line() {
+                out.push((
+                    String::from_utf8_lossy(line.raw).into_owned(),
+                    String::from_utf8_lossy(line.content).into_owned(),
+                    line.offset,
+                ));
+            }
+        };
+        for p in pieces {
+            decoder.push(p);
+            drain(&mut decoder, &mut out);
+        }
+        decoder.finish();
+        drain(&mut decoder, &mut out);
+        out
+    }
+
+    #[test]
+    fn lines_keep_terminators_and_the_last_line_needs_none() {
+        let expected = vec![
+            ("{\"a\":1}\r\n".to_string(), "{\"a\":1}".to_string(), 0),
+            ("\n".to_string(), String::new(), 9),
+            ("{\"b\":2}".to_string(), "{\"b\":2}".to_string(), 10),
+        ];
+        let input = b"{\"a\":1}\r\n\n{\"b\":2}";
+        assert_eq!(lines(&[input]), expected);
+        let bytewise: Vec<&[u8]> = input.chunks(1).collect();
+        assert_eq!(lines(&bytewise), expected);
+    }
+
+    #[test]
+    fn bom_is_outside_content_and_brace_is_found() {
+        let mut decoder = NdjsonDecoder::new();
+        decoder.push(b"\xEF\xBB\xBF{\"a\":1} \n");
+        let line = decoder.next_line().expect("one line");
+        assert_eq!(line.content, b"{\"a\":1} ");
+        assert_eq!(line.closing_brace(), Some(9));
+        assert_eq!(line.raw[9], b'}');
+    }
+
+    #[test]
+    fn nothing_in_nothing_out() {
+        assert!(lines(&[b""]).is_empty());
+    }
+}

@@ -1,0 +1,327 @@
+//! Incremental `text/event-stream` framing (WHATWG HTML, "Server-sent
+//! events", section 9.2.6 "Interpreting an event stream").
+//!
+//! [`SseDecoder`] takes bytes in pieces of any size and hands out
+//! [`SseBlock`]s: the exact raw bytes from the end of the previous block up to
+//! and including the blank line that ends this one, plus the event they
+//! dispatch, if any. Concatenating every block's `raw` gives back the input,
+//! byte for byte, which is what lets the annotator forward a stream
+//! unchanged while it reads it.
+//!
+//! What it follows: CR, LF and CRLF all end a line, and a CRLF split across
+//! two pieces is one line break; a UTF-8 BOM at the very start is skipped;
+//! lines starting with `:` are comments; one space after `field:` is
+//! optional; several `data:` lines join with `\n`; a block without `data`
+//! dispatches nothing; at end of input an unterminated event is *not*
+//! dispatched (it comes back as [`SseBlockKind::Unterminated`] so its bytes
+//! are still forwarded).
+//!
+//! What it does not do: decode UTF-8 (data stays bytes; a character split
+//! across pieces is whole by the time its line is complete), interpret the
+//! data, or limit event size.
+//!
+//! Read [`SseDecoder::next_block`] first.
+
+use memchr::memchr2;
+
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// Which line break ended the blank line of an event. Injected lines reuse
+/// it, so a CRLF stream stays CRLF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineEnding {
+    Lf,
+    CrLf,
+    Cr,
+}
+
+impl LineEnding {
+    pub fn as_bytes(self) -> &'static [u8] {
+        match self {
+            LineEnding::Lf => b"\n",
+            LineEnding::CrLf => b"\r\n",
+            LineEnding::Cr => b"\r",
+        }
+    }
+}
+
+/// One piece of the stream, ready to forward.
+#[derive(Debug)]
+pub struct SseBlock<'a> {
+    /// The exact input bytes of this block, blank line included.
+    pub raw: &'a [u8],
+    /// Offset of `raw[0]` in the whole stream.
+    pub offset: u64,
+    pub kind: SseBlockKind<'a>,
+}
+
+#[derive(Debug)]
+pub enum SseBlockKind<'a> {
+    /// The block dispatched an event.
+    Event(SseEvent<'a>),
+    /// The block ended with a blank line but had no `data` (comments,
+    /// keep-alives, stray blank lines): nothing is dispatched.
+    NoData,
+    /// The input ended before the blank line that would end this block.
+    /// Per WHATWG nothing is dispatched; `has_data` says whether `data`
+    /// lines were lost to that rule; `number` is the number the event would
+    /// have had.
+    Unterminated { has_data: bool, number: u64 },
+}
+
+/// A dispatched event.
+#[derive(Debug)]
+pub struct SseEvent<'a> {
+    /// 1-based count of dispatched events in the stream.
+    pub number: u64,
+    /// The `event:` field, empty for the default `message` type.
+    pub event_type: &'a [u8],
+    /// The `data:` lines joined with `\n`.
+    pub data: &'a [u8],
+    /// The last event ID seen so far in the stream (`id:` persists).
+    pub last_event_id: &'a [u8],
+    /// Offset in `raw` of the last non-whitespace byte of the data when that
+    /// byte is `}`: where a top-level key can be added to a JSON object
+    /// without re-encoding it.
+    pub closing_brace: Option<usize>,
+    /// The line break of the blank line that ended the event.
+    pub line_ending: LineEnding,
+}
+
+/// Incremental SSE decoder; see the module docs.
+#[derive(Debug, Default)]
+pub struct SseDecoder {
+    /// Input not yet handed out, starting at the current block.
+    buf: Vec<u8>,
+    /// Bytes at the front of `buf` that belong to the block handed out last;
+    /// dropped at the next call (the block borrowed them).
+    consumed: usize,
+    /// Start of the next line to read, as an index into `buf`.
+    scan: usize,
+    /// Stream offset of `buf[0]`.
+    base_offset: u64,
+    /// The BOM check at stream start is done.
+    started: bool,
+    /// The last line ended with a CR at the end of the available input, so an
+    /// LF arriving next belongs to that line break.
+    skip_lf: bool,
+    /// The blank line ending the current block ended with a CR at the end of
+    /// the input: the block is complete, but an LF may still belong to it.
+    awaiting_lf: bool,
+    /// No more input will come.
+    eof: bool,
+    data: Vec<u8>,
+    has_data: bool,
+    event_type: Vec<u8>,
+    last_event_id: Vec<u8>,
+    /// Index in `buf` of the last non-whitespace data byte, if any.
+    data_last_byte: Option<usize>,
+    events: u64,
+}
+
+impl SseDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds input. Call [`next_block`](Self::next_block) until it returns
+    /// `None` afterwards.
+    pub fn push(&mut self, input: &[u8]) {
+        self.compact();
+        self.buf.extend_from_slice(input);
+    }
+
+    /// Marks the end of input: the next calls hand out whatever is left.
+    pub fn finish(&mut self) {
+        self.eof = true;
+    }
+
+    /// Number of events dispatched so far.
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
+    /// Stream offset of the first byte not yet handed out.
+    pub fn offset(&self) -> u64 {
+        self.base_offset + self.consumed as u64
+    }
+
+    /// The next complete block, or `None` when more input is needed (or,
+    /// after [`finish`](Self::finish), when everything has been handed out).
+    pub fn next_block(&mut self) -> Option<SseBlock<'_>> {
+        self.compact();
+        if !self.started {
+            let n = self.buf.len().min(BOM.len());
+            if self.buf[..n] != BOM[..n] {
+                self.started = true;
+            } else if n == BOM.len() {
+                self.started = true;
+                self.scan = BOM.len();
+            } else if self.eof {
+                self.started = true;
+            } else {
+                return None;
+            }
+        }
+        loop {
+            if self.awaiting_lf {
+                match self.buf.get(self.scan) {
+                    Some(b'\n') => {
+                        self.scan += 1;
+                        return Some(self.dispatch(LineEnding::CrLf));
+                    }
+                    Some(_) => return Some(self.dispatch(LineEnding::Cr)),
+                    None if self.eof => return Some(self.dispatch(LineEnding::Cr)),
+                    None => return None,
+                }
+            }
+            if self.skip_lf {
+                match self.buf.get(self.scan) {
+                    Some(b'\n') => self.scan += 1,
+                    Some(_) => {}
+                    None if self.eof => {}
+                    None => return None,
+                }
+                self.skip_lf = false;
+            }
+            let rest = &self.buf[self.scan..];
+            let Some(len) = memchr2(b'\r', b'\n', rest) else {
+                return self.unterminated_tail();
+            };
+            let line_start = self.scan;
+            let line_end = self.scan + len;
+            let mut next = line_end + 1;
+            let mut ending = LineEnding::Lf;
+            let mut cr_at_end = false;
+            if self.buf[line_end] == b'\r' {
+                ending = LineEnding::Cr;
+                match self.buf.get(next) {
+                    Some(b'\n') => {
+                        next += 1;
+                        ending = LineEnding::CrLf;
+                    }
+                    Some(_) => {}
+                    None => cr_at_end = true,
+                }
+            }
+            self.scan = next;
+            if line_start == line_end {
+                if cr_at_end && !self.eof {
+                    self.awaiting_lf = true;
+                    continue;
+                }
+                return Some(self.dispatch(ending));
+            }
+            self.skip_lf = cr_at_end;
+            self.field(line_start, line_end);
+        }
+    }
+
+    /// Interprets one non-empty line `buf[start..end]`.
+    fn field(&mut self, start: usize, end: usize) {
+        let line = &self.buf[start..end];
+        if line[0] == b':' {
+            return;
+        }
+        let (name, value_start) = match memchr::memchr(b':', line) {
+            Some(colon) => {
+                let mut v = start + colon + 1;
+                if self.buf.get(v) == Some(&b' ') && v < end {
+                    v += 1;
+                }
+                (&line[..colon], v)
+            }
+            None => (line, end),
+        };
+        let value = &self.buf[value_start..end];
+        match name {
+            b"data" => {
+                if self.has_data {
+                    self.data.push(b'\n');
+                }
+                self.has_data = true;
+                self.data.extend_from_slice(value);
+                if let Some(i) = value.iter().rposition(|b| !matches!(b, b' ' | b'\t')) {
+                    self.data_last_byte = Some(value_start + i);
+                }
+            }
+            b"event" => {
+                self.event_type.clear();
+                self.event_type.extend_from_slice(value);
+            }
+            b"id" if !value.contains(&0) => {
+                self.last_event_id.clear();
+                self.last_event_id.extend_from_slice(value);
+            }
+            // `retry` and unknown fields change nothing we track.
+            _ => {}
+        }
+    }
+
+    /// Hands out `buf[..scan]` as a block ended by a blank line.
+    fn dispatch(&mut self, line_ending: LineEnding) -> SseBlock<'_> {
+        let end = self.scan;
+        self.consumed = end;
+        self.awaiting_lf = false;
+        let offset = self.base_offset;
+        let kind = if self.has_data {
+            self.events += 1;
+            let closing_brace = self.data_last_byte.filter(|&i| self.buf[i] == b'}');
+            SseBlockKind::Event(SseEvent {
+                number: self.events,
+                event_type: &self.event_type,
+                data: &self.data,
+                last_event_id: &self.last_event_id,
+                closing_brace,
+                line_ending,
+            })
+        } else {
+            SseBlockKind::NoData
+        };
+        // The event's fields are reset on the next call, in `compact`, once
+        // the block no longer borrows them.
+        SseBlock {
+            raw: &self.buf[..end],
+            offset,
+            kind,
+        }
+    }
+
+    /// At end of input, the bytes after the last blank line.
+    fn unterminated_tail(&mut self) -> Option<SseBlock<'_>> {
+        if !self.eof || self.buf.is_empty() {
+            return None;
+        }
+        let has_data = self.has_data;
+        self.has_data = false;
+        self.scan = self.buf.len();
+        self.consumed = self.buf.len();
+        Some(SseBlock {
+            raw: &self.buf,
+            offset: self.base_offset,
+            kind: SseBlockKind::Unterminated {
+                has_data,
+                number: self.events + 1,
+            },
+        })
+    }
+
+    /// Drops the block handed out last and resets the per-event fields.
+    fn compact(&mut self) {
+        if self.consumed == 0 {
+            return;
+        }
+        let n = self.consumed;
+        self.buf.drain(..n);
+        self.base_offset += n as u64;
+        self.scan -= n;
+        self.consumed = 0;
+        self.data.clear();
+        self.has_data = false;
+        self.event_type.clear();
+        self.data_last_byte = None;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,168 @@
+use super::*;
+
+/// What a block says, owned, so a test can compare whole streams.
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    Event {
+        raw: String,
+        data: String,
+        event_type: String,
+        brace: Option<usize>,
+        ending: LineEnding,
+    },
+    NoData(String),
+    Unterminated(String, bool),
+}
+
+fn feed(pieces: &[&[u8]]) -> Vec<Seen> {
+    let mut decoder = SseDecoder::new();
+    let mut seen = Vec::new();
+    let mut drain = |decoder: &mut SseDecoder, seen: &mut Vec<Seen>| {
+        while let Some(block) = decoder.next_block() {
+            let raw = String::from_utf8_lossy(block.raw).into_owned();
+            seen.push(match block.kind {
+                SseBlockKind::Event(e) => Seen::Event {
+                    raw,
+                    data: String::from_utf8_lossy(e.data).into_owned(),
+                    event_type: String::from_utf8_lossy(e.event_type).into_owned(),
+                    brace: e.closing_brace,
+                    ending: e.line_ending,
+                },
+                SseBlockKind::NoData => Seen::NoData(raw),
+                SseBlockKind::Unterminated { has_data, .. } => Seen::Unterminated(raw, has_data),
+            });
+        }
+    };
+    for piece in pieces {
+        decoder.push(piece);
+        drain(&mut decoder, &mut seen);
+    }
+    decoder.finish();
+    drain(&mut decoder, &mut seen);
+    seen
+}
+
+fn event(raw: &str, data: &str, brace: Option<usize>, ending: LineEnding) -> Seen {
+    Seen::Event {
+        raw: raw.into(),
+        data: data.into(),
+        event_type: String::new(),
+        brace,
+        ending,
+    }
+}
+
+fn bytewise(input: &[u8]) -> Vec<Seen> {
+    let pieces: Vec<&[u8]> = input.chunks(1).collect();
+    feed(&pieces)
+}
+
+#[test]
+fn events_end_at_blank_lines_and_keep_their_raw_bytes() {
+    let input = b"data: {\"a\":1}\n\ndata: [DONE]\n\n";
+    let expected = vec![
+        event("data: {\"a\":1}\n\n", "{\"a\":1}", Some(12), LineEnding::Lf),
+        event("data: [DONE]\n\n", "[DONE]", None, LineEnding::Lf),
+    ];
+    assert_eq!(feed(&[input]), expected);
+    assert_eq!(bytewise(input), expected);
+}
+
+#[test]
+fn crlf_split_across_pieces_is_one_line_break() {
+    let expected = vec![event("data: x\r\n\r\n", "x", None, LineEnding::CrLf)];
+    assert_eq!(feed(&[b"data: x\r", b"\n\r", b"\n"]), expected);
+    assert_eq!(feed(&[b"data: x\r\n\r", b"\n"]), expected);
+    assert_eq!(bytewise(b"data: x\r\n\r\n"), expected);
+}
+
+#[test]
+fn cr_alone_ends_lines() {
+    let expected = vec![
+        event("data: a\r\r", "a", None, LineEnding::Cr),
+        event("data: b\r\r", "b", None, LineEnding::Cr),
+    ];
+    assert_eq!(feed(&[b"data: a\r\rdata: b\r\r"]), expected);
+    assert_eq!(bytewise(b"data: a\r\rdata: b\r\r"), expected);
+}
+
+#[test]
+fn bom_is_skipped_for_parsing_but_forwarded() {
+    let input = b"\xEF\xBB\xBFdata: x\n\n";
+    let expected = vec![event("\u{feff}data: x\n\n", "x", None, LineEnding::Lf)];
+    assert_eq!(feed(&[input]), expected);
+    assert_eq!(bytewise(input), expected);
+    // A BOM anywhere else is data.
+    let seen = feed(&[b"data: \xEF\xBB\xBFx\n\n"]);
+    assert!(matches!(&seen[0], Seen::Event { data, .. } if data == "\u{feff}x"));
+}
+
+#[test]
+fn comments_fields_and_multiline_data() {
+    let input = b": keep-alive\n\nid: 7\nretry: 100\nevent: ping\ndata:{\"a\":\ndata: 1}  \n\n";
+    let seen = feed(&[input]);
+    assert_eq!(seen[0], Seen::NoData(": keep-alive\n\n".into()));
+    let Seen::Event {
+        data,
+        event_type,
+        brace,
+        ..
+    } = &seen[1]
+    else {
+        panic!("expected an event, got {seen:?}");
+    };
+    assert_eq!(data, "{\"a\":\n1}  ");
+    assert_eq!(event_type, "ping");
+    // The brace sits on the second data line, before the trailing spaces.
+    assert_eq!(*brace, Some(input.len() - 14 - 5));
+    assert_eq!(seen.len(), 2);
+}
+
+#[test]
+fn a_line_without_colon_is_a_field_name_with_empty_value() {
+    let seen = feed(&[b"data\n\n"]);
+    assert_eq!(seen, vec![event("data\n\n", "", None, LineEnding::Lf)]);
+}
+
+#[test]
+fn only_one_space_after_the_colon_is_removed() {
+    let seen = feed(&[b"data:  x\n\n"]);
+    assert_eq!(seen, vec![event("data:  x\n\n", " x", None, LineEnding::Lf)]);
+}
+
+#[test]
+fn unterminated_last_event_is_forwarded_but_not_dispatched() {
+    let seen = feed(&[b"data: a\n\ndata: [DONE]\n"]);
+    assert_eq!(seen[1], Seen::Unterminated("data: [DONE]\n".into(), true));
+    let seen = feed(&[b"data: a\n\n: bye"]);
+    assert_eq!(seen[1], Seen::Unterminated(": bye".into(), false));
+    assert_eq!(feed(&[b""]), vec![]);
+}
+
+#[test]
+fn event_type_resets_after_each_block() {
+    let seen = feed(&[b"event: a\n\ndata: x\n\n"]);
+    assert_eq!(seen[1], event("data: x\n\n", "x", None, LineEnding::Lf));
+}
+
+#[test]
+fn utf8_split_across_pieces_is_whole_in_data() {
+    let input = "data: {\"x\":\"東😀\"}\n\n".as_bytes();
+    let seen = bytewise(input);
+    assert!(matches!(&seen[0], Seen::Event { data, .. } if data == "{\"x\":\"東😀\"}"));
+}
+
+#[test]
+fn offsets_and_numbers_count_the_whole_stream() {
+    let mut decoder = SseDecoder::new();
+    decoder.push(b": c\n\ndata: 1\n\ndata: 2\n\n");
+    let mut got = Vec::new();
+    while let Some(block) = decoder.next_block() {
+        let number = match block.kind {
+            SseBlockKind::Event(e) => e.number,
+            _ => 0,
+        };
+        got.push((block.offset, number));
+    }
+    assert_eq!(got, vec![(0, 0), (5, 1), (14, 2)]);
+}

@@ -1,0 +1,400 @@
+//! The whole synchronous pipeline of one stream: bytes → frames → chunks →
+//! progress → output bytes.
+//!
+//! [`Annotator`] is what `annotate` runs on stdin and what the proxy runs on
+//! each streamed response body: feed it input as it arrives
+//! ([`push`](Annotator::push)), then [`finish`](Annotator::finish) at end of
+//! input; it writes to a [`Sink`] and collects [`Warning`]s for the caller to
+//! print. It does no I/O and reads no clock: the caller passes `now_ms`.
+//!
+//! Guarantee: with [`OutputFormat::Sse`], every input byte reaches
+//! [`Sink::forward`] exactly once, in order; what is added goes to
+//! [`Sink::insert`]. A frame that cannot be understood is forwarded unchanged
+//! and reported once.
+
+use crate::chunk::Chunk;
+use crate::encode::inject::{self, Frame};
+use crate::encode::ndjson::{LineEncoder, LineFormat, TextField};
+use crate::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
+use crate::error::{Location, Warning, excerpt};
+use crate::framing::Framing;
+use crate::framing::ndjson::NdjsonDecoder;
+use crate::framing::sse::{SseBlockKind, SseDecoder};
+use crate::progress::{Applied, ToolCallTracker};
+use crate::providers::{self, DecoderState, FrameInfo, Provider};
+
+/// How many undecodable frames are reported one by one before the rest are
+/// only counted.
+const MAX_REPORTED: u64 = 10;
+/// Characters of a bad frame quoted in its warning.
+const EXCERPT_CHARS: usize = 80;
+
+/// What the pipeline should do; validated by the CLI or the proxy.
+#[derive(Debug, Clone, Default)]
+pub struct AnnotatorConfig {
+    pub output: OutputFormat,
+    pub inject: InjectMode,
+    /// Session id for [`OutputFormat::Messages`].
+    pub session_id: Option<String>,
+    /// The framing, when known (from a `Content-Type`); `None` sniffs it
+    /// from the first bytes.
+    pub framing: Option<Framing>,
+}
+
+enum Framer {
+    /// Waiting for the first byte that tells SSE from NDJSON.
+    Sniffing(Vec<u8>),
+    Sse(SseDecoder),
+    Ndjson(NdjsonDecoder),
+}
+
+/// The pipeline of one stream; see the module docs.
+pub struct Annotator {
+    output: OutputFormat,
+    inject: InjectMode,
+    framer: Framer,
+    decoder_state: DecoderState,
+    tracker: ToolCallTracker,
+    batch: ProgressBatch,
+    lines: LineEncoder,
+    scratch: String,
+    warnings: Vec<Warning>,
+    /// Undecodable frames so far.
+    undecodable: u64,
+    /// The `done` line(s) were written.
+    done_written: bool,
+}
+
+impl Annotator {
+    pub fn new(config: AnnotatorConfig) -> Annotator {
+        let format = match (config.output, config.session_id) {
+            (OutputFormat::Messages, session_id) => LineFormat::Messages {
+                session_id: session_id.unwrap_or_default(),
+            },
+            (OutputFormat::Sse | OutputFormat::Ndjson, _) => LineFormat::Chunks,
+        };
+        let mut annotator = Annotator {
+            output: config.output,
+            inject: config.inject,
+            framer: Framer::Sniffing(Vec::new()),
+            decoder_state: DecoderState::default(),
+            tracker: ToolCallTracker::new(),
+            batch: ProgressBatch::default(),
+            lines: LineEncoder::new(format),
+            scratch: String::new(),
+            warnings: Vec::new(),
+            undecodable: 0,
+            done_written: false,
+        };
+        if let Some(framing) = config.framing {
+            annotator.start(framing);
+        }
+        annotator
+    }
+
+    /// Feeds input; complete frames are written to `out` at once.
+    pub fn push(&mut self, input: &[u8], now_ms: u64, out: &mut impl Sink) {
+        match &mut self.framer {
+            Framer::Sniffing(seen) => {
+                seen.extend_from_slice(input);
+                let Some(framing) = Framing::sniff(seen) else {
+                    return;
+                };
+                let seen = std::mem::take(seen);
+                self.start(framing);
+                self.feed(&seen, now_ms, out);
+            }
+            Framer::Sse(_) | Framer::Ndjson(_) => self.feed(input, now_ms, out),
+        }
+    }
+
+    /// Ends the input: writes what is left, and the `done` line(s) if no
+    /// frame said the stream was over.
+    pub fn finish(&mut self, now_ms: u64, out: &mut impl Sink) {
+        if let Framer::Sniffing(seen) = &mut self.framer {
+            // Only whitespace (or nothing) came: forward it as SSE.
+            let seen = std::mem::take(seen);
+            self.start(Framing::Sse);
+            self.feed(&seen, now_ms, out);
+        }
+        match &mut self.framer {
+            Framer::Sse(d) => d.finish(),
+            Framer::Ndjson(d) => d.finish(),
+            Framer::Sniffing(_) => {}
+        }
+        self.drain(now_ms, out);
+        self.end_of_stream(out);
+        if self.undecodable > MAX_REPORTED {
+            self.warnings.push(Warning::Suppressed {
+                count: self.undecodable - MAX_REPORTED,
+            });
+        }
+    }
+
+    /// Takes the warnings collected since the last call.
+    pub fn take_warnings(&mut self) -> Vec<Warning> {
+        std::mem::take(&mut self.warnings)
+    }
+
+    /// The stream's progress state.
+    pub fn tracker(&self) -> &ToolCallTracker {
+        &self.tracker
+    }
+
+    /// The framing in use, once known.
+    pub fn framing(&self) -> Option<Framing> {
+        match self.framer {
+            Framer::Sniffing(_) => None,
+            Framer::Sse(_) => Some(Framing::Sse),
+            Framer::Ndjson(_) => Some(Framing::Ndjson),
+        }
+    }
+
+    fn start(&mut self, framing: Framing) {
+        self.framer = match framing {
+            Framing::Sse => Framer::Sse(SseDecoder::new()),
+            Framing::Ndjson => {
+                let mode = match self.inject {
+                    InjectMode::Comment => Some("comment"),
+                    InjectMode::Event => Some("event"),
+                    InjectMode::Chunk => Some("chunk"),
+                    InjectMode::Field | InjectMode::None => None,
+                };
+                if let (Some(mode), OutputFormat::Sse) = (mode, self.output) {
+                    self.warnings.push(Warning::InjectModeNotForNdjson { mode });
+                    self.inject = InjectMode::Field;
+                }
+                Framer::Ndjson(NdjsonDecoder::new())
+            }
+        };
+    }
+
+    fn feed(&mut self, input: &[u8], now_ms: u64, out: &mut impl Sink) {
+        match &mut self.framer {
+            Framer::Sse(d) => d.push(input),
+            Framer::Ndjson(d) => d.push(input),
+            Framer::Sniffing(_) => return,
+        }
+        self.drain(now_ms, out);
+    }
+
+    /// Handles every complete frame the framer holds.
+    fn drain(&mut self, now_ms: u64, out: &mut impl Sink) {
+        let Annotator {
+            output,
+            inject,
+            framer,
+            decoder_state,
+            tracker,
+            batch,
+            lines,
+            scratch,
+            warnings,
+            undecodable,
+            done_written,
+        } = self;
+        let mut frames = FrameHandler {
+            output: *output,
+            inject: *inject,
+            decoder_state,
+            tracker,
+            batch,
+            lines,
+            scratch,
+            warnings,
+            undecodable,
+            done_written,
+        };
+        match framer {
+            Framer::Sniffing(_) => {}
+            Framer::Sse(decoder) => {
+                while let Some(block) = decoder.next_block() {
+                    match block.kind {
+                        SseBlockKind::Event(event) => {
+                            let at = Location {
+                                unit: "SSE event",
+                                number: event.number,
+                                offset: block.offset,
+                            };
+                            // Only default-type events are chunks; named
+                            // events (ours, or a provider's) are forwarded.
+                            let data = matches!(event.event_type, b"" | b"message")
+                                .then_some(event.data);
+                            frames.handle(
+                                Provider::OpenAiChat,
+                                data,
+                                block.raw,
+                                event.closing_brace,
+                                event.line_ending.as_bytes(),
+                                at,
+                                now_ms,
+                                out,
+                            );
+                        }
+                        SseBlockKind::NoData => frames.forward(block.raw, out),
+                        SseBlockKind::Unterminated { has_data, number } => {
+                            if has_data {
+                                frames.warnings.push(Warning::Unterminated {
+                                    number,
+                                    offset: block.offset,
+                                });
+                            }
+                            frames.forward(block.raw, out);
+                        }
+                    }
+                }
+            }
+            Framer::Ndjson(decoder) => {
+                while let Some(line) = decoder.next_line() {
+                    let at = Location {
+                        unit: "NDJSON line",
+                        number: line.number,
+                        offset: line.offset,
+                    };
+                    let data = (!line.is_blank()).then_some(line.content);
+                    frames.handle(
+                        Provider::OllamaChat,
+                        data,
+                        line.raw,
+                        line.closing_brace(),
+                        b"\n",
+                        at,
+                        now_ms,
+                        out,
+                    );
+                }
+            }
+        }
+    }
+
+    fn end_of_stream(&mut self, out: &mut impl Sink) {
+        self.tracker.end();
+        if !self.done_written {
+            self.done_written = true;
+            match self.output {
+                OutputFormat::Sse => {}
+                OutputFormat::Ndjson | OutputFormat::Messages => self.lines.done(out, &self.tracker),
+            }
+        }
+    }
+}
+
+/// The per-frame work, over disjoint borrows of the [`Annotator`].
+struct FrameHandler<'s> {
+    output: OutputFormat,
+    inject: InjectMode,
+    decoder_state: &'s mut DecoderState,
+    tracker: &'s mut ToolCallTracker,
+    batch: &'s mut ProgressBatch,
+    lines: &'s mut LineEncoder,
+    scratch: &'s mut String,
+    warnings: &'s mut Vec<Warning>,
+    undecodable: &'s mut u64,
+    done_written: &'s mut bool,
+}
+
+impl FrameHandler<'_> {
+    fn forward(&mut self, raw: &[u8], out: &mut impl Sink) {
+        if self.output == OutputFormat::Sse {
+            out.forward(raw);
+        }
+    }
+
+    /// Decodes one frame (`data`: its payload, or `None` when it is not a
+    /// chunk), updates the tracker and writes the output.
+    #[allow(clippy::too_many_arguments)]
+    fn handle(
+        &mut self,
+        provider: Provider,
+        data: Option<&[u8]>,
+        raw: &[u8],
+        closing_brace: Option<usize>,
+        line_ending: &'static [u8],
+        at: Location,
+        now_ms: u64,
+        out: &mut impl Sink,
+    ) {
+        self.batch.clear();
+        let decoded = match data {
+            Some(data) => self.decode(provider, data, at, now_ms, out),
+            None => Ok(FrameInfo::default()),
+        };
+        let info = match decoded {
+            Ok(info) => Some(info),
+            Err(source) => {
+                *self.undecodable += 1;
+                if *self.undecodable <= MAX_REPORTED {
+                    self.warnings.push(Warning::Undecodable {
+                        at,
+                        source,
+                        excerpt: excerpt(data.unwrap_or_default(), EXCERPT_CHARS),
+                    });
+                }
+                None
+            }
+        };
+        if self.output == OutputFormat::Sse {
+            let frame = Frame {
+                raw,
+                closing_brace,
+                line_ending,
+                info: info.as_ref(),
+            };
+            inject::write_frame(out, &frame, self.inject, self.batch, self.scratch);
+        }
+    }
+
+    fn decode<'d>(
+        &mut self,
+        provider: Provider,
+        data: &'d [u8],
+        at: Location,
+        now_ms: u64,
+        out: &mut impl Sink,
+    ) -> Result<FrameInfo<'d>, crate::providers::FrameError> {
+        let lines_out = self.output != OutputFormat::Sse;
+        let mut upstream_error = None;
+        let tracker = &mut *self.tracker;
+        let batch = &mut *self.batch;
+        let lines = &mut *self.lines;
+        let done_written = &mut *self.done_written;
+        let info = providers::decode(provider, data, self.decoder_state, &mut |chunk| {
+            if lines_out {
+                match &chunk {
+                    Chunk::Text { choice, text } => {
+                        lines.text(out, TextField::Content, *choice, text)
+                    }
+                    Chunk::Reasoning { choice, text } => {
+                        lines.text(out, TextField::Reasoning, *choice, text)
+                    }
+                    Chunk::ToolCallDelta(_)
+                    | Chunk::Finish { .. }
+                    | Chunk::Usage(_)
+                    | Chunk::Error { .. }
+                    | Chunk::Done => {}
+                }
+            }
+            if let Chunk::Error { message } = &chunk {
+                upstream_error = Some(message.clone());
+            }
+            let is_done = matches!(chunk, Chunk::Done);
+            match tracker.apply(&chunk, now_ms) {
+                Applied::Progress(p) => {
+                    batch.push(&p);
+                    if lines_out && let Some(json) = batch.last() {
+                        lines.progress(out, json);
+                    }
+                }
+                Applied::Cleared | Applied::Unchanged => {}
+            }
+            if is_done && lines_out && !*done_written {
+                *done_written = true;
+                lines.done(out, tracker);
+            }
+        })?;
+        if let Some(message) = upstream_error {
+            self.warnings.push(Warning::Upstream { at, message });
+        }
+        Ok(info)
+    }
+}

@@ -1,0 +1,395 @@
+//! Tool-call progress: the state machine of one stream (SPEC.md, "Progress
+//! state").
+//!
+//! [`ToolCallTracker`] takes the normalized [`Chunk`]s of a stream in order
+//! and keeps two things:
+//! - the assembled tool calls of each choice (id, name, arguments), for the
+//!   final `toolCalls` of the `done` chunk;
+//! - the in-progress map `(choice, index) → startedAt`, the seed's
+//!   `toolCallsProgress`, which non-empty text or reasoning, `done`, the end
+//!   or failure of the stream and a tool execution start clear.
+//!
+//! It is pure: no clock inside (callers pass `now_ms`, Unix milliseconds),
+//! no I/O, no output format. Counting is O(length of the fragment) per delta,
+//! whatever the length of the arguments so far.
+//!
+//! Read [`ToolCallTracker::apply`] first.
+
+use std::collections::BTreeMap;
+
+use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
+use crate::js::utf16_len;
+
+/// Where a stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StreamPhase {
+    /// Nothing meaningful received yet.
+    #[default]
+    Waiting,
+    Reasoning,
+    Answering,
+    CallingTools,
+    /// The provider said the stream is over, or it ended.
+    Done,
+    /// The provider reported an error.
+    Failed,
+}
+
+/// Where one tool call is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallState {
+    /// Known (id or name), no arguments yet.
+    Announced,
+    /// Arguments are arriving.
+    StreamingArgs,
+    /// Its choice finished or the stream is done.
+    Complete,
+}
+
+/// One tool call as assembled so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The provider's `tool_calls[j].index` (or the resolved one).
+    pub index: u32,
+    /// Empty until the provider sends one.
+    pub id: String,
+    /// Empty until the provider sends one.
+    pub name: String,
+    /// The arguments text, unescaped.
+    pub arguments: String,
+    /// `arguments` in UTF-16 code units (JavaScript `String.length`).
+    pub chars_accumulated: usize,
+    pub state: CallState,
+}
+
+/// One `toolCallProgress`, borrowed from the tracker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress<'a> {
+    pub choice: u32,
+    pub index: u32,
+    pub name: &'a str,
+    pub chars_accumulated: usize,
+    /// When this index entered the in-progress map, Unix milliseconds.
+    pub started_at_ms: u64,
+}
+
+/// What applying a chunk did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Applied<'a> {
+    /// A tool-call delta: the progress to report.
+    Progress(Progress<'a>),
+    /// The in-progress map was cleared (it had entries).
+    Cleared,
+    /// Nothing a progress consumer needs to know.
+    Unchanged,
+}
+
+#[derive(Debug, Default)]
+struct ChoiceCalls {
+    choice: u32,
+    /// Sorted by index.
+    calls: Vec<ToolCall>,
+    /// Index of the call the last delta went to.
+    last_touched: Option<u32>,
+}
+
+/// The progress state of one stream; see the module docs.
+#[derive(Debug, Default)]
+pub struct ToolCallTracker {
+    /// Sorted by choice.
+    choices: Vec<ChoiceCalls>,
+    /// `(choice, index) → startedAt`: the calls being generated now.
+    in_progress: BTreeMap<(u32, u32), u64>,
+    phase: StreamPhase,
+    usage: Option<Usage>,
+}
+
+impl ToolCallTracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies one chunk at time `now_ms`.
+    pub fn apply(&mut self, chunk: &Chunk<'_>, now_ms: u64) -> Applied<'_> {
+        match chunk {
+            Chunk::Text { .. } => {
+                self.phase = StreamPhase::Answering;
+                self.clear()
+            }
+            Chunk::Reasoning { .. } => {
+                self.phase = StreamPhase::Reasoning;
+                self.clear()
+            }
+            Chunk::ToolCallDelta(delta) => {
+                self.phase = StreamPhase::CallingTools;
+                Applied::Progress(self.apply_delta(delta, now_ms))
+            }
+            Chunk::Finish { choice } => {
+                if let Some(c) = self.choices.iter_mut().find(|c| c.choice == *choice) {
+                    for call in &mut c.calls {
+                        call.state = CallState::Complete;
+                    }
+                }
+                Applied::Unchanged
+            }
+            Chunk::Usage(usage) => {
+                self.usage = Some(*usage);
+                Applied::Unchanged
+            }
+            Chunk::Error { .. } => {
+                self.phase = StreamPhase::Failed;
+                self.clear()
+            }
+            Chunk::Done => self.end(),
+        }
+    }
+
+    /// The stream ended (`[DONE]`, its last byte, or `done: true`): every
+    /// call is complete and the in-progress map is cleared.
+    pub fn end(&mut self) -> Applied<'_> {
+        if self.phase != StreamPhase::Failed {
+            self.phase = StreamPhase::Done;
+        }
+        for call in self.choices.iter_mut().flat_map(|c| c.calls.iter_mut()) {
+            call.state = CallState::Complete;
+        }
+        self.clear()
+    }
+
+    /// A tool started executing (`tool:execute` with `phase: "start"`).
+    pub fn tool_execution_started(&mut self) -> Applied<'_> {
+        self.clear()
+    }
+
+    pub fn phase(&self) -> StreamPhase {
+        self.phase
+    }
+
+    /// The last usage the stream reported.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// The calls being generated now, sorted by choice then index.
+    pub fn in_progress(&self) -> impl Iterator<Item = Progress<'_>> {
+        self.in_progress.iter().filter_map(|(&(choice, index), &started)| {
+            let call = self.call(choice, index)?;
+            Some(Progress {
+                choice,
+                index,
+                name: &call.name,
+                chars_accumulated: call.chars_accumulated,
+                started_at_ms: started,
+            })
+        })
+    }
+
+    /// Every choice that has tool calls, in choice order, with its calls in
+    /// index order.
+    pub fn calls(&self) -> impl Iterator<Item = (u32, &[ToolCall])> {
+        self.choices
+            .iter()
+            .filter(|c| !c.calls.is_empty())
+            .map(|c| (c.choice, c.calls.as_slice()))
+    }
+
+    fn call(&self, choice: u32, index: u32) -> Option<&ToolCall> {
+        let c = self.choices.iter().find(|c| c.choice == choice)?;
+        let i = c.calls.binary_search_by_key(&index, |call| call.index).ok()?;
+        c.calls.get(i)
+    }
+
+    fn clear(&mut self) -> Applied<'_> {
+        if self.in_progress.is_empty() {
+            return Applied::Unchanged;
+        }
+        self.in_progress.clear();
+        Applied::Cleared
+    }
+
+    fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now_ms: u64) -> Progress<'_> {
+        let pos = match self.choices.binary_search_by_key(&delta.choice, |c| c.choice) {
+            Ok(pos) => pos,
+            Err(pos) => {
+                let calls = ChoiceCalls {
+                    choice: delta.choice,
+                    ..ChoiceCalls::default()
+                };
+                self.choices.insert(pos, calls);
+                pos
+            }
+        };
+        let choice = &mut self.choices[pos];
+        let index = resolve_index(choice, delta);
+        choice.last_touched = Some(index);
+        let slot = match choice.calls.binary_search_by_key(&index, |c| c.index) {
+            Ok(slot) => slot,
+            Err(slot) => {
+                let call = ToolCall {
+                    index,
+                    id: String::new(),
+                    name: String::new(),
+                    arguments: String::new(),
+                    chars_accumulated: 0,
+                    state: CallState::Announced,
+                };
+                choice.calls.insert(slot, call);
+                slot
+            }
+        };
+        let call = &mut choice.calls[slot];
+        // SPEC.md: a non-empty id or name replaces, never concatenates.
+        if let Some(id) = &delta.id {
+            call.id.clear();
+            call.id.push_str(id);
+        }
+        if let Some(name) = &delta.name {
+            call.name.clear();
+            call.name.push_str(name);
+        }
+        match &delta.arguments {
+            ArgumentsDelta::Unchanged => {}
+            ArgumentsDelta::Append(fragment) => {
+                call.arguments.push_str(fragment);
+                call.chars_accumulated += utf16_len(fragment);
+            }
+            ArgumentsDelta::Replace(whole) => {
+                call.arguments.clear();
+                call.arguments.push_str(whole);
+                call.chars_accumulated = utf16_len(whole);
+            }
+        }
+        if !call.arguments.is_empty() {
+            call.state = CallState::StreamingArgs;
+        }
+        let started_at_ms = *self
+            .in_progress
+            .entry((delta.choice, index))
+            .or_insert(now_ms);
+        Progress {
+            choice: delta.choice,
+            index,
+            name: &call.name,
+            chars_accumulated: call.chars_accumulated,
+            started_at_ms,
+        }
+    }
+}
+
+/// SPEC.md, "Which call a `tool_calls` entry belongs to".
+fn resolve_index(choice: &ChoiceCalls, delta: &ToolCallDelta<'_>) -> u32 {
+    if let Some(index) = delta.index {
+        return index;
+    }
+    if let Some(id) = &delta.id
+        && let Some(call) = choice.calls.iter().find(|c| c.id == *id)
+    {
+        return call.index;
+    }
+    let next = choice.calls.last().map_or(0, |c| c.index.saturating_add(1));
+    if delta.id.is_some() || delta.name.is_some() {
+        return next;
+    }
+    choice.last_touched.unwrap_or(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::borrow::Cow;
+
+    fn delta(index: Option<u32>, id: Option<&str>, name: Option<&str>, args: &str) -> Chunk<'static> {
+        Chunk::ToolCallDelta(ToolCallDelta {
+            choice: 0,
+            index,
+            id: id.map(|s| Cow::Owned(s.to_owned())),
+            name: name.map(|s| Cow::Owned(s.to_owned())),
+            arguments: ArgumentsDelta::Append(Cow::Owned(args.to_owned())),
+        })
+    }
+
+    fn progress(t: &mut ToolCallTracker, chunk: Chunk<'_>, now: u64) -> (u32, String, usize, u64) {
+        match t.apply(&chunk, now) {
+            Applied::Progress(p) => (p.index, p.name.to_owned(), p.chars_accumulated, p.started_at_ms),
+            other => panic!("expected progress, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn same_index_keeps_started_at_and_counts_utf16() {
+        let mut t = ToolCallTracker::new();
+        assert_eq!(
+            progress(&mut t, delta(Some(0), Some("c1"), Some("edit"), ""), 100),
+            (0, "edit".into(), 0, 100)
+        );
+        assert_eq!(progress(&mut t, delta(Some(0), None, None, "{\"a\":\"é😀"), 200), (0, "edit".into(), 9, 100));
+        assert_eq!(progress(&mut t, delta(Some(1), Some("c2"), Some("ls"), ""), 300), (1, "ls".into(), 0, 300));
+        let snapshot: Vec<_> = t.in_progress().map(|p| (p.index, p.started_at_ms)).collect();
+        assert_eq!(snapshot, vec![(0, 100), (1, 300)]);
+    }
+
+    #[test]
+    fn text_reasoning_done_error_and_execution_clear() {
+        let text = Chunk::Text { choice: 0, text: "hi".into() };
+        for clear in [
+            text.clone(),
+            Chunk::Reasoning { choice: 0, text: "hm".into() },
+            Chunk::Done,
+            Chunk::Error { message: "x".into() },
+        ] {
+            let mut t = ToolCallTracker::new();
+            progress(&mut t, delta(Some(0), None, Some("f"), ""), 1);
+            assert_eq!(t.apply(&clear, 2), Applied::Cleared);
+            assert_eq!(t.in_progress().count(), 0);
+            // The assembled calls survive a clear.
+            assert_eq!(t.calls().count(), 1);
+        }
+        let mut t = ToolCallTracker::new();
+        progress(&mut t, delta(Some(0), None, Some("f"), ""), 1);
+        assert_eq!(t.tool_execution_started(), Applied::Cleared);
+        assert_eq!(t.apply(&text, 3), Applied::Unchanged);
+        // After a clear, the same index starts again with a new startedAt.
+        assert_eq!(progress(&mut t, delta(Some(0), None, None, "x"), 9), (0, "f".into(), 1, 9));
+    }
+
+    #[test]
+    fn entries_without_index_resolve_by_id_then_name_then_last_touched() {
+        let mut t = ToolCallTracker::new();
+        assert_eq!(progress(&mut t, delta(None, Some("a"), Some("f"), "{"), 1).0, 0);
+        assert_eq!(progress(&mut t, delta(None, Some("b"), Some("g"), "["), 1).0, 1);
+        assert_eq!(progress(&mut t, delta(None, None, None, "]"), 1).0, 1);
+        assert_eq!(progress(&mut t, delta(None, Some("a"), None, "}"), 1).0, 0);
+        assert_eq!(progress(&mut t, delta(None, None, None, " "), 1).0, 0);
+        assert_eq!(progress(&mut t, delta(None, None, Some("h"), ""), 1).0, 2);
+        let calls: Vec<_> = t.calls().flat_map(|(_, c)| c.iter().map(|c| c.arguments.clone())).collect();
+        assert_eq!(calls, vec!["{} ", "[]", ""]);
+    }
+
+    #[test]
+    fn index_is_authoritative_and_names_replace() {
+        let mut t = ToolCallTracker::new();
+        progress(&mut t, delta(Some(0), Some("a"), Some("get"), "1"), 1);
+        progress(&mut t, delta(Some(0), Some("other"), Some("get_weather"), "2"), 1);
+        let (_, calls) = t.calls().next().expect("one choice");
+        assert_eq!(calls.len(), 1);
+        assert_eq!((calls[0].id.as_str(), calls[0].name.as_str(), calls[0].arguments.as_str()), ("other", "get_weather", "12"));
+    }
+
+    #[test]
+    fn replace_resets_the_count_and_end_completes_calls() {
+        let mut t = ToolCallTracker::new();
+        progress(&mut t, delta(Some(0), None, Some("f"), "abc"), 1);
+        let replace = Chunk::ToolCallDelta(ToolCallDelta {
+            choice: 0,
+            index: Some(0),
+            id: None,
+            name: None,
+            arguments: ArgumentsDelta::Replace("{}".into()),
+        });
+        assert_eq!(progress(&mut t, replace, 2).2, 2);
+        t.end();
+        assert_eq!(t.phase(), StreamPhase::Done);
+        let (_, calls) = t.calls().next().expect("one choice");
+        assert_eq!(calls[0].state, CallState::Complete);
+    }
+}

@@ -1,0 +1,192 @@
+//! Ollama native `/api/chat` NDJSON lines (SPEC.md, "The protocol").
+//!
+//! Each line is one object: `message.content`, `message.thinking`, and
+//! `message.tool_calls`, where every call arrives whole with its arguments as
+//! a JSON object (also on the final `done: true` line). A call becomes one
+//! [`ToolCallDelta`] whose arguments replace anything before, serialized as
+//! `JSON.stringify` would. The `done: true` line carries the usage
+//! (`prompt_eval_count`, `eval_count`) and ends the stream. `{"error": …}`
+//! lines are reported as errors.
+//!
+//! Calls are numbered by `function.index` when Ollama sends it and that index
+//! is still free in the stream, otherwise after the last call seen: every
+//! Ollama call is a distinct, complete call, so two calls must never share a
+//! number.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::openai_chat::error_message;
+use super::{ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, is_set, raw_u32, raw_u64};
+use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
+
+#[derive(Deserialize)]
+struct LineView<'a> {
+    #[serde(borrow, default)]
+    message: Option<MessageView<'a>>,
+    #[serde(default)]
+    done: Option<bool>,
+    #[serde(borrow, default)]
+    done_reason: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt_eval_count: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    eval_count: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    error: Option<&'a RawValue>,
+    #[serde(borrow, default, rename = "toolCallProgress")]
+    tool_call_progress: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct MessageView<'a> {
+    #[serde(borrow, default)]
+    content: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    thinking: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<Vec<ToolCallView<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallView<'a> {
+    #[serde(borrow, default)]
+    id: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    function: Option<FunctionView<'a>>,
+}
+
+#[derive(Deserialize)]
+struct FunctionView<'a> {
+    #[serde(borrow, default)]
+    index: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    name: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    arguments: Option<ArgumentsView<'a>>,
+}
+
+/// Decodes one NDJSON line.
+pub fn decode<'a>(
+    data: &'a str,
+    state: &mut DecoderState,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<FrameInfo<'a>, FrameError> {
+    let view: LineView<'a> = serde_json::from_str(data)?;
+    let done = view.done == Some(true);
+    let mut info = FrameInfo {
+        is_object: true,
+        already_annotated: view.tool_call_progress.is_some(),
+        finishes: done || is_set(view.done_reason),
+        ..FrameInfo::default()
+    };
+    if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
+        emit(Chunk::Error {
+            message: error_message(error),
+        });
+    }
+    if let Some(message) = view.message {
+        if let Some(text) = JsonStr::non_empty(message.thinking) {
+            emit(Chunk::Reasoning { choice: 0, text });
+        }
+        if let Some(text) = JsonStr::non_empty(message.content) {
+            emit(Chunk::Text { choice: 0, text });
+        }
+        for call in message.tool_calls.into_iter().flatten() {
+            emit(Chunk::ToolCallDelta(whole_call(call, state)));
+        }
+    }
+    if done {
+        info.has_usage = true;
+        emit(Chunk::Finish { choice: 0 });
+        emit(Chunk::Usage(Usage::new(
+            raw_u64(view.prompt_eval_count),
+            raw_u64(view.eval_count),
+            None,
+        )));
+        emit(Chunk::Done);
+    }
+    Ok(info)
+}
+
+fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallDelta<'a> {
+    let (wire_index, name, arguments) = match call.function {
+        Some(f) => (
+            raw_u32(f.index),
+            JsonStr::non_empty(f.name),
+            f.arguments.map_or(ArgumentsDelta::Unchanged, |a| a.0),
+        ),
+        None => (None, None, ArgumentsDelta::Unchanged),
+    };
+    let index = match wire_index {
+        Some(i) if i >= state.ollama_calls => i,
+        _ => state.ollama_calls,
+    };
+    state.ollama_calls = index.saturating_add(1);
+    // A whole call replaces: a string here is the complete arguments text.
+    let arguments = match arguments {
+        ArgumentsDelta::Append(text) => ArgumentsDelta::Replace(text.into_owned()),
+        other @ (ArgumentsDelta::Replace(_) | ArgumentsDelta::Unchanged) => other,
+    };
+    ToolCallDelta {
+        choice: 0,
+        index: Some(index),
+        id: JsonStr::non_empty(call.id).map(|id| Cow::Owned(id.into_owned())),
+        name,
+        arguments,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks<'a>(data: &'a str, state: &mut DecoderState) -> Vec<Chunk<'a>> {
+        let mut out = Vec::new();
+        decode(data, state, &mut |c| out.push(c)).expect("decodes");
+        out
+    }
+
+    #[test]
+    fn thinking_content_and_whole_calls() {
+        let mut state = DecoderState::default();
+        let line = r#"{"model":"m","message":{"role":"assistant","content":"","thinking":"hmm","tool_calls":[{"function":{"name":"get_weather","arguments":{"city":"東京","n":1.0}}},{"function":{"name":"b","arguments":{}}}]},"done":false}"#;
+        let out = chunks(line, &mut state);
+        assert_eq!(out[0], Chunk::Reasoning { choice: 0, text: "hmm".into() });
+        let Chunk::ToolCallDelta(first) = &out[1] else { panic!("{out:?}") };
+        assert_eq!(first.index, Some(0));
+        assert_eq!(first.arguments, ArgumentsDelta::Replace(r#"{"city":"東京","n":1}"#.into()));
+        let Chunk::ToolCallDelta(second) = &out[2] else { panic!("{out:?}") };
+        assert_eq!(second.index, Some(1));
+        assert_eq!(out.len(), 3);
+    }
+
+    #[test]
+    fn wire_indexes_that_repeat_do_not_merge_calls() {
+        let mut state = DecoderState::default();
+        let line = r#"{"message":{"tool_calls":[{"function":{"index":0,"name":"a","arguments":{}}}]},"done":false}"#;
+        let first = chunks(line, &mut state);
+        let second = chunks(line, &mut state);
+        let index = |c: &[Chunk]| match &c[0] {
+            Chunk::ToolCallDelta(d) => d.index,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((index(&first), index(&second)), (Some(0), Some(1)));
+    }
+
+    #[test]
+    fn done_line_has_usage_and_ends() {
+        let mut state = DecoderState::default();
+        let line = r#"{"message":{"role":"assistant","content":""},"done_reason":"stop","done":true,"prompt_eval_count":10,"eval_count":5}"#;
+        assert_eq!(
+            chunks(line, &mut state),
+            vec![
+                Chunk::Finish { choice: 0 },
+                Chunk::Usage(Usage { prompt_tokens: 10, completion_tokens: 5, total_tokens: 15 }),
+                Chunk::Done,
+            ]
+        );
+    }
+}

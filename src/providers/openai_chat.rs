@@ -1,0 +1,408 @@
+//! OpenAI-compatible `chat.completion.chunk` frames (SPEC.md, "Decoding
+//! rules").
+//!
+//! Reads, per choice: `delta.content` (a string, or Mistral's array of
+//! parts), `delta.reasoning_content` (DeepSeek, Qwen), `delta.reasoning`
+//! (OpenRouter, Groq), `delta.tool_calls`, `finish_reason`; at the top level
+//! `usage` (or Groq's `x_groq.usage`) and a mid-stream `error`. `[DONE]`
+//! ends the stream. Everything else in a chunk is ignored, never rejected.
+//!
+//! Index resolution for entries without `index` is not done here: the
+//! decoder reports what the provider sent and
+//! [`ToolCallTracker`](crate::progress::ToolCallTracker) resolves it.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::{ArgumentsView, FrameError, FrameInfo, JsonStr, is_set, raw_u32, raw_u64};
+use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
+
+#[derive(Deserialize)]
+struct ChunkView<'a> {
+    #[serde(borrow, default)]
+    choices: Option<Vec<ChoiceView<'a>>>,
+    #[serde(borrow, default)]
+    usage: Option<UsageView<'a>>,
+    #[serde(borrow, default)]
+    x_groq: Option<XGroqView<'a>>,
+    #[serde(borrow, default)]
+    error: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    object: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    created: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default, rename = "toolCallProgress")]
+    tool_call_progress: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceView<'a> {
+    #[serde(borrow, default)]
+    index: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    delta: Option<DeltaView<'a>>,
+    #[serde(borrow, default)]
+    finish_reason: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct DeltaView<'a> {
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    reasoning: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<Vec<ToolCallView<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallView<'a> {
+    #[serde(borrow, default)]
+    index: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    id: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    function: Option<FunctionView<'a>>,
+}
+
+#[derive(Deserialize)]
+struct FunctionView<'a> {
+    #[serde(borrow, default)]
+    name: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    arguments: Option<ArgumentsView<'a>>,
+}
+
+#[derive(Deserialize)]
+struct UsageView<'a> {
+    #[serde(borrow, default)]
+    prompt_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    total_tokens: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct XGroqView<'a> {
+    #[serde(borrow, default)]
+    usage: Option<UsageView<'a>>,
+}
+
+/// A Mistral content part: `{"type":"text","text":…}` or
+/// `{"type":"thinking","thinking":[{"type":"text","text":…}]}`.
+#[derive(Deserialize)]
+struct PartView<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    text: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    thinking: Option<&'a RawValue>,
+}
+
+impl UsageView<'_> {
+    fn usage(&self) -> Usage {
+        Usage::new(
+            raw_u64(self.prompt_tokens),
+            raw_u64(self.completion_tokens),
+            raw_u64(self.total_tokens),
+        )
+    }
+}
+
+/// Decodes one SSE event's data.
+pub fn decode<'a>(
+    data: &'a str,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<FrameInfo<'a>, FrameError> {
+    if data.trim() == "[DONE]" {
+        emit(Chunk::Done);
+        return Ok(FrameInfo::default());
+    }
+    let view: ChunkView<'a> = serde_json::from_str(data)?;
+    let mut info = FrameInfo {
+        is_object: true,
+        already_annotated: view.tool_call_progress.is_some(),
+        id: view.id,
+        object: view.object,
+        created: view.created,
+        model: view.model,
+        ..FrameInfo::default()
+    };
+    if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
+        emit(Chunk::Error {
+            message: error_message(error),
+        });
+    }
+    for choice in view.choices.into_iter().flatten() {
+        let k = raw_u32(choice.index).unwrap_or(0);
+        if let Some(delta) = choice.delta {
+            decode_delta(k, delta, emit)?;
+        }
+        if is_set(choice.finish_reason) {
+            info.finishes = true;
+            emit(Chunk::Finish { choice: k });
+        }
+    }
+    let usage = view
+        .usage
+        .or_else(|| view.x_groq.and_then(|x| x.usage))
+        .map(|u| u.usage());
+    if let Some(usage) = usage {
+        info.has_usage = true;
+        emit(Chunk::Usage(usage));
+    }
+    Ok(info)
+}
+
+fn decode_delta<'a>(
+    choice: u32,
+    delta: DeltaView<'a>,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<(), FrameError> {
+    for reasoning in [delta.reasoning_content, delta.reasoning] {
+        if let Some(text) = JsonStr::non_empty(reasoning) {
+            emit(Chunk::Reasoning { choice, text });
+        }
+    }
+    if let Some(content) = delta.content {
+        decode_content(choice, content, emit)?;
+    }
+    for call in delta.tool_calls.into_iter().flatten() {
+        let (name, arguments) = match call.function {
+            Some(f) => (
+                JsonStr::non_empty(f.name),
+                f.arguments.map_or(ArgumentsDelta::Unchanged, |a| a.0),
+            ),
+            None => (None, ArgumentsDelta::Unchanged),
+        };
+        emit(Chunk::ToolCallDelta(ToolCallDelta {
+            choice,
+            index: raw_u32(call.index),
+            id: JsonStr::non_empty(call.id),
+            name,
+            arguments,
+        }));
+    }
+    Ok(())
+}
+
+/// `delta.content`: a string, `null`, or an array of typed parts.
+fn decode_content<'a>(
+    choice: u32,
+    content: &'a RawValue,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<(), FrameError> {
+    let json = content.get();
+    if json.starts_with('"') {
+        let text: JsonStr<'a> = serde_json::from_str(json)?;
+        if !text.0.is_empty() {
+            emit(Chunk::Text {
+                choice,
+                text: text.0,
+            });
+        }
+    } else if json.starts_with('[') {
+        let parts: Vec<PartView<'a>> = serde_json::from_str(json)?;
+        for part in parts {
+            match part.kind.as_ref().map(|k| k.0.as_ref()) {
+                Some("thinking") => {
+                    if let Some(thinking) = part.thinking {
+                        decode_thinking(choice, thinking, emit)?;
+                    }
+                }
+                Some("text") | None => {
+                    if let Some(text) = JsonStr::non_empty(part.text) {
+                        emit(Chunk::Text { choice, text });
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A Mistral thinking part's `thinking`: a string or an array of text parts.
+fn decode_thinking<'a>(
+    choice: u32,
+    thinking: &'a RawValue,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<(), FrameError> {
+    let json = thinking.get();
+    if json.starts_with('"') {
+        let text: JsonStr<'a> = serde_json::from_str(json)?;
+        if let Some(text) = JsonStr::non_empty(Some(text)) {
+            emit(Chunk::Reasoning { choice, text });
+        }
+    } else if json.starts_with('[') {
+        let parts: Vec<PartView<'a>> = serde_json::from_str(json)?;
+        for text in parts.into_iter().filter_map(|p| JsonStr::non_empty(p.text)) {
+            emit(Chunk::Reasoning { choice, text });
+        }
+    }
+    Ok(())
+}
+
+/// The human part of an error value: `error.message`, or the value itself.
+pub(crate) fn error_message(error: &RawValue) -> String {
+    #[derive(Deserialize)]
+    struct ErrorView {
+        message: Option<String>,
+    }
+    if let Ok(ErrorView {
+        message: Some(message),
+    }) = serde_json::from_str(error.get())
+    {
+        return message;
+    }
+    serde_json::from_str::<String>(error.get()).unwrap_or_else(|_| error.get().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::borrow::Cow;
+
+    fn chunks(data: &str) -> Vec<Chunk<'_>> {
+        let mut out = Vec::new();
+        decode(data, &mut |c| out.push(c)).expect("decodes");
+        out
+    }
+
+    fn delta<'a>(
+        index: Option<u32>,
+        id: Option<&'a str>,
+        name: Option<&'a str>,
+        arguments: ArgumentsDelta<'a>,
+    ) -> Chunk<'a> {
+        Chunk::ToolCallDelta(ToolCallDelta {
+            choice: 0,
+            index,
+            id: id.map(Cow::Borrowed),
+            name: name.map(Cow::Borrowed),
+            arguments,
+        })
+    }
+
+    #[test]
+    fn tool_call_entries_come_out_in_list_order() {
+        let data = r#"{"choices":[{"index":0,"delta":{"content":"","tool_calls":[
+            {"index":0,"id":"call_a","type":"function","function":{"name":"f","arguments":""}},
+            {"index":1,"id":"","function":{"name":null,"arguments":"{\"x\""}}]},"finish_reason":null}]}"#;
+        assert_eq!(
+            chunks(data),
+            vec![
+                delta(Some(0), Some("call_a"), Some("f"), ArgumentsDelta::Append("".into())),
+                delta(Some(1), None, None, ArgumentsDelta::Append("{\"x\"".into())),
+            ]
+        );
+    }
+
+    #[test]
+    fn object_arguments_are_stringified_like_javascript() {
+        let data = r#"{"choices":[{"delta":{"tool_calls":[{"id":"c","function":{"name":"f","arguments":{"b":1.50,"a":[1e21]}}}]}}]}"#;
+        assert_eq!(
+            chunks(data),
+            vec![delta(
+                None,
+                Some("c"),
+                Some("f"),
+                ArgumentsDelta::Replace(r#"{"b":1.5,"a":[1e+21]}"#.into())
+            )]
+        );
+    }
+
+    #[test]
+    fn reasoning_content_and_usage() {
+        let data = r#"{"choices":[{"index":1,"delta":{"reasoning_content":"hm","content":null}}],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#;
+        assert_eq!(
+            chunks(data),
+            vec![
+                Chunk::Reasoning {
+                    choice: 1,
+                    text: "hm".into()
+                },
+                Chunk::Usage(Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 4,
+                    total_tokens: 7
+                }),
+            ]
+        );
+    }
+
+    #[test]
+    fn groq_usage_and_finish() {
+        let data = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}],"x_groq":{"id":"req","usage":{"prompt_tokens":1,"completion_tokens":2}}}"#;
+        assert_eq!(
+            chunks(data),
+            vec![
+                Chunk::Finish { choice: 0 },
+                Chunk::Usage(Usage {
+                    prompt_tokens: 1,
+                    completion_tokens: 2,
+                    total_tokens: 3
+                }),
+            ]
+        );
+    }
+
+    #[test]
+    fn mistral_content_parts() {
+        let data = r#"{"choices":[{"delta":{"content":[{"type":"thinking","thinking":[{"type":"text","text":"why"}]},{"type":"text","text":"so"}]}}]}"#;
+        assert_eq!(
+            chunks(data),
+            vec![
+                Chunk::Reasoning {
+                    choice: 0,
+                    text: "why".into()
+                },
+                Chunk::Text {
+                    choice: 0,
+                    text: "so".into()
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn done_error_and_non_index_values() {
+        assert_eq!(chunks("[DONE]"), vec![Chunk::Done]);
+        assert_eq!(
+            chunks(r#"{"error":{"message":"overloaded","type":"server_error"}}"#),
+            vec![Chunk::Error {
+                message: "overloaded".into()
+            }]
+        );
+        let data = r#"{"choices":[{"delta":{"tool_calls":[{"index":"0","function":{"arguments":null}}]}}]}"#;
+        assert_eq!(chunks(data), vec![delta(None, None, None, ArgumentsDelta::Unchanged)]);
+    }
+
+    #[test]
+    fn escaped_strings_are_unescaped_and_plain_ones_borrowed() {
+        let data = r#"{"choices":[{"delta":{"content":"a\"b","tool_calls":[{"index":0,"function":{"arguments":"plain"}}]}}]}"#;
+        let out = chunks(data);
+        assert_eq!(out[0], Chunk::Text { choice: 0, text: "a\"b".into() });
+        let Chunk::ToolCallDelta(d) = &out[1] else { panic!("{out:?}") };
+        assert!(matches!(d.arguments, ArgumentsDelta::Append(Cow::Borrowed("plain"))));
+    }
+
+    #[test]
+    fn shapes_that_are_not_chunks_are_errors_not_panics() {
+        let mut sink = |_c: Chunk<'_>| {};
+        assert!(matches!(decode("{bad", &mut sink), Err(FrameError::InvalidJson(_))));
+        assert!(matches!(decode("[1]", &mut sink), Err(FrameError::UnexpectedShape(_))));
+        assert!(matches!(
+            decode(r#"{"choices":"x"}"#, &mut sink),
+            Err(FrameError::UnexpectedShape(_))
+        ));
+    }
+}
