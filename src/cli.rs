@@ -29,7 +29,7 @@ pub struct Cli {
 const EXIT_STATUS: &str = "\
 Exit status:
   0    success, also when stdout is closed early (e.g. `| head -1`)
-  1    the input could not be read or the output written
+  1    the input could not be opened or read, or the output written
   2    usage error: unknown flag, bad value, missing argument
   130  interrupted (SIGINT)";
 
