@@ -375,7 +375,7 @@ impl FrameHandler<'_> {
                 }
             }
             if let Chunk::Error { message } = &chunk {
-                upstream_error = Some(message.clone());
+                upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));
             }
             let is_done = matches!(chunk, Chunk::Done);
             match tracker.apply(&chunk, now_ms) {

@@ -63,9 +63,9 @@ pub enum SseBlockKind<'a> {
     /// keep-alives, stray blank lines): nothing is dispatched.
     NoData,
     /// The input ended before the blank line that would end this block.
-    /// Per WHATWG nothing is dispatched; `has_data` says whether `data`
-    /// lines were lost to that rule; `number` is the number the event would
-    /// have had.
+    /// Per WHATWG nothing is dispatched; `has_data` says whether fields
+    /// (complete `data` lines, or a last line cut off mid-way) were lost to
+    /// that rule; `number` is the number the event would have had.
     Unterminated { has_data: bool, number: u64 },
 }
 
@@ -292,7 +292,10 @@ impl SseDecoder {
         if !self.eof || self.buf.is_empty() {
             return None;
         }
-        let has_data = self.has_data;
+        // A last line cut off before its line break counts too, unless it
+        // is a comment: `data: {…}` at EOF is data lost to the rule.
+        let partial = &self.buf[self.scan..];
+        let has_data = self.has_data || partial.first().is_some_and(|b| *b != b':');
         self.has_data = false;
         self.scan = self.buf.len();
         self.consumed = self.buf.len();

@@ -167,10 +167,11 @@ fn decode_delta<'a>(
     delta: DeltaView<'a>,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<(), FrameError> {
-    for reasoning in [delta.reasoning_content, delta.reasoning] {
-        if let Some(text) = JsonStr::non_empty(reasoning) {
-            emit(Chunk::Reasoning { choice, text });
-        }
+    // Some servers (newer vLLM) send the same text as both fields.
+    let reasoning = JsonStr::non_empty(delta.reasoning_content)
+        .or_else(|| JsonStr::non_empty(delta.reasoning));
+    if let Some(text) = reasoning {
+        emit(Chunk::Reasoning { choice, text });
     }
     if let Some(content) = delta.content {
         decode_content(choice, content, emit)?;

@@ -134,6 +134,9 @@ fn only_one_space_after_the_colon_is_removed() {
 fn unterminated_last_event_is_forwarded_but_not_dispatched() {
     let seen = feed(&[b"data: a\n\ndata: [DONE]\n"]);
     assert_eq!(seen[1], Seen::Unterminated("data: [DONE]\n".into(), true));
+    // A data line cut off by the end of input is data lost too.
+    let seen = feed(&[b"data: a\n\ndata: {\"x\":1}"]);
+    assert_eq!(seen[1], Seen::Unterminated("data: {\"x\":1}".into(), true));
     let seen = feed(&[b"data: a\n\n: bye"]);
     assert_eq!(seen[1], Seen::Unterminated(": bye".into(), false));
     assert_eq!(feed(&[b""]), vec![]);

@@ -1,0 +1,145 @@
+//! Shared test helpers: running the pipeline on fixtures in any chunking,
+//! and the base command for CLI tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use aalis_proxy::encode::{InjectMode, OutputFormat, Sink};
+use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+
+/// A fixed clock: nothing in the output depends on time.
+pub const NOW_MS: u64 = 1_767_225_600_000;
+
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// Every fixture, as (path relative to `fixtures/`, bytes), sorted.
+pub fn fixtures() -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let root = fixtures_dir();
+    let mut dirs = vec![root.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("fixtures dir") {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if matches!(
+                path.extension().and_then(|e| e.to_str()),
+                Some("sse" | "ndjson")
+            ) {
+                let rel = path
+                    .strip_prefix(&root)
+                    .expect("under fixtures")
+                    .to_string_lossy()
+                    .replace('\\', "/");
+                out.push((rel, std::fs::read(&path).expect("read fixture")));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Every output configuration `annotate` has.
+pub fn all_configs() -> Vec<(&'static str, AnnotatorConfig)> {
+    let sse = |inject| AnnotatorConfig {
+        output: OutputFormat::Sse,
+        inject,
+        ..AnnotatorConfig::default()
+    };
+    vec![
+        ("field", sse(InjectMode::Field)),
+        ("comment", sse(InjectMode::Comment)),
+        ("event", sse(InjectMode::Event)),
+        ("chunk", sse(InjectMode::Chunk)),
+        ("none", sse(InjectMode::None)),
+        (
+            "ndjson",
+            AnnotatorConfig {
+                output: OutputFormat::Ndjson,
+                ..AnnotatorConfig::default()
+            },
+        ),
+        (
+            "messages",
+            AnnotatorConfig {
+                output: OutputFormat::Messages,
+                session_id: Some("s1".into()),
+                ..AnnotatorConfig::default()
+            },
+        ),
+    ]
+}
+
+/// What a run produced, with forwarded and inserted bytes told apart.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Run {
+    /// Everything written, in order.
+    pub output: Vec<u8>,
+    /// Only the forwarded input bytes.
+    pub forwarded: Vec<u8>,
+    /// Each insertion: (offset in the input where it was inserted, bytes).
+    pub inserted: Vec<(usize, Vec<u8>)>,
+    pub warnings: Vec<String>,
+}
+
+impl Sink for Run {
+    fn forward(&mut self, bytes: &[u8]) {
+        self.output.extend_from_slice(bytes);
+        self.forwarded.extend_from_slice(bytes);
+    }
+    fn insert(&mut self, bytes: &[u8]) {
+        self.output.extend_from_slice(bytes);
+        // Adjacent insertions (one per line of NDJSON output) are merged.
+        match self.inserted.last_mut() {
+            Some((at, b)) if *at == self.forwarded.len() => b.extend_from_slice(bytes),
+            _ => self.inserted.push((self.forwarded.len(), bytes.to_vec())),
+        }
+    }
+}
+
+/// Runs the pipeline on `pieces` in order.
+pub fn run_pieces<'a>(config: &AnnotatorConfig, pieces: impl IntoIterator<Item = &'a [u8]>) -> Run {
+    let mut annotator = Annotator::new(config.clone());
+    let mut run = Run::default();
+    for piece in pieces {
+        annotator.push(piece, NOW_MS, &mut run);
+        run.warnings
+            .extend(annotator.take_warnings().iter().map(ToString::to_string));
+    }
+    annotator.finish(NOW_MS, &mut run);
+    run.warnings
+        .extend(annotator.take_warnings().iter().map(ToString::to_string));
+    run
+}
+
+/// Runs the pipeline on the whole input at once.
+pub fn run_whole(config: &AnnotatorConfig, input: &[u8]) -> Run {
+    run_pieces(config, [input])
+}
+
+/// Runs the pipeline one byte at a time.
+pub fn run_bytewise(config: &AnnotatorConfig, input: &[u8]) -> Run {
+    run_pieces(config, input.chunks(1))
+}
+
+/// Runs the pipeline with a cut after every CR and LF.
+pub fn run_split_at_line_breaks(config: &AnnotatorConfig, input: &[u8]) -> Run {
+    run_pieces(config, input.split_inclusive(|b| *b == b'\r' || *b == b'\n'))
+}
+
+/// Runs the pipeline with the input cut at `cuts` (sorted or not).
+pub fn run_cut_at(config: &AnnotatorConfig, input: &[u8], cuts: &[usize]) -> Run {
+    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    for cut in cuts {
+        pieces.push(&input[start..cut]);
+        start = cut;
+    }
+    pieces.push(&input[start..]);
+    run_pieces(config, pieces)
+}

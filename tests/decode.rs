@@ -1,0 +1,263 @@
+//! The pipeline on every fixture: snapshots per output format, chunking
+//! invariance, the never-lose-a-byte guarantee, and agreement with the
+//! independent JavaScript oracle (`fixtures/oracle.mjs` →
+//! `fixtures/expected.json`).
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use aalis_proxy::encode::{InjectMode, OutputFormat};
+use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
+use aalis_proxy::pipeline::AnnotatorConfig;
+use common::*;
+use serde_json::{Value, json};
+
+fn config(output: OutputFormat, inject: InjectMode) -> AnnotatorConfig {
+    AnnotatorConfig {
+        output,
+        inject,
+        session_id: Some("s1".into()),
+        framing: None,
+    }
+}
+
+/// A run as a person reads it: for the passthrough, only what was inserted
+/// and where (the rest is the input, asserted separately); for line formats,
+/// the lines; then the warnings.
+fn render(run: &Run, passthrough: bool) -> String {
+    let mut out = String::new();
+    if passthrough {
+        for (at, bytes) in &run.inserted {
+            // Line breaks shown as escapes, so CRLF is visible.
+            let text = String::from_utf8_lossy(bytes).replace('\r', "\\r").replace('\n', "\\n");
+            out.push_str(&format!("@{at} +{text}\n"));
+        }
+    } else {
+        out.push_str(&String::from_utf8_lossy(&run.output));
+    }
+    if !run.warnings.is_empty() {
+        out.push_str("--- stderr\n");
+        for w in &run.warnings {
+            out.push_str(w);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[test]
+fn fixture_snapshots() {
+    insta::glob!("../fixtures", "**/*.{sse,ndjson}", |path| {
+        let input = std::fs::read(path).expect("read fixture");
+        let sse = run_whole(&config(OutputFormat::Sse, InjectMode::Field), &input);
+        insta::assert_snapshot!("sse_field", render(&sse, true));
+        let ndjson = run_whole(&config(OutputFormat::Ndjson, InjectMode::Field), &input);
+        insta::assert_snapshot!("ndjson", render(&ndjson, false));
+        let messages = run_whole(&config(OutputFormat::Messages, InjectMode::Field), &input);
+        insta::assert_snapshot!("messages", render(&messages, false));
+    });
+}
+
+/// The other inject modes, whole output, on fixtures that exercise them:
+/// several calls in one delta, CRLF line endings, and a usage chunk (where
+/// `chunk` must not inject after the finish or usage chunk).
+#[test]
+fn inject_mode_snapshots() {
+    for fixture in [
+        "openai/several_calls_one_delta.sse",
+        "malformed/crlf_line_endings.sse",
+        "openai/n2_choices.sse",
+    ] {
+        let input = std::fs::read(fixtures_dir().join(fixture)).expect("read fixture");
+        for (name, mode) in [
+            ("comment", InjectMode::Comment),
+            ("event", InjectMode::Event),
+            ("chunk", InjectMode::Chunk),
+        ] {
+            let run = run_whole(&config(OutputFormat::Sse, mode), &input);
+            let snapshot = format!("{}__{name}", fixture.replace(['/', '.'], "_"));
+            insta::assert_snapshot!(snapshot, render(&run, true));
+        }
+    }
+}
+
+/// A small deterministic generator for cut points (no dependency needed).
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn output_does_not_depend_on_how_input_is_cut() {
+    let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
+    for (name, input) in fixtures() {
+        for (mode, config) in all_configs() {
+            let whole = run_whole(&config, &input);
+            assert!(!whole.output.is_empty(), "{name} [{mode}] wrote nothing");
+            assert_eq!(run_bytewise(&config, &input), whole, "{name} [{mode}] byte by byte");
+            assert_eq!(
+                run_split_at_line_breaks(&config, &input),
+                whole,
+                "{name} [{mode}] split at every CR and LF"
+            );
+            for _ in 0..20 {
+                let n = (rng.next() % 8) as usize;
+                let cuts: Vec<usize> = (0..n).map(|_| rng.next() as usize).collect();
+                assert_eq!(
+                    run_cut_at(&config, &input, &cuts),
+                    whole,
+                    "{name} [{mode}] cut at {cuts:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_input_byte_is_forwarded_once_in_order() {
+    for (name, input) in fixtures() {
+        for (mode, config) in all_configs() {
+            let run = run_whole(&config, &input);
+            match config.output {
+                OutputFormat::Sse => assert_eq!(run.forwarded, input, "{name} [{mode}]"),
+                OutputFormat::Ndjson | OutputFormat::Messages => {
+                    assert!(run.forwarded.is_empty(), "{name} [{mode}] forwards nothing")
+                }
+            }
+            if config.inject == InjectMode::None && config.output == OutputFormat::Sse {
+                assert_eq!(run.output, input, "{name} [none] is the identity");
+            }
+        }
+    }
+}
+
+/// In `field` mode, every event whose JSON we changed is still valid JSON
+/// and differs from the original only by the added keys.
+#[test]
+fn field_injection_keeps_json_valid() {
+    for (name, input) in fixtures() {
+        let run = run_whole(&config(OutputFormat::Sse, InjectMode::Field), &input);
+        for (at, bytes) in &run.inserted {
+            // The insertion sits just before a closing brace of the input.
+            assert_eq!(input[*at], b'}', "{name}: insertion at {at} is not before a brace");
+        }
+        // Read the output back with the crate's own WHATWG decoder.
+        let mut decoder = SseDecoder::new();
+        decoder.push(&run.output);
+        decoder.finish();
+        while let Some(block) = decoder.next_block() {
+            let SseBlockKind::Event(event) = block.kind else { continue };
+            let data = String::from_utf8_lossy(event.data);
+            if !data.contains("toolCallProgress") {
+                continue;
+            }
+            let value: Value = serde_json::from_str(&data).unwrap_or_else(|e| {
+                panic!("{name}: injected event is not JSON ({e}): {data}")
+            });
+            let progress = &value["toolCallProgress"];
+            assert!(progress["index"].is_u64() && progress["charsAccumulated"].is_u64(), "{name}: {data}");
+            if let Some(all) = value.get("toolCallsProgress") {
+                assert_eq!(all.as_array().and_then(|a| a.last()), Some(progress), "{name}");
+            }
+        }
+    }
+}
+
+/// What the oracle says for one fixture, rebuilt from our `ndjson` lines.
+fn observed(output: &[u8]) -> Value {
+    let mut progress = Vec::new();
+    let mut choices: BTreeMap<u64, (String, String, Vec<Value>)> = BTreeMap::new();
+    let mut usage = Value::Null;
+    let mut done_lines = 0;
+    for line in String::from_utf8_lossy(output).lines() {
+        let v: Value = serde_json::from_str(line).expect("every ndjson line is JSON");
+        let choice = v["choice"].as_u64().unwrap_or(0);
+        if let Some(p) = v.get("toolCallProgress") {
+            progress.push(json!({
+                "choice": p["choice"].as_u64().unwrap_or(0),
+                "index": p["index"],
+                "name": p["name"],
+                "charsAccumulated": p["charsAccumulated"],
+            }));
+        }
+        if let Some(t) = v["contentDelta"].as_str() {
+            choices.entry(choice).or_default().0.push_str(t);
+        }
+        if let Some(t) = v["reasoningDelta"].as_str() {
+            choices.entry(choice).or_default().1.push_str(t);
+        }
+        if v["done"] == json!(true) {
+            done_lines += 1;
+            if let Some(u) = v.get("usage") {
+                assert!(usage.is_null(), "usage appears once");
+                usage = u.clone();
+            }
+            for call in v["toolCalls"].as_array().into_iter().flatten() {
+                choices.entry(choice).or_default().2.push(call.clone());
+            }
+        }
+    }
+    assert!(done_lines >= 1, "a done line is always written");
+    json!({
+        "progress": progress,
+        "usage": usage,
+        "choices": choices.into_iter().map(|(k, (content, reasoning, calls))| json!({
+            "choice": k, "content": content, "reasoning": reasoning,
+            "toolCalls": calls.iter().map(|c| json!({
+                "id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+#[test]
+fn agrees_with_the_javascript_oracle() {
+    let expected: BTreeMap<String, Value> = serde_json::from_slice(
+        &std::fs::read(fixtures_dir().join("expected.json")).expect("read expected.json"),
+    )
+    .expect("expected.json is JSON");
+    let fixtures = fixtures();
+    assert_eq!(
+        fixtures.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+        expected.keys().cloned().collect::<Vec<_>>(),
+        "expected.json covers every fixture (regenerate with `node fixtures/oracle.mjs`)"
+    );
+    for (name, input) in fixtures {
+        let run = run_whole(&config(OutputFormat::Ndjson, InjectMode::Field), &input);
+        let got = observed(&run.output);
+        let want = &expected[&name];
+        assert_eq!(got["progress"], want["progress"], "{name}: progress");
+        assert_eq!(got["usage"], want["usage"], "{name}: usage");
+        let want_choices: Vec<Value> = want["choices"]
+            .as_array()
+            .expect("choices")
+            .iter()
+            .map(|c| json!({
+                "choice": c["choice"], "content": c["content"], "reasoning": c["reasoning"],
+                "toolCalls": c["toolCalls"].as_array().expect("toolCalls").iter().map(|t| json!({
+                    "id": t["id"], "name": t["name"], "arguments": t["arguments"],
+                })).collect::<Vec<_>>(),
+            }))
+            .collect();
+        assert_eq!(got["choices"], json!(want_choices), "{name}: choices");
+        // The final charsAccumulated of each call is the JavaScript length
+        // of its assembled arguments.
+        for c in want["choices"].as_array().expect("choices") {
+            for t in c["toolCalls"].as_array().expect("toolCalls") {
+                let args = t["arguments"].as_str().expect("arguments string");
+                assert_eq!(
+                    t["charsAccumulated"].as_u64(),
+                    Some(aalis_proxy::js::utf16_len(args) as u64),
+                    "{name}: oracle and utf16_len agree"
+                );
+            }
+        }
+    }
+}
