@@ -102,7 +102,10 @@ mod tests {
     #[test]
     fn excerpts_are_cut_and_neutralized() {
         assert_eq!(excerpt(b"{\"a\":1}", 80), "{\"a\":1}");
-        assert_eq!(excerpt("ab\x1b[2Jc\u{202E}d".as_bytes(), 80), "ab\\u{1b}[2Jc\\u{202e}d");
+        assert_eq!(
+            excerpt("ab\x1b[2Jc\u{202E}d".as_bytes(), 80),
+            "ab\\u{1b}[2Jc\\u{202e}d"
+        );
         assert_eq!(excerpt("東京東京".as_bytes(), 2), "東京…");
         assert_eq!(excerpt(b"\xff\xfe", 5), "\u{fffd}\u{fffd}");
     }

@@ -10,7 +10,7 @@
 //! a [`serde_json::Value`] (parsed with `preserve_order`, so keys keep their
 //! wire order).
 //!
-//! Read [`stringify`] first.
+//! Read [`stringify()`] first.
 
 use serde_json::Value;
 
@@ -196,7 +196,7 @@ fn push_f64(x: f64, out: &mut String) {
             out.push_str(&digits[1..]);
         }
         out.push('e');
-        out.push(if n - 1 >= 0 { '+' } else { '-' });
+        out.push(if n > 0 { '+' } else { '-' });
         out.push_str(&(n - 1).abs().to_string());
     }
 }
@@ -263,6 +263,9 @@ mod tests {
             js(r#"["a\"b\\c/d\n\u0001\u007f\u00e9\ud83d\ude00"]"#),
             "[\"a\\\"b\\\\c/d\\n\\u0001\u{7f}é😀\"]"
         );
-        assert_eq!(js(r#"{"x":[true,false,null,{}],"y":[]}"#), r#"{"x":[true,false,null,{}],"y":[]}"#);
+        assert_eq!(
+            js(r#"{"x":[true,false,null,{}],"y":[]}"#),
+            r#"{"x":[true,false,null,{}],"y":[]}"#
+        );
     }
 }

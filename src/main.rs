@@ -35,9 +35,9 @@ fn main() -> ExitCode {
 
 fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     let mut input: Box<dyn Read> = match args.input_path() {
-        Some(path) => Box::new(
-            File::open(path).with_context(|| format!("cannot open {}", path.display()))?,
-        ),
+        Some(path) => {
+            Box::new(File::open(path).with_context(|| format!("cannot open {}", path.display()))?)
+        }
         None => Box::new(io::stdin().lock()),
     };
     let mut stdout = io::stdout().lock();

@@ -218,8 +218,8 @@ impl Annotator {
                             };
                             // Only default-type events are chunks; named
                             // events (ours, or a provider's) are forwarded.
-                            let data = matches!(event.event_type, b"" | b"message")
-                                .then_some(event.data);
+                            let data =
+                                matches!(event.event_type, b"" | b"message").then_some(event.data);
                             frames.handle(
                                 Provider::OpenAiChat,
                                 data,
@@ -273,7 +273,9 @@ impl Annotator {
             self.done_written = true;
             match self.output {
                 OutputFormat::Sse => {}
-                OutputFormat::Ndjson | OutputFormat::Messages => self.lines.done(out, &self.tracker),
+                OutputFormat::Ndjson | OutputFormat::Messages => {
+                    self.lines.done(out, &self.tracker)
+                }
             }
         }
     }

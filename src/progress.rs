@@ -172,16 +172,18 @@ impl ToolCallTracker {
 
     /// The calls being generated now, sorted by choice then index.
     pub fn in_progress(&self) -> impl Iterator<Item = Progress<'_>> {
-        self.in_progress.iter().filter_map(|(&(choice, index), &started)| {
-            let call = self.call(choice, index)?;
-            Some(Progress {
-                choice,
-                index,
-                name: &call.name,
-                chars_accumulated: call.chars_accumulated,
-                started_at_ms: started,
+        self.in_progress
+            .iter()
+            .filter_map(|(&(choice, index), &started)| {
+                let call = self.call(choice, index)?;
+                Some(Progress {
+                    choice,
+                    index,
+                    name: &call.name,
+                    chars_accumulated: call.chars_accumulated,
+                    started_at_ms: started,
+                })
             })
-        })
     }
 
     /// Every choice that has tool calls, in choice order, with its calls in
@@ -195,7 +197,10 @@ impl ToolCallTracker {
 
     fn call(&self, choice: u32, index: u32) -> Option<&ToolCall> {
         let c = self.choices.iter().find(|c| c.choice == choice)?;
-        let i = c.calls.binary_search_by_key(&index, |call| call.index).ok()?;
+        let i = c
+            .calls
+            .binary_search_by_key(&index, |call| call.index)
+            .ok()?;
         c.calls.get(i)
     }
 
@@ -208,7 +213,10 @@ impl ToolCallTracker {
     }
 
     fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now_ms: u64) -> Progress<'_> {
-        let pos = match self.choices.binary_search_by_key(&delta.choice, |c| c.choice) {
+        let pos = match self
+            .choices
+            .binary_search_by_key(&delta.choice, |c| c.choice)
+        {
             Ok(pos) => pos,
             Err(pos) => {
                 let calls = ChoiceCalls {
@@ -298,7 +306,12 @@ mod tests {
     use super::*;
     use std::borrow::Cow;
 
-    fn delta(index: Option<u32>, id: Option<&str>, name: Option<&str>, args: &str) -> Chunk<'static> {
+    fn delta(
+        index: Option<u32>,
+        id: Option<&str>,
+        name: Option<&str>,
+        args: &str,
+    ) -> Chunk<'static> {
         Chunk::ToolCallDelta(ToolCallDelta {
             choice: 0,
             index,
@@ -310,7 +323,12 @@ mod tests {
 
     fn progress(t: &mut ToolCallTracker, chunk: Chunk<'_>, now: u64) -> (u32, String, usize, u64) {
         match t.apply(&chunk, now) {
-            Applied::Progress(p) => (p.index, p.name.to_owned(), p.chars_accumulated, p.started_at_ms),
+            Applied::Progress(p) => (
+                p.index,
+                p.name.to_owned(),
+                p.chars_accumulated,
+                p.started_at_ms,
+            ),
             other => panic!("expected progress, got {other:?}"),
         }
     }
@@ -322,20 +340,37 @@ mod tests {
             progress(&mut t, delta(Some(0), Some("c1"), Some("edit"), ""), 100),
             (0, "edit".into(), 0, 100)
         );
-        assert_eq!(progress(&mut t, delta(Some(0), None, None, "{\"a\":\"é😀"), 200), (0, "edit".into(), 9, 100));
-        assert_eq!(progress(&mut t, delta(Some(1), Some("c2"), Some("ls"), ""), 300), (1, "ls".into(), 0, 300));
-        let snapshot: Vec<_> = t.in_progress().map(|p| (p.index, p.started_at_ms)).collect();
+        assert_eq!(
+            progress(&mut t, delta(Some(0), None, None, "{\"a\":\"é😀"), 200),
+            (0, "edit".into(), 9, 100)
+        );
+        assert_eq!(
+            progress(&mut t, delta(Some(1), Some("c2"), Some("ls"), ""), 300),
+            (1, "ls".into(), 0, 300)
+        );
+        let snapshot: Vec<_> = t
+            .in_progress()
+            .map(|p| (p.index, p.started_at_ms))
+            .collect();
         assert_eq!(snapshot, vec![(0, 100), (1, 300)]);
     }
 
     #[test]
     fn text_reasoning_done_error_and_execution_clear() {
-        let text = Chunk::Text { choice: 0, text: "hi".into() };
+        let text = Chunk::Text {
+            choice: 0,
+            text: "hi".into(),
+        };
         for clear in [
             text.clone(),
-            Chunk::Reasoning { choice: 0, text: "hm".into() },
+            Chunk::Reasoning {
+                choice: 0,
+                text: "hm".into(),
+            },
             Chunk::Done,
-            Chunk::Error { message: "x".into() },
+            Chunk::Error {
+                message: "x".into(),
+            },
         ] {
             let mut t = ToolCallTracker::new();
             progress(&mut t, delta(Some(0), None, Some("f"), ""), 1);
@@ -349,19 +384,31 @@ mod tests {
         assert_eq!(t.tool_execution_started(), Applied::Cleared);
         assert_eq!(t.apply(&text, 3), Applied::Unchanged);
         // After a clear, the same index starts again with a new startedAt.
-        assert_eq!(progress(&mut t, delta(Some(0), None, None, "x"), 9), (0, "f".into(), 1, 9));
+        assert_eq!(
+            progress(&mut t, delta(Some(0), None, None, "x"), 9),
+            (0, "f".into(), 1, 9)
+        );
     }
 
     #[test]
     fn entries_without_index_resolve_by_id_then_name_then_last_touched() {
         let mut t = ToolCallTracker::new();
-        assert_eq!(progress(&mut t, delta(None, Some("a"), Some("f"), "{"), 1).0, 0);
-        assert_eq!(progress(&mut t, delta(None, Some("b"), Some("g"), "["), 1).0, 1);
+        assert_eq!(
+            progress(&mut t, delta(None, Some("a"), Some("f"), "{"), 1).0,
+            0
+        );
+        assert_eq!(
+            progress(&mut t, delta(None, Some("b"), Some("g"), "["), 1).0,
+            1
+        );
         assert_eq!(progress(&mut t, delta(None, None, None, "]"), 1).0, 1);
         assert_eq!(progress(&mut t, delta(None, Some("a"), None, "}"), 1).0, 0);
         assert_eq!(progress(&mut t, delta(None, None, None, " "), 1).0, 0);
         assert_eq!(progress(&mut t, delta(None, None, Some("h"), ""), 1).0, 2);
-        let calls: Vec<_> = t.calls().flat_map(|(_, c)| c.iter().map(|c| c.arguments.clone())).collect();
+        let calls: Vec<_> = t
+            .calls()
+            .flat_map(|(_, c)| c.iter().map(|c| c.arguments.clone()))
+            .collect();
         assert_eq!(calls, vec!["{} ", "[]", ""]);
     }
 
@@ -369,10 +416,21 @@ mod tests {
     fn index_is_authoritative_and_names_replace() {
         let mut t = ToolCallTracker::new();
         progress(&mut t, delta(Some(0), Some("a"), Some("get"), "1"), 1);
-        progress(&mut t, delta(Some(0), Some("other"), Some("get_weather"), "2"), 1);
+        progress(
+            &mut t,
+            delta(Some(0), Some("other"), Some("get_weather"), "2"),
+            1,
+        );
         let (_, calls) = t.calls().next().expect("one choice");
         assert_eq!(calls.len(), 1);
-        assert_eq!((calls[0].id.as_str(), calls[0].name.as_str(), calls[0].arguments.as_str()), ("other", "get_weather", "12"));
+        assert_eq!(
+            (
+                calls[0].id.as_str(),
+                calls[0].name.as_str(),
+                calls[0].arguments.as_str()
+            ),
+            ("other", "get_weather", "12")
+        );
     }
 
     #[test]

@@ -30,7 +30,9 @@ fn render(run: &Run, passthrough: bool) -> String {
     if passthrough {
         for (at, bytes) in &run.inserted {
             // Line breaks shown as escapes, so CRLF is visible.
-            let text = String::from_utf8_lossy(bytes).replace('\r', "\\r").replace('\n', "\\n");
+            let text = String::from_utf8_lossy(bytes)
+                .replace('\r', "\\r")
+                .replace('\n', "\\n");
             out.push_str(&format!("@{at} +{text}\n"));
         }
     } else {
@@ -101,7 +103,11 @@ fn output_does_not_depend_on_how_input_is_cut() {
         for (mode, config) in all_configs() {
             let whole = run_whole(&config, &input);
             assert!(!whole.output.is_empty(), "{name} [{mode}] wrote nothing");
-            assert_eq!(run_bytewise(&config, &input), whole, "{name} [{mode}] byte by byte");
+            assert_eq!(
+                run_bytewise(&config, &input),
+                whole,
+                "{name} [{mode}] byte by byte"
+            );
             assert_eq!(
                 run_split_at_line_breaks(&config, &input),
                 whole,
@@ -145,26 +151,44 @@ fn field_injection_keeps_json_valid() {
     for (name, input) in fixtures() {
         let run = run_whole(&config(OutputFormat::Sse, InjectMode::Field), &input);
         for (at, bytes) in &run.inserted {
-            // The insertion sits just before a closing brace of the input.
-            assert_eq!(input[*at], b'}', "{name}: insertion at {at} is not before a brace");
+            // The insertion sits just before a closing brace of the input
+            // and adds top-level keys only.
+            assert_eq!(
+                input[*at], b'}',
+                "{name}: insertion at {at} is not before a brace"
+            );
+            assert!(
+                bytes.starts_with(b",\"toolCallProgress\":{")
+                    || bytes.starts_with(b",\"toolCallsProgress\":["),
+                "{name}: unexpected insertion {}",
+                String::from_utf8_lossy(bytes)
+            );
         }
         // Read the output back with the crate's own WHATWG decoder.
         let mut decoder = SseDecoder::new();
         decoder.push(&run.output);
         decoder.finish();
         while let Some(block) = decoder.next_block() {
-            let SseBlockKind::Event(event) = block.kind else { continue };
+            let SseBlockKind::Event(event) = block.kind else {
+                continue;
+            };
             let data = String::from_utf8_lossy(event.data);
             if !data.contains("toolCallProgress") {
                 continue;
             }
-            let value: Value = serde_json::from_str(&data).unwrap_or_else(|e| {
-                panic!("{name}: injected event is not JSON ({e}): {data}")
-            });
+            let value: Value = serde_json::from_str(&data)
+                .unwrap_or_else(|e| panic!("{name}: injected event is not JSON ({e}): {data}"));
             let progress = &value["toolCallProgress"];
-            assert!(progress["index"].is_u64() && progress["charsAccumulated"].is_u64(), "{name}: {data}");
+            assert!(
+                progress["index"].is_u64() && progress["charsAccumulated"].is_u64(),
+                "{name}: {data}"
+            );
             if let Some(all) = value.get("toolCallsProgress") {
-                assert_eq!(all.as_array().and_then(|a| a.last()), Some(progress), "{name}");
+                assert_eq!(
+                    all.as_array().and_then(|a| a.last()),
+                    Some(progress),
+                    "{name}"
+                );
             }
         }
     }

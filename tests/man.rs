@@ -7,6 +7,9 @@ use std::path::Path;
 
 use clap_mangen::Man;
 
+/// One `render_*_section` method of [`Man`].
+type Section = fn(&Man, &mut dyn Write) -> std::io::Result<()>;
+
 /// Renders the whole page: the top-level command, then one section per
 /// subcommand with its synopsis, description, options and examples, then
 /// the exit status. No date and nothing build-dependent, so it is
@@ -23,7 +26,7 @@ fn render() -> Vec<u8> {
     let mut out = Vec::new();
     // No SUBCOMMANDS section: it would point to per-command pages that do
     // not exist; each command has its own section below instead.
-    let sections: [fn(&Man, &mut dyn Write) -> std::io::Result<()>; 4] = [
+    let sections: [Section; 4] = [
         Man::render_title,
         Man::render_name_section,
         Man::render_synopsis_section,
@@ -37,7 +40,7 @@ fn render() -> Vec<u8> {
         writeln!(out, ".SH \"{}\"", name.to_uppercase().replace('-', "\\-")).expect("write");
         let examples = sub.get_after_long_help().map(|s| s.to_string());
         let sub_man = Man::new(sub.clone().after_long_help(None::<&str>));
-        let sections: [fn(&Man, &mut dyn Write) -> std::io::Result<()>; 3] = [
+        let sections: [Section; 3] = [
             Man::render_synopsis_section,
             Man::render_description_section,
             Man::render_options_section,
@@ -47,7 +50,9 @@ fn render() -> Vec<u8> {
             section(&sub_man, &mut body).expect("render to memory");
         }
         // Subsections of the command's section, not top-level ones.
-        let body = String::from_utf8(body).expect("roff is UTF-8").replace(".SH ", ".SS ");
+        let body = String::from_utf8(body)
+            .expect("roff is UTF-8")
+            .replace(".SH ", ".SS ");
         out.extend_from_slice(body.as_bytes());
         if let Some(examples) = examples {
             verbatim(&mut out, &examples);
@@ -89,16 +94,19 @@ fn man_page_is_up_to_date() {
             .unified_diff()
             .header("man/aalis-proxy.1 (committed)", "generated")
             .to_string();
-        panic!(
-            "man/aalis-proxy.1 is stale; run `UPDATE_MAN=1 cargo test --test man`\n{diff}"
-        );
+        panic!("man/aalis-proxy.1 is stale; run `UPDATE_MAN=1 cargo test --test man`\n{diff}");
     }
 }
 
 #[test]
 fn man_page_documents_every_annotate_flag() {
     let page = String::from_utf8(render()).expect("roff is UTF-8");
-    for flag in ["\\-\\-format", "\\-\\-inject", "\\-\\-session", "EXIT STATUS"] {
+    for flag in [
+        "\\-\\-format",
+        "\\-\\-inject",
+        "\\-\\-session",
+        "EXIT STATUS",
+    ] {
         assert!(page.contains(flag), "man page lacks {flag}");
     }
 }

@@ -48,7 +48,7 @@ pub enum InjectMode {
     /// openai-python and openai-node iterators
     Event,
     /// Add a chunk-shaped event with "choices":[] after the event; breaks code
-    /// that indexes choices[0] unguarded
+    /// that reads the first choice unguarded
     Chunk,
     /// Add nothing: the output is the input, byte for byte
     None,

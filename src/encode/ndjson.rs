@@ -122,7 +122,8 @@ impl LineEncoder {
                 }
                 self.line.push_str("{\"id\":");
                 push_string(&call.id, &mut self.line);
-                self.line.push_str(",\"type\":\"function\",\"function\":{\"name\":");
+                self.line
+                    .push_str(",\"type\":\"function\",\"function\":{\"name\":");
                 push_string(&call.name, &mut self.line);
                 self.line.push_str(",\"arguments\":");
                 push_string(&call.arguments, &mut self.line);

@@ -29,7 +29,10 @@ impl NdjsonLine<'_> {
     /// Offset in `raw` of the last non-whitespace byte of the content when
     /// it is `}`: where a top-level key can be added without re-encoding.
     pub fn closing_brace(&self) -> Option<usize> {
-        let i = self.content.iter().rposition(|b| !b.is_ascii_whitespace())?;
+        let i = self
+            .content
+            .iter()
+            .rposition(|b| !b.is_ascii_whitespace())?;
         (self.content[i] == b'}').then_some(self.content_start + i)
     }
 
@@ -125,7 +128,7 @@ mod tests {
     fn lines(pieces: &[&[u8]]) -> Vec<(String, String, u64)> {
         let mut decoder = NdjsonDecoder::new();
         let mut out = Vec::new();
-        let mut drain = |d: &mut NdjsonDecoder, out: &mut Vec<(String, String, u64)>| {
+        let drain = |d: &mut NdjsonDecoder, out: &mut Vec<(String, String, u64)>| {
             while let Some(line) = d.next_line() {
                 out.push((
                     String::from_utf8_lossy(line.raw).into_owned(),

@@ -168,7 +168,9 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
                 Ok(ArgumentsView(ArgumentsDelta::Append(Cow::Borrowed(v))))
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(ArgumentsView(ArgumentsDelta::Append(Cow::Owned(v.to_owned()))))
+                Ok(ArgumentsView(ArgumentsDelta::Append(Cow::Owned(
+                    v.to_owned(),
+                ))))
             }
             fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
                 Ok(ArgumentsView(ArgumentsDelta::Append(Cow::Owned(v))))

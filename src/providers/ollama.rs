@@ -19,7 +19,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
-use super::{ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, is_set, raw_u32, raw_u64};
+use super::{
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, is_set, raw_u32, raw_u64,
+};
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 
 #[derive(Deserialize)]
@@ -154,11 +156,24 @@ mod tests {
         let mut state = DecoderState::default();
         let line = r#"{"model":"m","message":{"role":"assistant","content":"","thinking":"hmm","tool_calls":[{"function":{"name":"get_weather","arguments":{"city":"東京","n":1.0}}},{"function":{"name":"b","arguments":{}}}]},"done":false}"#;
         let out = chunks(line, &mut state);
-        assert_eq!(out[0], Chunk::Reasoning { choice: 0, text: "hmm".into() });
-        let Chunk::ToolCallDelta(first) = &out[1] else { panic!("{out:?}") };
+        assert_eq!(
+            out[0],
+            Chunk::Reasoning {
+                choice: 0,
+                text: "hmm".into()
+            }
+        );
+        let Chunk::ToolCallDelta(first) = &out[1] else {
+            panic!("{out:?}")
+        };
         assert_eq!(first.index, Some(0));
-        assert_eq!(first.arguments, ArgumentsDelta::Replace(r#"{"city":"東京","n":1}"#.into()));
-        let Chunk::ToolCallDelta(second) = &out[2] else { panic!("{out:?}") };
+        assert_eq!(
+            first.arguments,
+            ArgumentsDelta::Replace(r#"{"city":"東京","n":1}"#.into())
+        );
+        let Chunk::ToolCallDelta(second) = &out[2] else {
+            panic!("{out:?}")
+        };
         assert_eq!(second.index, Some(1));
         assert_eq!(out.len(), 3);
     }
@@ -184,7 +199,11 @@ mod tests {
             chunks(line, &mut state),
             vec![
                 Chunk::Finish { choice: 0 },
-                Chunk::Usage(Usage { prompt_tokens: 10, completion_tokens: 5, total_tokens: 15 }),
+                Chunk::Usage(Usage {
+                    prompt_tokens: 10,
+                    completion_tokens: 5,
+                    total_tokens: 15
+                }),
                 Chunk::Done,
             ]
         );

@@ -168,8 +168,8 @@ fn decode_delta<'a>(
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<(), FrameError> {
     // Some servers (newer vLLM) send the same text as both fields.
-    let reasoning = JsonStr::non_empty(delta.reasoning_content)
-        .or_else(|| JsonStr::non_empty(delta.reasoning));
+    let reasoning =
+        JsonStr::non_empty(delta.reasoning_content).or_else(|| JsonStr::non_empty(delta.reasoning));
     if let Some(text) = reasoning {
         emit(Chunk::Reasoning { choice, text });
     }
@@ -301,7 +301,12 @@ mod tests {
         assert_eq!(
             chunks(data),
             vec![
-                delta(Some(0), Some("call_a"), Some("f"), ArgumentsDelta::Append("".into())),
+                delta(
+                    Some(0),
+                    Some("call_a"),
+                    Some("f"),
+                    ArgumentsDelta::Append("".into())
+                ),
                 delta(Some(1), None, None, ArgumentsDelta::Append("{\"x\"".into())),
             ]
         );
@@ -384,23 +389,43 @@ mod tests {
             }]
         );
         let data = r#"{"choices":[{"delta":{"tool_calls":[{"index":"0","function":{"arguments":null}}]}}]}"#;
-        assert_eq!(chunks(data), vec![delta(None, None, None, ArgumentsDelta::Unchanged)]);
+        assert_eq!(
+            chunks(data),
+            vec![delta(None, None, None, ArgumentsDelta::Unchanged)]
+        );
     }
 
     #[test]
     fn escaped_strings_are_unescaped_and_plain_ones_borrowed() {
         let data = r#"{"choices":[{"delta":{"content":"a\"b","tool_calls":[{"index":0,"function":{"arguments":"plain"}}]}}]}"#;
         let out = chunks(data);
-        assert_eq!(out[0], Chunk::Text { choice: 0, text: "a\"b".into() });
-        let Chunk::ToolCallDelta(d) = &out[1] else { panic!("{out:?}") };
-        assert!(matches!(d.arguments, ArgumentsDelta::Append(Cow::Borrowed("plain"))));
+        assert_eq!(
+            out[0],
+            Chunk::Text {
+                choice: 0,
+                text: "a\"b".into()
+            }
+        );
+        let Chunk::ToolCallDelta(d) = &out[1] else {
+            panic!("{out:?}")
+        };
+        assert!(matches!(
+            d.arguments,
+            ArgumentsDelta::Append(Cow::Borrowed("plain"))
+        ));
     }
 
     #[test]
     fn shapes_that_are_not_chunks_are_errors_not_panics() {
         let mut sink = |_c: Chunk<'_>| {};
-        assert!(matches!(decode("{bad", &mut sink), Err(FrameError::InvalidJson(_))));
-        assert!(matches!(decode("[1]", &mut sink), Err(FrameError::UnexpectedShape(_))));
+        assert!(matches!(
+            decode("{bad", &mut sink),
+            Err(FrameError::InvalidJson(_))
+        ));
+        assert!(matches!(
+            decode("[1]", &mut sink),
+            Err(FrameError::UnexpectedShape(_))
+        ));
         assert!(matches!(
             decode(r#"{"choices":"x"}"#, &mut sink),
             Err(FrameError::UnexpectedShape(_))

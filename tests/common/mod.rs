@@ -126,7 +126,10 @@ pub fn run_bytewise(config: &AnnotatorConfig, input: &[u8]) -> Run {
 
 /// Runs the pipeline with a cut after every CR and LF.
 pub fn run_split_at_line_breaks(config: &AnnotatorConfig, input: &[u8]) -> Run {
-    run_pieces(config, input.split_inclusive(|b| *b == b'\r' || *b == b'\n'))
+    run_pieces(
+        config,
+        input.split_inclusive(|b| *b == b'\r' || *b == b'\n'),
+    )
 }
 
 /// Runs the pipeline with the input cut at `cuts` (sorted or not).

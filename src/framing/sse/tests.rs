@@ -17,7 +17,7 @@ enum Seen {
 fn feed(pieces: &[&[u8]]) -> Vec<Seen> {
     let mut decoder = SseDecoder::new();
     let mut seen = Vec::new();
-    let mut drain = |decoder: &mut SseDecoder, seen: &mut Vec<Seen>| {
+    let drain = |decoder: &mut SseDecoder, seen: &mut Vec<Seen>| {
         while let Some(block) = decoder.next_block() {
             let raw = String::from_utf8_lossy(block.raw).into_owned();
             seen.push(match block.kind {
@@ -127,7 +127,10 @@ fn a_line_without_colon_is_a_field_name_with_empty_value() {
 #[test]
 fn only_one_space_after_the_colon_is_removed() {
     let seen = feed(&[b"data:  x\n\n"]);
-    assert_eq!(seen, vec![event("data:  x\n\n", " x", None, LineEnding::Lf)]);
+    assert_eq!(
+        seen,
+        vec![event("data:  x\n\n", " x", None, LineEnding::Lf)]
+    );
 }
 
 #[test]

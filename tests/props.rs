@@ -1,0 +1,219 @@
+//! Property tests of the two guarantees of `annotate` (issue 2, "Never lose
+//! a byte"), on any input in any cutting:
+//! 1. with `--inject none` the output is the input, byte for byte;
+//! 2. with any other mode, removing what was inserted gives the input back
+//!    (the bytes the pipeline forwards are exactly the input, in order).
+//!
+//! And: output never depends on how the input was cut; generated tool-call
+//! streams give one progress per `tool_calls` entry with the JavaScript
+//! length of the arguments, and `field` injection keeps every chunk valid
+//! JSON.
+
+mod common;
+
+use aalis_proxy::encode::{InjectMode, OutputFormat};
+use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
+use aalis_proxy::js::utf16_len;
+use aalis_proxy::pipeline::AnnotatorConfig;
+use common::*;
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+fn check_guarantees(input: &[u8], cuts: &[usize]) -> Result<(), TestCaseError> {
+    for (mode, config) in all_configs() {
+        let whole = run_whole(&config, input);
+        let cut = run_cut_at(&config, input, cuts);
+        prop_assert_eq!(&cut, &whole, "[{}] output depends on the cutting", mode);
+        if config.output == OutputFormat::Sse {
+            prop_assert_eq!(
+                &whole.forwarded,
+                &input.to_vec(),
+                "[{}] forwarded != input",
+                mode
+            );
+        }
+        if config.inject == InjectMode::None && config.output == OutputFormat::Sse {
+            prop_assert_eq!(&whole.output, &input.to_vec(), "[none] output != input");
+        }
+    }
+    Ok(())
+}
+
+/// Bytes that look like SSE or NDJSON often enough to reach the decoders.
+fn streamish_bytes() -> impl Strategy<Value = Vec<u8>> {
+    let token = prop_oneof![
+        Just(b"data: ".to_vec()),
+        Just(b"data:".to_vec()),
+        Just(b"\n".to_vec()),
+        Just(b"\r\n".to_vec()),
+        Just(b"\r".to_vec()),
+        Just(b": c\n".to_vec()),
+        Just(b"event: x\n".to_vec()),
+        Just(b"[DONE]".to_vec()),
+        Just(b"\xEF\xBB\xBF".to_vec()),
+        Just(br#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":"{\"a"}}]}}]}"#.to_vec()),
+        Just(br#"{"choices":[{"index":1,"delta":{"content":"hi","tool_calls":[{"id":"x","function":{"arguments":{"k":1.5}}}]}}]}"#.to_vec()),
+        Just(br#"{"message":{"thinking":"t","tool_calls":[{"function":{"name":"g","arguments":{"b":[1e21]}}}]},"done":false}"#.to_vec()),
+        Just(br#"{"error":{"message":"boom"}}"#.to_vec()),
+        Just(b"}".to_vec()),
+        Just(b"{".to_vec()),
+        proptest::collection::vec(any::<u8>(), 0..8),
+    ];
+    proptest::collection::vec(token, 0..40).prop_map(|t| t.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_are_never_lost(
+        input in proptest::collection::vec(any::<u8>(), 0..600),
+        cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        check_guarantees(&input, &cuts)?;
+    }
+
+    #[test]
+    fn stream_like_bytes_are_never_lost(
+        input in streamish_bytes(),
+        cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        check_guarantees(&input, &cuts)?;
+    }
+
+    #[test]
+    fn mutated_fixtures_are_never_lost(
+        which in any::<usize>(),
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>(), 0u8..3), 1..6),
+        cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        let fixtures = fixtures();
+        let mut input = fixtures[which % fixtures.len()].1.clone();
+        for (pos, byte, op) in edits {
+            let pos = pos % (input.len() + 1);
+            match op {
+                0 => input.insert(pos, byte),
+                1 if pos < input.len() => { input.remove(pos); }
+                _ if pos < input.len() => input[pos] = byte,
+                _ => {}
+            }
+        }
+        check_guarantees(&input, &cuts)?;
+    }
+}
+
+/// One generated tool-call delta entry: which call, and the fragment.
+#[derive(Debug, Clone)]
+struct Entry {
+    index: u32,
+    fragment: String,
+}
+
+/// Fragments with the characters that make counting hard: escapes,
+/// non-ASCII, astral characters, control characters.
+fn fragment() -> impl Strategy<Value = String> {
+    proptest::collection::vec(
+        prop_oneof![
+            Just("{".to_string()),
+            Just("\"key\":".to_string()),
+            Just("\\".to_string()),
+            Just("\"".to_string()),
+            Just("\n".to_string()),
+            Just("é".to_string()),
+            Just("東京".to_string()),
+            Just("😀".to_string()),
+            Just("\u{1}".to_string()),
+            "[a-z0-9 ]{0,6}",
+        ],
+        0..5,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+fn line_ending() -> impl Strategy<Value = &'static str> {
+    prop_oneof![Just("\n"), Just("\r\n"), Just("\r")]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn generated_streams_count_like_javascript(
+        names in proptest::collection::vec("[a-z_]{1,8}|名前|😀x", 1..4),
+        entries in proptest::collection::vec((0u32..4, fragment()), 1..20),
+        eol in line_ending(),
+        cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        let entries: Vec<Entry> = entries
+            .into_iter()
+            .map(|(i, fragment)| Entry { index: i % names.len() as u32, fragment })
+            .collect();
+        // Announce every call first (id and name), then stream fragments.
+        let mut stream = String::new();
+        let mut event = |chunk: Value| {
+            stream.push_str("data: ");
+            stream.push_str(&chunk.to_string());
+            stream.push_str(eol);
+            stream.push_str(eol);
+        };
+        for (i, name) in names.iter().enumerate() {
+            event(json!({"id":"c","choices":[{"index":0,"delta":{"tool_calls":[
+                {"index":i,"id":format!("call_{i}"),"type":"function","function":{"name":name,"arguments":""}}]}}]}));
+        }
+        for e in &entries {
+            event(json!({"id":"c","choices":[{"index":0,"delta":{"tool_calls":[
+                {"index":e.index,"function":{"arguments":e.fragment}}]}}]}));
+        }
+        stream.push_str("data: [DONE]");
+        stream.push_str(eol);
+        stream.push_str(eol);
+        let input = stream.into_bytes();
+
+        // --format ndjson: one progress per entry, JavaScript lengths.
+        let ndjson = AnnotatorConfig { output: OutputFormat::Ndjson, ..AnnotatorConfig::default() };
+        let run = run_cut_at(&ndjson, &input, &cuts);
+        let lines: Vec<Value> = String::from_utf8(run.output.clone())
+            .expect("ndjson output is UTF-8")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+            .collect();
+        let progress: Vec<&Value> = lines.iter().filter_map(|l| l.get("toolCallProgress")).collect();
+        prop_assert_eq!(progress.len(), names.len() + entries.len());
+        let mut expected_args = vec![String::new(); names.len()];
+        for (k, e) in entries.iter().enumerate() {
+            expected_args[e.index as usize].push_str(&e.fragment);
+            let p = progress[names.len() + k];
+            prop_assert_eq!(p["index"].as_u64(), Some(u64::from(e.index)));
+            prop_assert_eq!(p["name"].as_str(), Some(names[e.index as usize].as_str()));
+            prop_assert_eq!(
+                p["charsAccumulated"].as_u64(),
+                Some(utf16_len(&expected_args[e.index as usize]) as u64)
+            );
+        }
+        let done = lines.last().expect("a done line");
+        let calls = done["toolCalls"].as_array().expect("toolCalls");
+        for (i, call) in calls.iter().enumerate() {
+            prop_assert_eq!(call["function"]["arguments"].as_str(), Some(expected_args[i].as_str()));
+        }
+
+        // --inject field: forwarded bytes are the input; every annotated
+        // event is valid JSON with the last progress of its entries.
+        let field = AnnotatorConfig::default();
+        let run = run_cut_at(&field, &input, &cuts);
+        prop_assert_eq!(&run.forwarded, &input);
+        let mut decoder = SseDecoder::new();
+        decoder.push(&run.output);
+        decoder.finish();
+        let mut annotated = 0;
+        while let Some(block) = decoder.next_block() {
+            if let SseBlockKind::Event(e) = block.kind
+                && e.data != b"[DONE]"
+            {
+                let v: Value = serde_json::from_slice(e.data).expect("annotated event is JSON");
+                prop_assert!(v["toolCallProgress"]["charsAccumulated"].is_u64());
+                annotated += 1;
+            }
+        }
+        prop_assert_eq!(annotated, names.len() + entries.len());
+    }
+}
