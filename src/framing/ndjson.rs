@@ -45,10 +45,11 @@ impl NdjsonLine<'_> {
 /// Incremental NDJSON decoder; see the module docs.
 #[derive(Debug, Default)]
 pub struct NdjsonDecoder {
-    /// Input not yet handed out.
+    /// Input: lines already handed out (until the next `push` drops them,
+    /// one move per push rather than per line), then the current line.
     buf: Vec<u8>,
-    /// Bytes at the front of `buf` handed out last; dropped at the next call.
-    consumed: usize,
+    /// Index in `buf` where the current line starts.
+    start: usize,
     /// Where to resume looking for `\n` (everything before it has none).
     scan: usize,
     /// Stream offset of `buf[0]`.
@@ -63,7 +64,13 @@ impl NdjsonDecoder {
     }
 
     pub fn push(&mut self, input: &[u8]) {
-        self.compact();
+        if self.start > 0 {
+            let n = self.start;
+            self.buf.drain(..n);
+            self.base_offset += n as u64;
+            self.scan -= n;
+            self.start = 0;
+        }
         self.buf.extend_from_slice(input);
     }
 
@@ -73,28 +80,29 @@ impl NdjsonDecoder {
 
     /// Stream offset of the first byte not yet handed out.
     pub fn offset(&self) -> u64 {
-        self.base_offset + self.consumed as u64
+        self.base_offset + self.start as u64
     }
 
     /// The next complete line, or `None` when more input is needed.
     pub fn next_line(&mut self) -> Option<NdjsonLine<'_>> {
-        self.compact();
+        let start = self.start;
         let end = match memchr(b'\n', &self.buf[self.scan..]) {
             Some(i) => self.scan + i + 1,
-            None if self.eof && !self.buf.is_empty() => self.buf.len(),
+            None if self.eof && start < self.buf.len() => self.buf.len(),
             None => {
                 self.scan = self.buf.len();
                 return None;
             }
         };
-        self.consumed = end;
+        self.start = end;
         self.scan = end;
         self.lines += 1;
-        let raw = &self.buf[..end];
+        let offset = self.base_offset + start as u64;
+        let raw = &self.buf[start..end];
         let mut content = raw.strip_suffix(b"\n").unwrap_or(raw);
         content = content.strip_suffix(b"\r").unwrap_or(content);
         let mut content_start = 0;
-        if self.base_offset == 0
+        if offset == 0
             && let Some(rest) = content.strip_prefix(b"\xEF\xBB\xBF")
         {
             content = rest;
@@ -105,19 +113,8 @@ impl NdjsonDecoder {
             content,
             content_start,
             number: self.lines,
-            offset: self.base_offset,
+            offset,
         })
-    }
-
-    fn compact(&mut self) {
-        if self.consumed == 0 {
-            return;
-        }
-        let n = self.consumed;
-        self.buf.drain(..n);
-        self.base_offset += n as u64;
-        self.scan -= n;
-        self.consumed = 0;
     }
 }
 

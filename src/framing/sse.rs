@@ -91,11 +91,14 @@ pub struct SseEvent<'a> {
 /// Incremental SSE decoder; see the module docs.
 #[derive(Debug, Default)]
 pub struct SseDecoder {
-    /// Input not yet handed out, starting at the current block.
+    /// Input: blocks already handed out (until the next `push` drops them,
+    /// one move per push rather than per block), then the current block.
     buf: Vec<u8>,
-    /// Bytes at the front of `buf` that belong to the block handed out last;
-    /// dropped at the next call (the block borrowed them).
-    consumed: usize,
+    /// Index in `buf` where the current block starts.
+    start: usize,
+    /// The block handed out last still borrows the event fields; they are
+    /// reset at the next call.
+    reset_pending: bool,
     /// Start of the next line to read, as an index into `buf`.
     scan: usize,
     /// Stream offset of `buf[0]`.
@@ -127,7 +130,15 @@ impl SseDecoder {
     /// Adds input. Call [`next_block`](Self::next_block) until it returns
     /// `None` afterwards.
     pub fn push(&mut self, input: &[u8]) {
-        self.compact();
+        self.reset_event();
+        if self.start > 0 {
+            let n = self.start;
+            self.buf.drain(..n);
+            self.base_offset += n as u64;
+            self.scan -= n;
+            self.data_last_byte = self.data_last_byte.map(|i| i - n);
+            self.start = 0;
+        }
         self.buf.extend_from_slice(input);
     }
 
@@ -143,13 +154,13 @@ impl SseDecoder {
 
     /// Stream offset of the first byte not yet handed out.
     pub fn offset(&self) -> u64 {
-        self.base_offset + self.consumed as u64
+        self.base_offset + self.start as u64
     }
 
     /// The next complete block, or `None` when more input is needed (or,
     /// after [`finish`](Self::finish), when everything has been handed out).
     pub fn next_block(&mut self) -> Option<SseBlock<'_>> {
-        self.compact();
+        self.reset_event();
         if !self.started {
             let n = self.buf.len().min(BOM.len());
             if self.buf[..n] != BOM[..n] {
@@ -258,15 +269,20 @@ impl SseDecoder {
         }
     }
 
-    /// Hands out `buf[..scan]` as a block ended by a blank line.
+    /// Hands out `buf[start..scan]` as a block ended by a blank line.
     fn dispatch(&mut self, line_ending: LineEnding) -> SseBlock<'_> {
+        let start = self.start;
         let end = self.scan;
-        self.consumed = end;
+        self.start = end;
+        self.reset_pending = true;
         self.awaiting_lf = false;
-        let offset = self.base_offset;
+        let offset = self.base_offset + start as u64;
         let kind = if self.has_data {
             self.events += 1;
-            let closing_brace = self.data_last_byte.filter(|&i| self.buf[i] == b'}');
+            let closing_brace = self
+                .data_last_byte
+                .filter(|&i| self.buf[i] == b'}')
+                .map(|i| i - start);
             SseBlockKind::Event(SseEvent {
                 number: self.events,
                 event_type: &self.event_type,
@@ -278,10 +294,8 @@ impl SseDecoder {
         } else {
             SseBlockKind::NoData
         };
-        // The event's fields are reset on the next call, in `compact`, once
-        // the block no longer borrows them.
         SseBlock {
-            raw: &self.buf[..end],
+            raw: &self.buf[start..end],
             offset,
             kind,
         }
@@ -289,19 +303,20 @@ impl SseDecoder {
 
     /// At end of input, the bytes after the last blank line.
     fn unterminated_tail(&mut self) -> Option<SseBlock<'_>> {
-        if !self.eof || self.buf.is_empty() {
+        if !self.eof || self.start == self.buf.len() {
             return None;
         }
+        let start = self.start;
         // A last line cut off before its line break counts too, unless it
         // is a comment: `data: {…}` at EOF is data lost to the rule.
         let partial = &self.buf[self.scan..];
         let has_data = self.has_data || partial.first().is_some_and(|b| *b != b':');
-        self.has_data = false;
         self.scan = self.buf.len();
-        self.consumed = self.buf.len();
+        self.start = self.buf.len();
+        self.reset_pending = true;
         Some(SseBlock {
-            raw: &self.buf,
-            offset: self.base_offset,
+            raw: &self.buf[start..],
+            offset: self.base_offset + start as u64,
             kind: SseBlockKind::Unterminated {
                 has_data,
                 number: self.events + 1,
@@ -309,16 +324,12 @@ impl SseDecoder {
         })
     }
 
-    /// Drops the block handed out last and resets the per-event fields.
-    fn compact(&mut self) {
-        if self.consumed == 0 {
+    /// Resets the per-event fields once the block handed out last no longer
+    /// borrows them.
+    fn reset_event(&mut self) {
+        if !std::mem::take(&mut self.reset_pending) {
             return;
         }
-        let n = self.consumed;
-        self.buf.drain(..n);
-        self.base_offset += n as u64;
-        self.scan -= n;
-        self.consumed = 0;
         self.data.clear();
         self.has_data = false;
         self.event_type.clear();

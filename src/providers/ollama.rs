@@ -13,8 +13,6 @@
 //! Ollama call is a distinct, complete call, so two calls must never share a
 //! number.
 
-use std::borrow::Cow;
-
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -135,7 +133,7 @@ fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallD
     ToolCallDelta {
         choice: 0,
         index: Some(index),
-        id: JsonStr::non_empty(call.id).map(|id| Cow::Owned(id.into_owned())),
+        id: JsonStr::non_empty(call.id),
         name,
         arguments,
     }
