@@ -76,7 +76,8 @@ pub struct AnnotateArgs {
     #[arg(long, value_enum, default_value_t = InjectMode::Field, value_name = "MODE")]
     pub inject: InjectMode,
 
-    /// Session id written in every line of --format messages
+    /// Session id written in every line of --format messages (required
+    /// there, refused with other formats)
     ///
     /// Example: --format messages --session chat-42
     #[arg(long, value_name = "ID", required_if_eq("format", "messages"))]
@@ -93,6 +94,22 @@ Examples:
     aalis-proxy annotate --inject comment < capture.sse";
 
 impl AnnotateArgs {
+    /// Checks what clap cannot express: --session means something only with
+    /// --format messages, so anywhere else it is a mistake worth saying.
+    pub fn validate(&self) -> Result<(), clap::Error> {
+        if self.session.is_some() && self.format != OutputFormat::Messages {
+            let kind = clap::error::ErrorKind::ArgumentConflict;
+            let message = "--session applies only to --format messages";
+            let mut cmd = command();
+            cmd.build();
+            return Err(match cmd.find_subcommand_mut("annotate") {
+                Some(annotate) => annotate.error(kind, message),
+                None => cmd.error(kind, message),
+            });
+        }
+        Ok(())
+    }
+
     /// The pipeline configuration these flags ask for.
     pub fn annotator_config(&self) -> AnnotatorConfig {
         AnnotatorConfig {
@@ -128,5 +145,17 @@ mod tests {
         let err = Cli::try_parse_from(["aalis-proxy", "annotate", "--format", "messages"])
             .expect_err("--session is required");
         assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
+
+    #[test]
+    fn session_is_refused_outside_messages() {
+        let cli =
+            Cli::try_parse_from(["aalis-proxy", "annotate", "--session", "s"]).expect("parses");
+        let Command::Annotate(args) = cli.command;
+        let err = args
+            .validate()
+            .expect_err("--session needs --format messages");
+        assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+        assert_eq!(err.exit_code(), 2);
     }
 }

@@ -15,7 +15,12 @@ use aalis_proxy::filter;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Annotate(args) => annotate(&args),
+        Command::Annotate(args) => {
+            if let Err(err) = args.validate() {
+                err.exit();
+            }
+            annotate(&args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
