@@ -21,7 +21,7 @@ use crate::framing::Framing;
 use crate::framing::ndjson::NdjsonDecoder;
 use crate::framing::sse::{SseBlockKind, SseDecoder};
 use crate::progress::{Applied, ToolCallTracker};
-use crate::providers::{self, DecoderState, FrameInfo, Provider};
+use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
 /// How many undecodable frames are reported one by one before the rest are
 /// only counted.
@@ -50,13 +50,36 @@ enum Framer {
 
 /// The pipeline of one stream; see the module docs.
 pub struct Annotator {
+    framer: Framer,
+    /// Everything after framing; a separate struct so a frame borrowed from
+    /// the framer can be handled while the rest is mutated.
+    state: StreamState,
+}
+
+/// One frame as the framer saw it.
+struct RawFrame<'a> {
+    /// Its exact input bytes.
+    raw: &'a [u8],
+    /// The payload to decode, or `None` when the frame is not a chunk
+    /// (a named SSE event, a blank NDJSON line).
+    data: Option<&'a [u8]>,
+    /// Offset in `raw` of the closing `}` of the payload, if any.
+    closing_brace: Option<usize>,
+    /// The line break to use for added lines.
+    line_ending: &'static [u8],
+    at: Location,
+}
+
+/// The state of one stream after framing.
+struct StreamState {
     output: OutputFormat,
     inject: InjectMode,
-    framer: Framer,
     decoder_state: DecoderState,
     tracker: ToolCallTracker,
+    /// The progress objects of the current frame.
     batch: ProgressBatch,
     lines: LineEncoder,
+    /// Reused buffer for injected text.
     scratch: String,
     warnings: Vec<Warning>,
     /// Undecodable frames so far.
@@ -74,17 +97,19 @@ impl Annotator {
             (OutputFormat::Sse | OutputFormat::Ndjson, _) => LineFormat::Chunks,
         };
         let mut annotator = Annotator {
-            output: config.output,
-            inject: config.inject,
             framer: Framer::Sniffing(Vec::new()),
-            decoder_state: DecoderState::default(),
-            tracker: ToolCallTracker::new(),
-            batch: ProgressBatch::default(),
-            lines: LineEncoder::new(format),
-            scratch: String::new(),
-            warnings: Vec::new(),
-            undecodable: 0,
-            done_written: false,
+            state: StreamState {
+                output: config.output,
+                inject: config.inject,
+                decoder_state: DecoderState::default(),
+                tracker: ToolCallTracker::new(),
+                batch: ProgressBatch::default(),
+                lines: LineEncoder::new(format),
+                scratch: String::new(),
+                warnings: Vec::new(),
+                undecodable: 0,
+                done_written: false,
+            },
         };
         if let Some(framing) = config.framing {
             annotator.start(framing);
@@ -123,22 +148,24 @@ impl Annotator {
             Framer::Sniffing(_) => {}
         }
         self.drain(now_ms, out);
-        self.end_of_stream(out);
-        if self.undecodable > MAX_REPORTED {
-            self.warnings.push(Warning::Suppressed {
-                count: self.undecodable - MAX_REPORTED,
+        let state = &mut self.state;
+        state.tracker.end();
+        state.write_done(out);
+        if state.undecodable > MAX_REPORTED {
+            state.warnings.push(Warning::Suppressed {
+                count: state.undecodable - MAX_REPORTED,
             });
         }
     }
 
     /// Takes the warnings collected since the last call.
     pub fn take_warnings(&mut self) -> Vec<Warning> {
-        std::mem::take(&mut self.warnings)
+        std::mem::take(&mut self.state.warnings)
     }
 
     /// The stream's progress state.
     pub fn tracker(&self) -> &ToolCallTracker {
-        &self.tracker
+        &self.state.tracker
     }
 
     /// The framing in use, once known.
@@ -151,18 +178,21 @@ impl Annotator {
     }
 
     fn start(&mut self, framing: Framing) {
+        let state = &mut self.state;
         self.framer = match framing {
             Framing::Sse => Framer::Sse(SseDecoder::new()),
             Framing::Ndjson => {
-                let mode = match self.inject {
+                let mode = match state.inject {
                     InjectMode::Comment => Some("comment"),
                     InjectMode::Event => Some("event"),
                     InjectMode::Chunk => Some("chunk"),
                     InjectMode::Field | InjectMode::None => None,
                 };
-                if let (Some(mode), OutputFormat::Sse) = (mode, self.output) {
-                    self.warnings.push(Warning::InjectModeNotForNdjson { mode });
-                    self.inject = InjectMode::Field;
+                if let (Some(mode), OutputFormat::Sse) = (mode, state.output) {
+                    state
+                        .warnings
+                        .push(Warning::InjectModeNotForNdjson { mode });
+                    state.inject = InjectMode::Field;
                 }
                 Framer::Ndjson(NdjsonDecoder::new())
             }
@@ -180,172 +210,109 @@ impl Annotator {
 
     /// Handles every complete frame the framer holds.
     fn drain(&mut self, now_ms: u64, out: &mut impl Sink) {
-        let Annotator {
-            output,
-            inject,
-            framer,
-            decoder_state,
-            tracker,
-            batch,
-            lines,
-            scratch,
-            warnings,
-            undecodable,
-            done_written,
-        } = self;
-        let mut frames = FrameHandler {
-            output: *output,
-            inject: *inject,
-            decoder_state,
-            tracker,
-            batch,
-            lines,
-            scratch,
-            warnings,
-            undecodable,
-            done_written,
-        };
-        match framer {
+        let state = &mut self.state;
+        match &mut self.framer {
             Framer::Sniffing(_) => {}
             Framer::Sse(decoder) => {
                 while let Some(block) = decoder.next_block() {
                     match block.kind {
                         SseBlockKind::Event(event) => {
-                            let at = Location {
-                                unit: "SSE event",
-                                number: event.number,
-                                offset: block.offset,
-                            };
                             // Only default-type events are chunks; named
                             // events (ours, or a provider's) are forwarded.
-                            let data =
-                                matches!(event.event_type, b"" | b"message").then_some(event.data);
-                            frames.handle(
-                                Provider::OpenAiChat,
-                                data,
-                                block.raw,
-                                event.closing_brace,
-                                event.line_ending.as_bytes(),
-                                at,
-                                now_ms,
-                                out,
-                            );
+                            let is_chunk = matches!(event.event_type, b"" | b"message");
+                            let frame = RawFrame {
+                                raw: block.raw,
+                                data: is_chunk.then_some(event.data),
+                                closing_brace: event.closing_brace,
+                                line_ending: event.line_ending.as_bytes(),
+                                at: Location {
+                                    unit: "SSE event",
+                                    number: event.number,
+                                    offset: block.offset,
+                                },
+                            };
+                            state.handle(Provider::OpenAiChat, &frame, now_ms, out);
                         }
-                        SseBlockKind::NoData => frames.forward(block.raw, out),
+                        SseBlockKind::NoData => state.forward(block.raw, out),
                         SseBlockKind::Unterminated { has_data, number } => {
                             if has_data {
-                                frames.warnings.push(Warning::Unterminated {
+                                state.warnings.push(Warning::Unterminated {
                                     number,
                                     offset: block.offset,
                                 });
                             }
-                            frames.forward(block.raw, out);
+                            state.forward(block.raw, out);
                         }
                     }
                 }
             }
             Framer::Ndjson(decoder) => {
                 while let Some(line) = decoder.next_line() {
-                    let at = Location {
-                        unit: "NDJSON line",
-                        number: line.number,
-                        offset: line.offset,
+                    let frame = RawFrame {
+                        raw: line.raw,
+                        data: (!line.is_blank()).then_some(line.content),
+                        closing_brace: line.closing_brace(),
+                        line_ending: b"\n",
+                        at: Location {
+                            unit: "NDJSON line",
+                            number: line.number,
+                            offset: line.offset,
+                        },
                     };
-                    let data = (!line.is_blank()).then_some(line.content);
-                    frames.handle(
-                        Provider::OllamaChat,
-                        data,
-                        line.raw,
-                        line.closing_brace(),
-                        b"\n",
-                        at,
-                        now_ms,
-                        out,
-                    );
-                }
-            }
-        }
-    }
-
-    fn end_of_stream(&mut self, out: &mut impl Sink) {
-        self.tracker.end();
-        if !self.done_written {
-            self.done_written = true;
-            match self.output {
-                OutputFormat::Sse => {}
-                OutputFormat::Ndjson | OutputFormat::Messages => {
-                    self.lines.done(out, &self.tracker)
+                    state.handle(Provider::OllamaChat, &frame, now_ms, out);
                 }
             }
         }
     }
 }
 
-/// The per-frame work, over disjoint borrows of the [`Annotator`].
-struct FrameHandler<'s> {
-    output: OutputFormat,
-    inject: InjectMode,
-    decoder_state: &'s mut DecoderState,
-    tracker: &'s mut ToolCallTracker,
-    batch: &'s mut ProgressBatch,
-    lines: &'s mut LineEncoder,
-    scratch: &'s mut String,
-    warnings: &'s mut Vec<Warning>,
-    undecodable: &'s mut u64,
-    done_written: &'s mut bool,
-}
-
-impl FrameHandler<'_> {
+impl StreamState {
+    /// Forwards bytes that carry no chunk (comments, blank lines).
     fn forward(&mut self, raw: &[u8], out: &mut impl Sink) {
         if self.output == OutputFormat::Sse {
             out.forward(raw);
         }
     }
 
-    /// Decodes one frame (`data`: its payload, or `None` when it is not a
-    /// chunk), updates the tracker and writes the output.
-    #[allow(clippy::too_many_arguments)]
+    /// Decodes one frame, updates the tracker and writes the output.
     fn handle(
         &mut self,
         provider: Provider,
-        data: Option<&[u8]>,
-        raw: &[u8],
-        closing_brace: Option<usize>,
-        line_ending: &'static [u8],
-        at: Location,
+        frame: &RawFrame<'_>,
         now_ms: u64,
         out: &mut impl Sink,
     ) {
         self.batch.clear();
-        let decoded = match data {
-            Some(data) => self.decode(provider, data, at, now_ms, out),
+        let decoded = match frame.data {
+            Some(data) => self.decode(provider, data, frame.at, now_ms, out),
             None => Ok(FrameInfo::default()),
         };
         let info = match decoded {
             Ok(info) => Some(info),
             Err(source) => {
-                *self.undecodable += 1;
-                if *self.undecodable <= MAX_REPORTED {
+                self.undecodable += 1;
+                if self.undecodable <= MAX_REPORTED {
                     self.warnings.push(Warning::Undecodable {
-                        at,
+                        at: frame.at,
                         source,
-                        excerpt: excerpt(data.unwrap_or_default(), EXCERPT_CHARS),
+                        excerpt: excerpt(frame.data.unwrap_or_default(), EXCERPT_CHARS),
                     });
                 }
                 None
             }
         };
         if self.output == OutputFormat::Sse {
-            let frame = Frame {
-                raw,
-                closing_brace,
-                line_ending,
+            let encoded = Frame {
+                raw: frame.raw,
+                closing_brace: frame.closing_brace,
+                line_ending: frame.line_ending,
                 info: info.as_ref(),
             };
-            inject::write_frame(out, &frame, self.inject, self.batch, self.scratch);
+            inject::write_frame(out, &encoded, self.inject, &self.batch, &mut self.scratch);
         }
     }
 
+    /// Applies one frame's chunks; with a line format, writes their lines.
     fn decode<'d>(
         &mut self,
         provider: Provider,
@@ -353,33 +320,31 @@ impl FrameHandler<'_> {
         at: Location,
         now_ms: u64,
         out: &mut impl Sink,
-    ) -> Result<FrameInfo<'d>, crate::providers::FrameError> {
+    ) -> Result<FrameInfo<'d>, FrameError> {
         let lines_out = self.output != OutputFormat::Sse;
         let mut upstream_error = None;
-        let tracker = &mut *self.tracker;
-        let batch = &mut *self.batch;
-        let lines = &mut *self.lines;
-        let done_written = &mut *self.done_written;
-        let info = providers::decode(provider, data, self.decoder_state, &mut |chunk| {
-            if lines_out {
-                match &chunk {
-                    Chunk::Text { choice, text } => {
-                        lines.text(out, TextField::Content, *choice, text)
-                    }
-                    Chunk::Reasoning { choice, text } => {
-                        lines.text(out, TextField::Reasoning, *choice, text)
-                    }
-                    Chunk::ToolCallDelta(_)
-                    | Chunk::Finish { .. }
-                    | Chunk::Usage(_)
-                    | Chunk::Error { .. }
-                    | Chunk::Done => {}
+        let mut done = false;
+        let tracker = &mut self.tracker;
+        let batch = &mut self.batch;
+        let lines = &mut self.lines;
+        let info = providers::decode(provider, data, &mut self.decoder_state, &mut |chunk| {
+            match &chunk {
+                Chunk::Text { choice, text } if lines_out => {
+                    lines.text(out, TextField::Content, *choice, text)
                 }
+                Chunk::Reasoning { choice, text } if lines_out => {
+                    lines.text(out, TextField::Reasoning, *choice, text)
+                }
+                Chunk::Error { message } => {
+                    upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));
+                }
+                Chunk::Done => done = true,
+                Chunk::Text { .. }
+                | Chunk::Reasoning { .. }
+                | Chunk::ToolCallDelta(_)
+                | Chunk::Finish { .. }
+                | Chunk::Usage(_) => {}
             }
-            if let Chunk::Error { message } = &chunk {
-                upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));
-            }
-            let is_done = matches!(chunk, Chunk::Done);
             match tracker.apply(&chunk, now_ms) {
                 Applied::Progress(p) => {
                     batch.push(&p);
@@ -389,14 +354,26 @@ impl FrameHandler<'_> {
                 }
                 Applied::Cleared | Applied::Unchanged => {}
             }
-            if is_done && lines_out && !*done_written {
-                *done_written = true;
-                lines.done(out, tracker);
-            }
         })?;
         if let Some(message) = upstream_error {
             self.warnings.push(Warning::Upstream { at, message });
         }
+        if done {
+            // `Done` is the last chunk of its frame (`[DONE]`, Ollama's
+            // `done: true` line), so the done line(s) come right after it.
+            self.write_done(out);
+        }
         Ok(info)
+    }
+
+    /// Writes the `done` line(s) of a line format, once per stream.
+    fn write_done(&mut self, out: &mut impl Sink) {
+        if std::mem::replace(&mut self.done_written, true) {
+            return;
+        }
+        match self.output {
+            OutputFormat::Sse => {}
+            OutputFormat::Ndjson | OutputFormat::Messages => self.lines.done(out, &self.tracker),
+        }
     }
 }
