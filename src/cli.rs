@@ -47,7 +47,7 @@ pub enum Command {
 /// on unchanged and reported on stderr with their event number and byte
 /// offset.
 #[derive(Debug, Args)]
-#[command(after_long_help = ANNOTATE_EXAMPLES)]
+#[command(after_long_help = ANNOTATE_EXAMPLES, display_name = "aalis-proxy")]
 pub struct AnnotateArgs {
     /// The stream to read; `-` or nothing reads stdin
     #[arg(value_name = "FILE")]

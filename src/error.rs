@@ -60,9 +60,11 @@ impl std::fmt::Display for Location {
 /// Why `annotate` stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum FilterError {
-    #[error("cannot read the input: {0}")]
+    // The io error is the source, not part of the message: `main` prints
+    // the whole chain, and it would appear twice.
+    #[error("cannot read the input")]
     Read(#[source] io::Error),
-    #[error("cannot write the output: {0}")]
+    #[error("cannot write the output")]
     Write(#[source] io::Error),
 }
 

@@ -1,0 +1,702 @@
+//! The `aalis-proxy` binary as a user runs it: every way of feeding input,
+//! what it prints for each kind of bad input (snapshots of stdout, stderr
+//! and exit status), every exit status, the pipe behaviour a Unix filter
+//! owes its neighbours (live flushing, quiet broken pipe, SIGINT), and the
+//! help text.
+//!
+//! Every command starts from [`aalis_proxy`], which clears the environment
+//! variables that could change what the binary prints. Child processes that
+//! stay alive across steps are always waited for with a deadline
+//! ([`wait_bounded`], [`LiveStdout::recv_until`]) so a regression fails the
+//! test instead of hanging it.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use common::{fixtures, fixtures_dir};
+
+/// Generous bound for anything a child process is waited for.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// Bound for one expected piece of output from a live child.
+const RECV_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A small SSE tool-call stream used by the process tests.
+const TOOL_CALL_FIXTURE: &str = "openai/single_tool_call.sse";
+
+/// Variables that could change the output: colors (`NO_COLOR`,
+/// `CLICOLOR_FORCE` makes clap color even a pipe), help wrapping (`COLUMNS`,
+/// `LINES`: clap's `wrap_help` reads them), terminal, logging, and proxies
+/// (for the future `serve`).
+const SCRUBBED_ENV: &[&str] = &[
+    "NO_COLOR",
+    "CLICOLOR",
+    "CLICOLOR_FORCE",
+    "TERM",
+    "COLUMNS",
+    "LINES",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+];
+
+/// The base command: the `aalis-proxy` binary, run from the package root (so
+/// relative fixture paths work and error messages show them as typed), with
+/// the environment that could change results removed (bat
+/// `tests/utils/command.rs`, xh `get_base_command`).
+fn aalis_proxy() -> Command {
+    let mut cmd = Command::new(assert_cmd::cargo::cargo_bin!("aalis-proxy"));
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// `aalis-proxy` with `args`.
+fn aalis_proxy_with(args: &[&str]) -> Command {
+    let mut cmd = aalis_proxy();
+    cmd.args(args);
+    cmd
+}
+
+/// Runs `cmd` to the end with `stdin` as its input (fed from a thread, so a
+/// large input cannot deadlock against a full stdout pipe).
+fn run_with_stdin(cmd: Command, stdin: &[u8]) -> std::process::Output {
+    assert_cmd::Command::from_std(cmd)
+        .write_stdin(stdin.to_vec())
+        .timeout(DEADLINE)
+        .output()
+        .expect("run aalis-proxy")
+}
+
+/// Runs `cmd` to the end with no input.
+fn run(cmd: Command) -> std::process::Output {
+    run_with_stdin(cmd, b"")
+}
+
+/// The path of a fixture relative to the package root, as a user types it.
+fn fixture_arg(name: &str) -> String {
+    format!("fixtures/{name}")
+}
+
+fn read_fixture(name: &str) -> Vec<u8> {
+    std::fs::read(fixtures_dir().join(name)).expect("read fixture")
+}
+
+/// What a person sees after running `args`: the command line, the exit
+/// status, stdout and stderr. A missing final newline is marked, since a
+/// line format must end every line.
+fn transcript(args: &[&str]) -> String {
+    let output = run(aalis_proxy_with(args));
+    let mut text = format!("$ aalis-proxy {}\n", args.join(" "));
+    text.push_str(&describe_status(output.status));
+    text.push('\n');
+    for (name, bytes) in [("stdout", &output.stdout), ("stderr", &output.stderr)] {
+        text.push_str(&format!("--- {name}\n"));
+        text.push_str(&String::from_utf8_lossy(bytes));
+        if !bytes.is_empty() && !bytes.ends_with(b"\n") {
+            text.push_str("[no newline at end]\n");
+        }
+    }
+    text
+}
+
+fn describe_status(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit status: {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None) => format!("ended somehow: {status:?}"),
+    }
+}
+
+/// Waits for `child` at most [`DEADLINE`]; on timeout kills it and fails.
+fn wait_bounded(child: &mut Child, what: &str) -> ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: aalis-proxy still running after {DEADLINE:?}; killed");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The stdout of a live child, read on a thread and handed over a channel,
+/// so the test can wait for bytes with a timeout.
+struct LiveStdout {
+    chunks: Receiver<Vec<u8>>,
+    received: Vec<u8>,
+    reader: JoinHandle<()>,
+}
+
+impl LiveStdout {
+    fn new(mut stdout: ChildStdout) -> Self {
+        let (tx, chunks) = mpsc::channel();
+        let reader = thread::spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match stdout.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if tx.send(buf[..n].to_vec()).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        LiveStdout {
+            chunks,
+            received: Vec::new(),
+            reader,
+        }
+    }
+
+    /// Receives until at least `len` bytes have arrived in all; fails if
+    /// nothing new arrives for [`RECV_TIMEOUT`] or stdout closes first.
+    fn recv_until(&mut self, len: usize, what: &str) {
+        while self.received.len() < len {
+            match self.chunks.recv_timeout(RECV_TIMEOUT) {
+                Ok(chunk) => self.received.extend_from_slice(&chunk),
+                Err(RecvTimeoutError::Timeout) => panic!(
+                    "{what}: waited {RECV_TIMEOUT:?} for {len} bytes, got {}:\n{}",
+                    self.received.len(),
+                    String::from_utf8_lossy(&self.received)
+                ),
+                Err(RecvTimeoutError::Disconnected) => panic!(
+                    "{what}: stdout closed after {} of {len} bytes:\n{}",
+                    self.received.len(),
+                    String::from_utf8_lossy(&self.received)
+                ),
+            }
+        }
+    }
+
+    /// Receives until stdout closes; returns everything received.
+    fn recv_to_end(mut self, what: &str) -> Vec<u8> {
+        loop {
+            match self.chunks.recv_timeout(RECV_TIMEOUT) {
+                Ok(chunk) => self.received.extend_from_slice(&chunk),
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("{what}: stdout still open after {RECV_TIMEOUT:?} without output")
+                }
+            }
+        }
+        self.reader.join().expect("stdout reader thread");
+        self.received
+    }
+}
+
+/// The index just past the first blank line (`\n\n`) at or after `from`.
+fn end_of_event(bytes: &[u8], from: usize) -> usize {
+    bytes[from..]
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map(|at| from + at + 2)
+        .expect("a complete SSE event")
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+// === Input: stdin, FILE and `-` ===
+
+/// For every fixture, the three ways of naming the input (stdin, FILE, `-`)
+/// give the same stdout, stderr and status; and `--inject none` gives back
+/// the input bytes exactly.
+#[test]
+fn stdin_file_and_dash_are_the_same_input() {
+    let all = fixtures();
+    assert!(all.len() >= 10, "fixtures found: {}", all.len());
+    for (name, bytes) in all {
+        let path = fixture_arg(&name);
+        let from_stdin = run_with_stdin(aalis_proxy_with(&["annotate"]), &bytes);
+        let from_file = run(aalis_proxy_with(&["annotate", &path]));
+        let from_dash = run_with_stdin(aalis_proxy_with(&["annotate", "-"]), &bytes);
+        assert!(
+            from_stdin.status.success(),
+            "{name}: {:?}",
+            from_stdin.status
+        );
+        assert_eq!(from_stdin, from_file, "{name}: stdin vs FILE");
+        assert_eq!(from_stdin, from_dash, "{name}: stdin vs -");
+
+        let none = run(aalis_proxy_with(&["annotate", "--inject", "none", &path]));
+        assert!(none.status.success(), "{name}: {:?}", none.status);
+        assert!(
+            none.stdout == bytes,
+            "{name}: --inject none changed the bytes:\n{}",
+            String::from_utf8_lossy(&none.stdout)
+        );
+    }
+}
+
+// === What the user sees (snapshots) ===
+
+/// `--format ndjson`: one progress per tool-call delta with the UTF-16
+/// length of the arguments so far, then one `done` line with the assembled
+/// call.
+#[test]
+fn ndjson_output() {
+    let path = fixture_arg(TOOL_CALL_FIXTURE);
+    insta::assert_snapshot!(
+        "ndjson_single_tool_call",
+        transcript(&["annotate", "--format", "ndjson", &path])
+    );
+}
+
+/// `--format messages --session chat-42` on Ollama's NDJSON: reasoning
+/// deltas, one progress per whole tool call, `done`, each with the session.
+#[test]
+fn messages_output_for_ollama() {
+    let path = fixture_arg("ollama/thinking_two_tools.ndjson");
+    insta::assert_snapshot!(
+        "messages_ollama_thinking_two_tools",
+        transcript(&[
+            "annotate",
+            "--format",
+            "messages",
+            "--session",
+            "chat-42",
+            &path
+        ])
+    );
+}
+
+/// An event that is not valid JSON is passed on unchanged, reported once on
+/// stderr with its SSE event number and byte offset, and tracking goes on;
+/// the exit status is 0.
+#[test]
+fn bad_json_event_is_passed_on_and_reported() {
+    let path = fixture_arg("malformed/bad_json_event.sse");
+    insta::assert_snapshot!("bad_json_event", transcript(&["annotate", &path]));
+}
+
+/// A file that does not exist: status 1, and the message names the path as
+/// the user typed it.
+#[test]
+fn missing_file_is_status_1() {
+    insta::assert_snapshot!(
+        "missing_file",
+        transcript(&["annotate", "fixtures/openai/does_not_exist.sse"])
+    );
+}
+
+/// An unknown flag is a usage error: status 2, clap's message.
+#[test]
+fn unknown_flag_is_status_2() {
+    insta::assert_snapshot!("unknown_flag", transcript(&["annotate", "--bogus"]));
+}
+
+/// `--session` means nothing outside `--format messages`: status 2.
+#[test]
+fn session_without_messages_is_status_2() {
+    insta::assert_snapshot!(
+        "session_without_messages",
+        transcript(&[
+            "annotate",
+            "--session",
+            "chat-42",
+            "fixtures/openai/single_tool_call.sse"
+        ])
+    );
+}
+
+/// `--format messages` needs `--session`: status 2.
+#[test]
+fn messages_without_session_is_status_2() {
+    insta::assert_snapshot!(
+        "messages_without_session",
+        transcript(&["annotate", "--format", "messages"])
+    );
+}
+
+/// A bad `--inject` value is a usage error listing the possible values:
+/// status 2.
+#[test]
+fn bad_inject_value_is_status_2() {
+    insta::assert_snapshot!(
+        "bad_inject_value",
+        transcript(&["annotate", "--inject", "bogus"])
+    );
+}
+
+// === Exit status 1: read and write failures ===
+
+/// An input that opens but cannot be read (a directory): status 1, an
+/// error on stderr, nothing on stdout.
+#[test]
+fn unreadable_input_is_status_1() {
+    let output = run(aalis_proxy_with(&["annotate", "fixtures"]));
+    assert_eq!(output.status.code(), Some(1));
+    assert!(output.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.starts_with("aalis-proxy: error: cannot read the input: Is a directory"),
+        "{stderr}"
+    );
+}
+
+/// The read error says its cause once.
+#[test]
+fn read_error_names_its_cause_once() {
+    let output = run(aalis_proxy_with(&["annotate", "fixtures"]));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        "aalis-proxy: error: cannot read the input: Is a directory (os error 21)\n"
+    );
+}
+
+/// An output that cannot be written (`/dev/full`): status 1 and an error,
+/// unlike a broken pipe.
+#[cfg(target_os = "linux")]
+#[test]
+fn unwritable_output_is_status_1() {
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("open /dev/full");
+    let mut cmd = aalis_proxy_with(&["annotate", &fixture_arg(TOOL_CALL_FIXTURE)]);
+    cmd.stdout(full);
+    let output = cmd.output().expect("run aalis-proxy");
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.starts_with("aalis-proxy: error: cannot write the output: No space left on device"),
+        "{stderr}"
+    );
+}
+
+/// The write error says its cause once.
+#[cfg(target_os = "linux")]
+#[test]
+fn write_error_names_its_cause_once() {
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("open /dev/full");
+    let mut cmd = aalis_proxy_with(&["annotate", &fixture_arg(TOOL_CALL_FIXTURE)]);
+    cmd.stdout(full);
+    let output = cmd.output().expect("run aalis-proxy");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        "aalis-proxy: error: cannot write the output: No space left on device (os error 28)\n"
+    );
+}
+
+// === Pipes and signals ===
+
+/// stdout closed by its reader (`| head -1`) ends `annotate` quietly:
+/// status 0, nothing on stderr, even with ~20 MB of input still coming.
+#[test]
+fn broken_pipe_is_quiet_success() {
+    let fixture = read_fixture(TOOL_CALL_FIXTURE);
+    let input = fixture.repeat(20 * 1024 * 1024 / fixture.len() + 1);
+
+    let mut child = aalis_proxy_with(&["annotate"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn aalis-proxy");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let writer = thread::spawn(move || {
+        // Fails with BrokenPipe once aalis-proxy has exited: expected.
+        let _ = stdin.write_all(&input);
+    });
+
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+    let mut first_line = String::new();
+    stdout
+        .read_line(&mut first_line)
+        .expect("read the first line");
+    assert!(first_line.starts_with("data: {"), "{first_line:?}");
+    drop(stdout);
+
+    let status = wait_bounded(&mut child, "after closing stdout");
+    writer.join().expect("stdin writer thread");
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("piped stderr")
+        .read_to_string(&mut stderr)
+        .expect("read stderr");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{}; stderr: {stderr}",
+        describe_status(status)
+    );
+    assert_eq!(stderr, "");
+}
+
+/// Each event is written and flushed as soon as it is complete, before the
+/// end of the input: the first tool-call event comes out, with its
+/// injected `"toolCallProgress"`, while stdin is still open. The whole
+/// output is then the same as for the file at once.
+#[test]
+fn each_event_is_flushed_as_soon_as_it_is_complete() {
+    let input = read_fixture(TOOL_CALL_FIXTURE);
+    let whole = run(aalis_proxy_with(&[
+        "annotate",
+        &fixture_arg(TOOL_CALL_FIXTURE),
+    ]));
+    assert!(whole.status.success());
+
+    // The input up to the end of the first event that carries a tool-call
+    // delta, and the output up to the end of its annotated copy.
+    let head = end_of_event(
+        &input,
+        find(&input, b"\"tool_calls\"").expect("a tool call"),
+    );
+    let expected_head = end_of_event(
+        &whole.stdout,
+        find(&whole.stdout, b"\"toolCallProgress\"").expect("injected progress"),
+    );
+    assert!(
+        head < input.len(),
+        "the fixture must go on after its first tool call"
+    );
+
+    let mut child = aalis_proxy_with(&["annotate"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn aalis-proxy");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let mut output = LiveStdout::new(child.stdout.take().expect("piped stdout"));
+
+    stdin
+        .write_all(&input[..head])
+        .expect("write the first events");
+    stdin.flush().expect("flush stdin");
+    output.recv_until(expected_head, "first tool-call event, stdin still open");
+    assert_eq!(
+        String::from_utf8_lossy(&output.received),
+        String::from_utf8_lossy(&whole.stdout[..expected_head])
+    );
+
+    stdin.write_all(&input[head..]).expect("write the rest");
+    drop(stdin);
+    let received = output.recv_to_end("the rest");
+    let status = wait_bounded(&mut child, "after the end of input");
+    assert!(status.success(), "{}", describe_status(status));
+    assert_eq!(
+        String::from_utf8_lossy(&received),
+        String::from_utf8_lossy(&whole.stdout)
+    );
+}
+
+/// SIGINT (Ctrl-C) while `annotate` waits for more input ends it the
+/// conventional way: killed by SIGINT, or status 130.
+#[test]
+fn sigint_ends_annotate() {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+
+    unsafe extern "C" {
+        fn signal(signum: std::ffi::c_int, handler: usize) -> usize;
+    }
+    const SIGINT: std::ffi::c_int = 2;
+    const SIG_DFL: usize = 0;
+
+    let input = read_fixture(TOOL_CALL_FIXTURE);
+    let head = end_of_event(&input, 0);
+
+    let mut cmd = aalis_proxy_with(&["annotate", "--inject", "none"]);
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    // A test run started in the background by a shell without job control
+    // inherits SIGINT ignored, and so would the child: give it the default
+    // disposition a terminal user's process has.
+    // SAFETY: signal() is async-signal-safe and touches no Rust state.
+    unsafe {
+        cmd.pre_exec(|| {
+            signal(SIGINT, SIG_DFL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("spawn aalis-proxy");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let mut output = LiveStdout::new(child.stdout.take().expect("piped stdout"));
+
+    // Once the first event is back, annotate is running and blocked on
+    // reading stdin, which stays open.
+    stdin
+        .write_all(&input[..head])
+        .expect("write the first event");
+    output.recv_until(head, "first event");
+
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(kill.success(), "kill -INT failed: {kill:?}");
+
+    let status = wait_bounded(&mut child, "after SIGINT");
+    drop(stdin);
+    assert!(
+        status.signal() == Some(SIGINT) || status.code() == Some(130),
+        "{}",
+        describe_status(status)
+    );
+}
+
+// === Odd inputs ===
+
+/// 64 KiB of pseudo-random bytes from a fixed seed (NULs, invalid UTF-8,
+/// stray CR and LF) with `--inject none` come out byte for byte, status 0;
+/// anything on stderr is a warning line safe to print on a terminal.
+#[test]
+fn binary_garbage_passes_through_unchanged() {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let garbage: Vec<u8> = (0..64 * 1024)
+        .map(|_| {
+            // xorshift64*: deterministic, no crate needed.
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
+        })
+        .collect();
+    assert!(garbage.contains(&0) && garbage.contains(&b'\n') && garbage.contains(&b'\r'));
+    assert!(std::str::from_utf8(&garbage).is_err());
+
+    let output = run_with_stdin(
+        aalis_proxy_with(&["annotate", "--inject", "none"]),
+        &garbage,
+    );
+    assert_eq!(output.status.code(), Some(0));
+    assert!(output.stdout == garbage, "the bytes changed");
+    let stderr = std::str::from_utf8(&output.stderr).expect("stderr is UTF-8");
+    for line in stderr.lines() {
+        assert!(line.starts_with("aalis-proxy: warning: "), "{line:?}");
+        assert!(!line.chars().any(char::is_control), "{line:?}");
+    }
+}
+
+/// An empty input is an empty stream: nothing for `--format sse`, a single
+/// `done` line for `--format ndjson`; status 0, no warnings.
+#[test]
+fn empty_input() {
+    for (format, expected) in [("sse", ""), ("ndjson", "{\"done\":true}\n")] {
+        let output = run_with_stdin(aalis_proxy_with(&["annotate", "--format", format]), b"");
+        assert_eq!(output.status.code(), Some(0), "--format {format}");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            expected,
+            "--format {format}"
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&output.stderr),
+            "",
+            "--format {format}"
+        );
+    }
+}
+
+// === Help and version ===
+
+/// The block of `--help` text that documents `flag`: its heading line
+/// (`      --format <FORMAT>`) up to the next option heading or section.
+fn option_help<'a>(help: &'a str, flag: &str) -> Vec<&'a str> {
+    let is_heading = |line: &str| {
+        let indent = line.len() - line.trim_start().len();
+        (indent < 8 && line.trim_start().starts_with('-')) || (indent == 0 && !line.is_empty())
+    };
+    let mut lines = help.lines().skip_while(|line| {
+        !(is_heading(line) && line.trim_start().split([' ', ',']).any(|word| word == flag))
+    });
+    let heading = lines
+        .next()
+        .unwrap_or_else(|| panic!("no {flag} in:\n{help}"));
+    std::iter::once(heading)
+        .chain(lines.take_while(|line| !is_heading(line)))
+        .collect()
+}
+
+/// `annotate --help` gives an `Example:` using each of --format, --inject
+/// and --session, in that option's own help.
+#[test]
+fn annotate_help_has_an_example_per_option() {
+    let output = run(aalis_proxy_with(&["annotate", "--help"]));
+    assert_eq!(output.status.code(), Some(0));
+    let help = String::from_utf8(output.stdout).expect("UTF-8 help");
+    for flag in ["--format", "--inject", "--session"] {
+        let block = option_help(&help, flag);
+        assert!(
+            block.iter().any(|line| {
+                let line = line.trim();
+                line.starts_with("Example:") && line.contains(flag)
+            }),
+            "no `Example: … {flag} …` in its help:\n{}",
+            block.join("\n")
+        );
+    }
+}
+
+/// The top-level `--help` lists every exit status.
+#[test]
+fn top_level_help_lists_exit_statuses() {
+    let output = run(aalis_proxy_with(&["--help"]));
+    assert_eq!(output.status.code(), Some(0));
+    let help = String::from_utf8(output.stdout).expect("UTF-8 help");
+    let (_, statuses) = help
+        .split_once("Exit status:\n")
+        .unwrap_or_else(|| panic!("no `Exit status:` section in:\n{help}"));
+    for code in ["0", "1", "2", "130"] {
+        assert!(
+            statuses.lines().any(|line| {
+                let mut words = line.split_whitespace();
+                words.next() == Some(code) && words.next().is_some()
+            }),
+            "exit status {code} not described in:\n{statuses}"
+        );
+    }
+}
+
+/// `--version` prints `aalis-proxy <version>` and exits 0.
+#[test]
+fn version() {
+    let output = run(aalis_proxy_with(&["--version"]));
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        format!("aalis-proxy {}\n", env!("CARGO_PKG_VERSION"))
+    );
+    assert_eq!(String::from_utf8_lossy(&output.stderr), "");
+}
+
+/// `annotate --version` (the flag is propagated to the subcommand) names
+/// the program the user ran, too.
+#[test]
+fn annotate_version_names_the_program() {
+    let output = run(aalis_proxy_with(&["annotate", "--version"]));
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        format!("aalis-proxy {}\n", env!("CARGO_PKG_VERSION"))
+    );
+}
