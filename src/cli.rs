@@ -5,12 +5,16 @@
 //! help (`-h`), the rest the long help (`--help`) and the man page, which is
 //! generated from [`command`] (see `tests/man.rs`).
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
 
 use crate::encode::{InjectMode, OutputFormat};
 use crate::pipeline::AnnotatorConfig;
+use crate::proxy::ProxyConfig;
+use crate::proxy::upstream::{Upstream, UpstreamConfigError};
 
 /// Tool-call progress for LLM chat streams
 ///
@@ -36,6 +40,8 @@ Exit status:
 #[derive(Debug, Subcommand)]
 pub enum Command {
     Annotate(AnnotateArgs),
+    Serve(ServeArgs),
+    Mock(MockArgs),
 }
 
 /// Read a chat stream, write it back with tool-call progress
@@ -126,6 +132,179 @@ impl AnnotateArgs {
     }
 }
 
+/// Forward requests to an upstream API and inject progress into its streams
+///
+/// A reverse proxy: point any OpenAI-compatible client's base URL at
+/// http://127.0.0.1:8787/v1 and every request goes to --upstream, headers
+/// and body as sent (Authorization included, never logged). Streamed
+/// responses (text/event-stream, application/x-ndjson) are passed on as they
+/// arrive, with progress injected as --inject (or the request header
+/// X-Aalis-Inject) says; every other response passes through untouched. The
+/// request header X-Aalis-Session names the session (one is generated and
+/// returned in that response header when absent).
+///
+/// Errors are OpenAI-style JSON: 502 when the upstream is unreachable, 504
+/// when it sends no response headers in time. SIGINT or SIGTERM stops
+/// accepting connections and lets open streams finish for
+/// --shutdown-grace, then exits 0.
+#[derive(Debug, Args)]
+#[command(after_long_help = SERVE_EXAMPLES, display_name = "aalis-proxy")]
+pub struct ServeArgs {
+    /// The upstream API: http:// or https://, with an optional path prefix
+    ///
+    /// The URL's path is a prefix of the request path: with
+    /// https://api.example.com/v1, both /v1/chat/completions and
+    /// /chat/completions go to https://api.example.com/v1/chat/completions.
+    ///
+    /// Example: --upstream https://api.openai.com
+    #[arg(long, value_name = "URL")]
+    pub upstream: String,
+
+    /// Address to listen on; anything but loopback must be given here
+    ///
+    /// Example: --listen 127.0.0.1:9000
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8787")]
+    pub listen: SocketAddr,
+
+    /// How progress is added to streams (a request may choose with the
+    /// X-Aalis-Inject header)
+    ///
+    /// Example: --inject comment
+    #[arg(long, value_enum, default_value_t = InjectMode::Field, value_name = "MODE")]
+    pub inject: InjectMode,
+
+    /// A PEM file of CA certificates to trust for the upstream, besides the
+    /// bundled web PKI roots
+    ///
+    /// Example: --upstream-ca internal-ca.pem
+    #[arg(long, value_name = "FILE")]
+    pub upstream_ca: Option<PathBuf>,
+
+    /// Deadline for connecting to the upstream (TCP and TLS); past it, 504
+    ///
+    /// Durations are a number with an optional unit: ms, s (the default), m.
+    ///
+    /// Example: --connect-timeout 5s
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+
+    /// Deadline for the upstream's response headers; past it, 504
+    ///
+    /// Example: --response-timeout 2m
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
+    pub response_timeout: Duration,
+
+    /// Longest silence of the upstream in the middle of a response; past it
+    /// the stream ends (cut, not completed) and its session is cleared
+    ///
+    /// Example: --idle-timeout 90s
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+
+    /// After SIGINT or SIGTERM, how long open streams may go on
+    ///
+    /// Example: --shutdown-grace 30s
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
+    ///
+    /// At the default level there is one line per request: method, path,
+    /// status, session, duration, bytes, tool calls. Header values are never
+    /// logged.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+}
+
+const SERVE_EXAMPLES: &str = "\
+Examples:
+  Proxy OpenAI; point the client's base URL at http://127.0.0.1:8787/v1:
+    aalis-proxy serve --upstream https://api.openai.com
+  A local Ollama, progress as SSE comments:
+    aalis-proxy serve --upstream http://127.0.0.1:11434 --inject comment";
+
+impl ServeArgs {
+    /// The proxy configuration these flags ask for.
+    pub fn proxy_config(&self) -> Result<ProxyConfig, UpstreamConfigError> {
+        Ok(ProxyConfig {
+            upstream: Upstream::parse(&self.upstream)?,
+            upstream_ca: self.upstream_ca.clone(),
+            inject: self.inject,
+            connect_timeout: self.connect_timeout,
+            response_timeout: self.response_timeout,
+            idle_timeout: self.idle_timeout,
+            shutdown_grace: self.shutdown_grace,
+        })
+    }
+}
+
+/// Replay capture files as a fake OpenAI-compatible upstream
+///
+/// For demos, tests and benchmarks without an API key: POST
+/// /v1/chat/completions replays an SSE capture as text/event-stream, POST
+/// /api/chat an NDJSON capture as application/x-ndjson (Ollama), each event
+/// byte for byte, --delay apart; GET /v1/models lists the captures. A
+/// request whose "model" is a capture's file name (without extension) gets
+/// that capture, any other the first of its kind. Without CAPTURE files,
+/// captures bundled in the binary are served (parallel_tool_calls,
+/// reasoning_then_tool, text_then_tool, thinking_two_tools).
+#[derive(Debug, Args)]
+#[command(after_long_help = MOCK_EXAMPLES, display_name = "aalis-proxy")]
+pub struct MockArgs {
+    /// Capture files (.sse or .ndjson bodies, as `annotate` reads them)
+    #[arg(value_name = "CAPTURE")]
+    pub captures: Vec<PathBuf>,
+
+    /// Address to listen on
+    ///
+    /// Example: --listen 127.0.0.1:9001
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8788")]
+    pub listen: SocketAddr,
+
+    /// Pause between two events of a replay
+    ///
+    /// Example: --delay 200ms
+    #[arg(long, value_name = "DURATION", default_value = "50ms", value_parser = parse_duration)]
+    pub delay: Duration,
+
+    /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+}
+
+const MOCK_EXAMPLES: &str = "\
+Examples:
+  Try the proxy without an API key, in three terminals:
+    aalis-proxy mock
+    aalis-proxy serve --upstream http://127.0.0.1:8788
+    curl -N http://127.0.0.1:8787/v1/chat/completions -d '{\"model\":\"parallel_tool_calls\"}'
+  Replay your own capture slowly:
+    aalis-proxy mock capture.sse --delay 500ms";
+
+/// Parses `250ms`, `1.5s`, `2m` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = text.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (text, 1.0)
+    };
+    let value: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (examples: 250ms, 10s, 2m)"))?;
+    if !value.is_finite() || value < 0.0 {
+        return Err(format!(
+            "{text:?} is not a duration (examples: 250ms, 10s, 2m)"
+        ));
+    }
+    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
+}
+
 /// The clap command, for `--help`, the man page and tests.
 pub fn command() -> clap::Command {
     Cli::command()
@@ -148,10 +327,23 @@ mod tests {
     }
 
     #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        for bad in ["", "-1s", "soon", "NaNs", "1h"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn session_is_refused_outside_messages() {
         let cli =
             Cli::try_parse_from(["aalis-proxy", "annotate", "--session", "s"]).expect("parses");
-        let Command::Annotate(args) = cli.command;
+        let Command::Annotate(args) = cli.command else {
+            panic!("annotate parses as annotate");
+        };
         let err = args
             .validate()
             .expect_err("--session needs --format messages");

@@ -24,6 +24,8 @@ pub mod error;
 pub mod filter;
 pub mod framing;
 pub mod js;
+pub mod mock;
 pub mod pipeline;
 pub mod progress;
 pub mod providers;
+pub mod proxy;

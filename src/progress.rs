@@ -102,6 +102,9 @@ pub struct ToolCallTracker {
     in_progress: BTreeMap<(u32, u32), u64>,
     phase: StreamPhase,
     usage: Option<Usage>,
+    /// Counts changes of the in-progress map (progress or clear), so an
+    /// observer can tell cheaply whether there is anything new to publish.
+    changes: u64,
 }
 
 impl ToolCallTracker {
@@ -161,6 +164,11 @@ impl ToolCallTracker {
         self.clear()
     }
 
+    /// A number that grows whenever the in-progress map changes.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
     pub fn phase(&self) -> StreamPhase {
         self.phase
     }
@@ -209,6 +217,7 @@ impl ToolCallTracker {
             return Applied::Unchanged;
         }
         self.in_progress.clear();
+        self.changes += 1;
         Applied::Cleared
     }
 
@@ -270,6 +279,7 @@ impl ToolCallTracker {
         if !call.arguments.is_empty() {
             call.state = CallState::StreamingArgs;
         }
+        self.changes += 1;
         let started_at_ms = *self
             .in_progress
             .entry((delta.choice, index))

@@ -34,6 +34,15 @@ impl Sink for Vec<u8> {
     }
 }
 
+impl Sink for bytes::BytesMut {
+    fn forward(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+    fn insert(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
 /// How progress is added to a forwarded stream (SPEC.md's `--inject` table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum InjectMode {

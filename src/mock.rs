@@ -1,0 +1,263 @@
+//! `aalis-proxy mock`: a fake OpenAI-compatible upstream that replays
+//! capture files, for demos, tests and benchmarks (issue 3).
+//!
+//! - `POST …/chat/completions` replays an SSE capture as
+//!   `text/event-stream`;
+//! - `POST /api/chat` replays an NDJSON capture as `application/x-ndjson`;
+//! - `GET …/models` lists the captures as models.
+//!
+//! The capture is the one whose file stem equals the request's `model`,
+//! else the first of the right kind. Each frame (SSE event or NDJSON line,
+//! cut by the same framers `annotate` uses) is sent byte for byte, with
+//! `delay` between frames. With no capture files, captures bundled in the
+//! binary are served, so nothing else is needed for a demo.
+//!
+//! Read [`MockUpstream`] first.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio::time::Sleep;
+
+use crate::framing::Framing;
+use crate::framing::ndjson::NdjsonDecoder;
+use crate::framing::sse::SseDecoder;
+use crate::proxy::upstream::{BoxError, ProxyBody};
+use crate::proxy::{server, service};
+
+/// Captures built into the binary: `(name, bytes)`.
+pub const BUNDLED: [(&str, &[u8]); 4] = [
+    (
+        "parallel_tool_calls",
+        include_bytes!("../fixtures/openai/parallel_tool_calls.sse"),
+    ),
+    (
+        "reasoning_then_tool",
+        include_bytes!("../fixtures/deepseek/reasoning_then_tool.sse"),
+    ),
+    (
+        "text_then_tool",
+        include_bytes!("../fixtures/openai/text_then_tool.sse"),
+    ),
+    (
+        "thinking_two_tools",
+        include_bytes!("../fixtures/ollama/thinking_two_tools.ndjson"),
+    ),
+];
+
+/// One capture, cut into frames.
+#[derive(Debug, Clone)]
+pub struct Capture {
+    /// The file stem; a request's `model` selects it.
+    pub name: String,
+    pub framing: Framing,
+    /// The frames, each exactly as in the file.
+    pub frames: Vec<Bytes>,
+}
+
+impl Capture {
+    /// Cuts `bytes` into frames with the framing sniffed from its start.
+    pub fn new(name: &str, bytes: &[u8]) -> Capture {
+        let framing = Framing::sniff(bytes).unwrap_or(Framing::Sse);
+        let mut frames = Vec::new();
+        match framing {
+            Framing::Sse => {
+                let mut decoder = SseDecoder::new();
+                decoder.push(bytes);
+                decoder.finish();
+                while let Some(block) = decoder.next_block() {
+                    frames.push(Bytes::copy_from_slice(block.raw));
+                }
+            }
+            Framing::Ndjson => {
+                let mut decoder = NdjsonDecoder::new();
+                decoder.push(bytes);
+                decoder.finish();
+                while let Some(line) = decoder.next_line() {
+                    frames.push(Bytes::copy_from_slice(line.raw));
+                }
+            }
+        }
+        Capture {
+            name: name.to_owned(),
+            framing,
+            frames,
+        }
+    }
+
+    /// Reads a capture file.
+    pub fn from_file(path: &Path) -> std::io::Result<Capture> {
+        let bytes = std::fs::read(path)?;
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(Capture::new(&name, &bytes))
+    }
+
+    /// The captures bundled in the binary.
+    pub fn bundled() -> Vec<Capture> {
+        BUNDLED
+            .iter()
+            .map(|(name, bytes)| Capture::new(name, bytes))
+            .collect()
+    }
+}
+
+/// The mock server's state; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct MockUpstream {
+    captures: Arc<Vec<Capture>>,
+    delay: Duration,
+}
+
+impl MockUpstream {
+    pub fn new(captures: Vec<Capture>, delay: Duration) -> MockUpstream {
+        MockUpstream {
+            captures: Arc::new(captures),
+            delay,
+        }
+    }
+
+    /// Serves until `shutdown` resolves.
+    pub async fn run(self, listener: TcpListener, shutdown: impl Future<Output = ()>) {
+        let handler = move |req, _peer| {
+            let mock = self.clone();
+            async move { mock.handle(req).await }
+        };
+        server::serve(listener, handler, shutdown, Duration::from_secs(1)).await;
+    }
+
+    /// Answers one request.
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        let path = req.uri().path().to_owned();
+        let framing = if path.ends_with("/chat/completions") {
+            Framing::Sse
+        } else if path == "/api/chat" {
+            Framing::Ndjson
+        } else if req.method() == Method::GET && path.ends_with("/models") {
+            return self.models();
+        } else {
+            return json_error(StatusCode::NOT_FOUND, &format!("the mock serves no {path}"));
+        };
+        if req.method() != Method::POST {
+            return json_error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
+        }
+        let body = match req.into_body().collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(err) => {
+                return json_error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("cannot read the body: {err}"),
+                );
+            }
+        };
+        #[derive(Deserialize)]
+        struct ChatRequest {
+            model: Option<String>,
+        }
+        let model = serde_json::from_slice::<ChatRequest>(&body)
+            .ok()
+            .and_then(|r| r.model);
+        let of_kind = || self.captures.iter().filter(|c| c.framing == framing);
+        let capture = of_kind()
+            .find(|c| Some(&c.name) == model.as_ref())
+            .or_else(|| of_kind().next());
+        let Some(capture) = capture else {
+            return json_error(StatusCode::NOT_FOUND, "no capture of that kind is loaded");
+        };
+        let content_type = match framing {
+            Framing::Sse => "text/event-stream",
+            Framing::Ndjson => "application/x-ndjson",
+        };
+        let mut response =
+            Response::new(PacedBody::new(capture.frames.clone(), self.delay).boxed());
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+        response
+    }
+
+    fn models(&self) -> Response<ProxyBody> {
+        let data: Vec<_> = self
+            .captures
+            .iter()
+            .map(|c| serde_json::json!({"id": c.name, "object": "model", "owned_by": "aalis-proxy-mock"}))
+            .collect();
+        service::json_response(&serde_json::json!({"object": "list", "data": data}))
+    }
+}
+
+/// Sends frames one by one, `delay` apart; stops when the client goes.
+struct PacedBody {
+    frames: VecDeque<Bytes>,
+    delay: Duration,
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+impl PacedBody {
+    fn new(frames: Vec<Bytes>, delay: Duration) -> PacedBody {
+        PacedBody {
+            frames: frames.into(),
+            delay,
+            sleep: None,
+        }
+    }
+}
+
+impl Body for PacedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(sleep) = self.sleep.as_mut() {
+            std::task::ready!(sleep.as_mut().poll(cx));
+            self.sleep = None;
+        }
+        let Some(frame) = self.frames.pop_front() else {
+            return Poll::Ready(None);
+        };
+        if !self.frames.is_empty() && !self.delay.is_zero() {
+            self.sleep = Some(Box::pin(tokio::time::sleep(self.delay)));
+        }
+        Poll::Ready(Some(Ok(Frame::data(frame))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty() && self.sleep.is_none()
+    }
+}
+
+fn json_error(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    service::json_error(status, "mock_error", message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bundled_captures_cut_into_frames_that_rebuild_the_file() {
+        for (capture, (_, bytes)) in Capture::bundled().iter().zip(BUNDLED) {
+            assert!(capture.frames.len() > 3, "{}", capture.name);
+            assert_eq!(capture.frames.concat(), bytes, "{}", capture.name);
+        }
+        assert_eq!(Capture::bundled()[3].framing, Framing::Ndjson);
+    }
+}

@@ -1,0 +1,254 @@
+//! [`TapBody`]: the response body wrapper through which every upstream
+//! response reaches the client.
+//!
+//! It polls the upstream body only when the client's connection polls it,
+//! so backpressure comes from the client for free and nothing is read ahead
+//! (linkerd2-proxy `http/body-eos`). For a stream it pushes each data frame
+//! through the same [`Annotator`] as `annotate` and yields what comes out;
+//! for anything else it yields the frames untouched and only counts them.
+//! Trailers pass through. It also:
+//! - ends the stream when the upstream is silent longer than the idle
+//!   timeout (an error, so the client sees a cut stream, not a fake end);
+//! - on an upstream error, first yields the bytes it still held (nothing is
+//!   lost), then the error — never an invented `[DONE]`;
+//! - publishes the stream's progress to its session as it changes;
+//! - logs one line per request when the body ends, fails, or is dropped by
+//!   a client that went away (`outcome=cancelled`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+
+use super::sessions::StreamHandle;
+use super::upstream::BoxError;
+use crate::filter::unix_ms;
+use crate::pipeline::Annotator;
+
+/// The upstream sent nothing for longer than `--idle-timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("upstream silent for more than {0:?} mid-stream")]
+pub struct IdleTimeout(pub Duration);
+
+/// What is logged about a request when its response body ends.
+#[derive(Debug)]
+pub struct RequestLog {
+    pub method: http::Method,
+    pub path: String,
+    pub status: http::StatusCode,
+    pub session_id: String,
+    pub started: Instant,
+}
+
+/// How a response body ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Frames are flowing.
+    Streaming,
+    /// The upstream failed; the error is yielded next.
+    Failing,
+    /// Over: the end was yielded (or the error).
+    Done,
+}
+
+pin_project! {
+    /// See the module docs.
+    pub struct TapBody {
+        #[pin]
+        inner: Incoming,
+        // `None` for a response that is not a stream: frames pass untouched.
+        annotator: Option<Annotator>,
+        session: Option<StreamHandle>,
+        #[pin]
+        idle: Sleep,
+        idle_timeout: Duration,
+        out: BytesMut,
+        phase: Phase,
+        error: Option<BoxError>,
+        outcome: &'static str,
+        bytes_in: u64,
+        bytes_out: u64,
+        log: RequestLog,
+    }
+
+    impl PinnedDrop for TapBody {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if *this.phase != Phase::Done {
+                *this.outcome = "cancelled";
+            }
+            let tool_calls = this
+                .annotator
+                .as_ref()
+                .map_or(0, |a| a.tracker().calls().map(|(_, calls)| calls.len()).sum::<usize>());
+            let log = &*this.log;
+            tracing::info!(
+                method = %log.method,
+                path = %log.path,
+                status = log.status.as_u16(),
+                session = %log.session_id,
+                duration_ms = log.started.elapsed().as_millis() as u64,
+                bytes_in = *this.bytes_in,
+                bytes_out = *this.bytes_out,
+                tool_calls,
+                outcome = *this.outcome,
+                "request"
+            );
+            // Ends the session's stream: its progress is cleared.
+            this.session.take();
+        }
+    }
+}
+
+impl TapBody {
+    /// A body that annotates a stream.
+    pub fn stream(
+        inner: Incoming,
+        annotator: Annotator,
+        session: StreamHandle,
+        idle_timeout: Duration,
+        log: RequestLog,
+    ) -> TapBody {
+        TapBody::new(inner, Some(annotator), Some(session), idle_timeout, log)
+    }
+
+    /// A body that only passes frames through (and counts them).
+    pub fn passthrough(inner: Incoming, idle_timeout: Duration, log: RequestLog) -> TapBody {
+        TapBody::new(inner, None, None, idle_timeout, log)
+    }
+
+    fn new(
+        inner: Incoming,
+        annotator: Option<Annotator>,
+        session: Option<StreamHandle>,
+        idle_timeout: Duration,
+        log: RequestLog,
+    ) -> TapBody {
+        TapBody {
+            inner,
+            annotator,
+            session,
+            idle: tokio::time::sleep(idle_timeout),
+            idle_timeout,
+            out: BytesMut::new(),
+            phase: Phase::Streaming,
+            error: None,
+            outcome: "ok",
+            bytes_in: 0,
+            bytes_out: 0,
+            log,
+        }
+    }
+}
+
+impl Body for TapBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        loop {
+            match *this.phase {
+                Phase::Done => return Poll::Ready(None),
+                Phase::Failing => {
+                    *this.phase = Phase::Done;
+                    return Poll::Ready(this.error.take().map(Err));
+                }
+                Phase::Streaming => {}
+            }
+            let polled = this.inner.as_mut().poll_frame(cx);
+            let event = match polled {
+                Poll::Ready(event) => event.map(|r| r.map_err(BoxError::from)),
+                Poll::Pending => {
+                    ready!(this.idle.as_mut().poll(cx));
+                    // Silent too long: end as if the upstream failed.
+                    *this.outcome = "idle-timeout";
+                    Some(Err(Box::new(IdleTimeout(*this.idle_timeout)) as BoxError))
+                }
+            };
+            let deadline = tokio::time::Instant::now() + *this.idle_timeout;
+            this.idle.as_mut().reset(deadline);
+            match event {
+                Some(Ok(frame)) => {
+                    let data = match frame.into_data() {
+                        Ok(data) => data,
+                        // Trailers pass through untouched.
+                        Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                    };
+                    *this.bytes_in += data.len() as u64;
+                    // A body with a known length ends with its last frame:
+                    // the connection will not poll again to hear so.
+                    let last = this.inner.is_end_stream();
+                    if last {
+                        *this.phase = Phase::Done;
+                    }
+                    let Some(annotator) = this.annotator.as_mut() else {
+                        *this.bytes_out += data.len() as u64;
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    };
+                    annotator.push(&data, unix_ms(), this.out);
+                    log_warnings(annotator, this.log);
+                    if let Some(session) = this.session.as_mut() {
+                        session.publish(annotator.tracker());
+                    }
+                    if last {
+                        finish(this.annotator, this.out, this.log);
+                    }
+                }
+                Some(Err(err)) => {
+                    if *this.outcome == "ok" {
+                        *this.outcome = "upstream-error";
+                    }
+                    tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
+                    *this.error = Some(err);
+                    *this.phase = Phase::Failing;
+                    finish(this.annotator, this.out, this.log);
+                }
+                None => {
+                    *this.phase = Phase::Done;
+                    finish(this.annotator, this.out, this.log);
+                }
+            }
+            if !this.out.is_empty() {
+                let chunk = this.out.split().freeze();
+                *this.bytes_out += chunk.len() as u64;
+                return Poll::Ready(Some(Ok(Frame::data(chunk))));
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.phase == Phase::Done && self.out.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.annotator {
+            // Passthrough: the upstream's length is ours.
+            None => self.inner.size_hint(),
+            Some(_) => SizeHint::default(),
+        }
+    }
+}
+
+/// End of input for the annotator: what it still held goes out.
+fn finish(annotator: &mut Option<Annotator>, out: &mut BytesMut, log: &RequestLog) {
+    if let Some(annotator) = annotator.as_mut() {
+        annotator.finish(unix_ms(), out);
+        log_warnings(annotator, log);
+    }
+}
+
+fn log_warnings(annotator: &mut Annotator, log: &RequestLog) {
+    for warning in annotator.take_warnings() {
+        tracing::warn!(session = %log.session_id, path = %log.path, "{warning}");
+    }
+}

@@ -1,0 +1,65 @@
+//! `aalis-proxy serve`: a reverse proxy that injects progress into live
+//! streams (SPEC.md, "Commands"; issue 3).
+//!
+//! Layout:
+//! - [`server`]: accept loop, HTTP/1.1 + HTTP/2, graceful shutdown
+//! - [`service`]: the request path: our headers → upstream request → response
+//! - [`upstream`]: the upstream URL, the rustls client, hop-by-hop hygiene
+//! - [`body`]: [`body::TapBody`], which runs the annotate pipeline on
+//!   streamed responses as the client reads them
+//! - [`sessions`]: per-session progress shared by all connections
+//!
+//! Read [`run`] first.
+
+pub mod body;
+pub mod server;
+pub mod service;
+pub mod sessions;
+pub mod upstream;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::encode::InjectMode;
+use service::Proxy;
+use sessions::SessionRegistry;
+use upstream::{Upstream, UpstreamConfigError};
+
+/// The validated configuration of `serve`.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub upstream: Upstream,
+    /// A PEM file of extra CA certificates for the upstream.
+    pub upstream_ca: Option<PathBuf>,
+    /// The inject mode when a request does not choose one.
+    pub inject: InjectMode,
+    /// Deadline for the TCP (and TLS) connection to the upstream.
+    pub connect_timeout: Duration,
+    /// Deadline for the upstream's response headers.
+    pub response_timeout: Duration,
+    /// Longest silence of the upstream in the middle of a body.
+    pub idle_timeout: Duration,
+    /// How long open streams may run on after a shutdown signal.
+    pub shutdown_grace: Duration,
+}
+
+/// Runs the proxy on `listener` until `shutdown` resolves and the open
+/// streams have drained (or the grace period is over).
+pub async fn run(
+    listener: TcpListener,
+    config: ProxyConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), UpstreamConfigError> {
+    let client = upstream::build_client(config.upstream_ca.as_deref(), config.connect_timeout)?;
+    let grace = config.shutdown_grace;
+    let proxy = Proxy::new(config, client, SessionRegistry::new());
+    let handler = move |req, peer| {
+        let proxy = proxy.clone();
+        async move { proxy.handle(req, peer).await }
+    };
+    server::serve(listener, handler, shutdown, grace).await;
+    Ok(())
+}

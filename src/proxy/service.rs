@@ -1,0 +1,420 @@
+//! The request path of the proxy, as a timeline of named phases (pingora's
+//! `proxy_trait.rs`): route → read our headers → build the upstream request
+//! → send it (with a deadline for the response headers) → shape the
+//! response. Errors say whose fault they are: a bad request is a `400`, an
+//! unreachable upstream a `502`, a slow one a `504`, each with an
+//! OpenAI-style JSON error body so SDKs surface the message.
+//!
+//! Read [`Proxy::handle`] first.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use clap::ValueEnum;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+
+use super::ProxyConfig;
+use super::body::{RequestLog, TapBody};
+use super::sessions::SessionRegistry;
+use super::upstream::{BoxError, ProxyBody, UpstreamClient, strip_hop_by_hop};
+use crate::encode::{InjectMode, OutputFormat};
+use crate::framing::Framing;
+use crate::pipeline::{Annotator, AnnotatorConfig};
+
+/// Names the session of a request; generated when absent and always
+/// returned on the response.
+pub const SESSION_HEADER: HeaderName = HeaderName::from_static("x-aalis-session");
+/// Chooses the inject mode of one request (`field`, `comment`, …).
+pub const INJECT_HEADER: HeaderName = HeaderName::from_static("x-aalis-inject");
+
+/// Longest session id accepted.
+const MAX_SESSION_ID_BYTES: usize = 128;
+
+/// The proxy service; cheap to clone (one `Arc`).
+#[derive(Clone)]
+pub struct Proxy {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: ProxyConfig,
+    client: UpstreamClient,
+    sessions: SessionRegistry,
+    /// For generated session ids: a per-process random part and a counter.
+    session_seed: u64,
+    session_counter: AtomicU64,
+}
+
+/// Whose fault an error response is, and its JSON `type`.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// The client sent something we cannot use.
+    BadRequest,
+    /// The upstream could not be reached.
+    UpstreamUnreachable,
+    /// The upstream did not answer in time.
+    UpstreamTimeout,
+    /// The upstream connection failed after it was made.
+    UpstreamError,
+}
+
+impl Fault {
+    fn status(self) -> StatusCode {
+        match self {
+            Fault::BadRequest => StatusCode::BAD_REQUEST,
+            Fault::UpstreamUnreachable | Fault::UpstreamError => StatusCode::BAD_GATEWAY,
+            Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    fn kind(self) -> &'static str {
+        match self {
+            Fault::BadRequest => "invalid_request_error",
+            Fault::UpstreamUnreachable => "upstream_unreachable",
+            Fault::UpstreamTimeout => "upstream_timeout",
+            Fault::UpstreamError => "upstream_error",
+        }
+    }
+}
+
+impl Proxy {
+    pub fn new(config: ProxyConfig, client: UpstreamClient, sessions: SessionRegistry) -> Proxy {
+        use std::hash::{BuildHasher, Hasher};
+        // RandomState is seeded randomly per process: enough to keep
+        // generated ids of two runs apart, without a dependency.
+        let session_seed = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        Proxy {
+            shared: Arc::new(Shared {
+                config,
+                client,
+                sessions,
+                session_seed,
+                session_counter: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    pub fn sessions(&self) -> &SessionRegistry {
+        &self.shared.sessions
+    }
+
+    /// Handles one request; never fails (errors become responses).
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        let started = Instant::now();
+        let method = req.method().clone();
+        let path = req.uri().path().to_owned();
+        match self.forward(req, started).await {
+            Ok(response) => response,
+            Err((fault, message, session_id)) => {
+                tracing::info!(
+                    method = %method,
+                    path = %path,
+                    status = fault.status().as_u16(),
+                    session = %session_id.as_deref().unwrap_or("-"),
+                    duration_ms = started.elapsed().as_millis() as u64,
+                    peer = %peer,
+                    "request failed: {message}"
+                );
+                let mut response = error_response(fault, &message);
+                if let Some(id) = session_id.and_then(|id| HeaderValue::from_str(&id).ok()) {
+                    response.headers_mut().insert(SESSION_HEADER, id);
+                }
+                response
+            }
+        }
+    }
+
+    /// Forwards a request and shapes its response.
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        started: Instant,
+    ) -> Result<Response<ProxyBody>, (Fault, String, Option<String>)> {
+        let config = &self.shared.config;
+        // Phase 1: our headers.
+        let session_id = match req.headers().get(&SESSION_HEADER) {
+            Some(value) => valid_session_id(value).map_err(|m| (Fault::BadRequest, m, None))?,
+            None => self.generate_session_id(),
+        };
+        let fail = |fault, message: String| (fault, message, Some(session_id.clone()));
+        let inject = match req.headers().get(&INJECT_HEADER) {
+            Some(value) => parse_inject(value).map_err(|m| fail(Fault::BadRequest, m))?,
+            None => config.inject,
+        };
+
+        // Phase 2: the upstream request.
+        let (mut parts, body) = req.into_parts();
+        let method = parts.method.clone();
+        let path = parts.uri.path().to_owned();
+        parts.uri = config.upstream.uri_for(&parts.uri).map_err(|e| {
+            fail(
+                Fault::BadRequest,
+                format!("cannot map the request path: {e}"),
+            )
+        })?;
+        // The client may speak HTTP/2 to us and the upstream HTTP/1.1, or
+        // the reverse: the client library picks per connection.
+        parts.version = http::Version::HTTP_11;
+        strip_hop_by_hop(&mut parts.headers);
+        parts.headers.remove(header::HOST);
+        parts.headers.remove(&SESSION_HEADER);
+        parts.headers.remove(&INJECT_HEADER);
+        // A compressed stream cannot be read as it passes: ask for none.
+        parts.headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        let upstream_req = Request::from_parts(parts, body.map_err(BoxError::from).boxed());
+
+        // Phase 3: send, with a deadline for the response headers.
+        let sent = tokio::time::timeout(
+            config.response_timeout,
+            self.shared.client.request(upstream_req),
+        )
+        .await;
+        let upstream = config.upstream.authority();
+        let response = match sent {
+            Err(_) => {
+                return Err(fail(
+                    Fault::UpstreamTimeout,
+                    format!(
+                        "upstream {upstream} sent no response headers within {:?}",
+                        config.response_timeout
+                    ),
+                ));
+            }
+            Ok(Err(err)) => {
+                let (fault, what) = classify(&err);
+                return Err(fail(
+                    fault,
+                    format!("upstream {upstream} {what}: {}", chain(&err)),
+                ));
+            }
+            Ok(Ok(response)) => response,
+        };
+
+        // Phase 4: the response.
+        let (mut parts, body) = response.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let log = RequestLog {
+            method,
+            path,
+            status: parts.status,
+            session_id: session_id.clone(),
+            started,
+        };
+        let body = match stream_framing(&parts.headers) {
+            Some(framing) => {
+                // A transformed body has a new length, and must not be
+                // buffered by anything between us and the client.
+                parts.headers.remove(header::CONTENT_LENGTH);
+                parts
+                    .headers
+                    .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                parts.headers.insert(
+                    HeaderName::from_static("x-accel-buffering"),
+                    HeaderValue::from_static("no"),
+                );
+                let annotator = Annotator::new(AnnotatorConfig {
+                    output: OutputFormat::Sse,
+                    inject,
+                    session_id: Some(session_id.clone()),
+                    framing: Some(framing),
+                });
+                let stream = self.shared.sessions.begin_stream(&session_id);
+                TapBody::stream(body, annotator, stream, config.idle_timeout, log).boxed()
+            }
+            None => TapBody::passthrough(body, config.idle_timeout, log).boxed(),
+        };
+        if let Ok(value) = HeaderValue::from_str(&session_id) {
+            parts.headers.insert(SESSION_HEADER, value);
+        }
+        Ok(Response::from_parts(parts, body))
+    }
+
+    fn generate_session_id(&self) -> String {
+        let n = self.shared.session_counter.fetch_add(1, Ordering::Relaxed);
+        format!("s-{:012x}-{n}", self.shared.session_seed & 0xFFFF_FFFF_FFFF)
+    }
+}
+
+/// The framing of a response the proxy can read, or `None` to pass it
+/// through untouched: not a stream, or compressed despite our
+/// `Accept-Encoding: identity`.
+fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
+    let encoded = headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| !v.trim().eq_ignore_ascii_case("identity"));
+    if encoded {
+        return None;
+    }
+    let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    let essence = content_type.split(';').next()?.trim().to_ascii_lowercase();
+    match essence.as_str() {
+        "text/event-stream" => Some(Framing::Sse),
+        "application/x-ndjson" | "application/ndjson" | "application/jsonl" => {
+            Some(Framing::Ndjson)
+        }
+        _ => None,
+    }
+}
+
+/// A session id from the header: visible ASCII, at most 128 bytes.
+fn valid_session_id(value: &HeaderValue) -> Result<String, String> {
+    let bytes = value.as_bytes();
+    if bytes.is_empty() || bytes.len() > MAX_SESSION_ID_BYTES {
+        return Err(format!(
+            "X-Aalis-Session must be 1 to {MAX_SESSION_ID_BYTES} bytes long"
+        ));
+    }
+    if !bytes.iter().all(|b| b.is_ascii_graphic()) {
+        return Err("X-Aalis-Session must be visible ASCII without spaces".to_owned());
+    }
+    Ok(String::from_utf8_lossy(bytes).into_owned())
+}
+
+fn parse_inject(value: &HeaderValue) -> Result<InjectMode, String> {
+    let text = value.to_str().unwrap_or_default().trim();
+    InjectMode::from_str(text, true).map_err(|_| {
+        format!("X-Aalis-Inject {text:?} is not one of field, comment, event, chunk, none")
+    })
+}
+
+/// Which fault a client error is, and how to say it.
+fn classify(err: &hyper_util::client::legacy::Error) -> (Fault, &'static str) {
+    let timed_out = std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
+        e.source()
+    })
+    .any(|e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+            || e.to_string().contains("timed out")
+    });
+    if timed_out {
+        (
+            Fault::UpstreamTimeout,
+            "did not accept the connection in time",
+        )
+    } else if err.is_connect() {
+        (Fault::UpstreamUnreachable, "is unreachable")
+    } else {
+        (Fault::UpstreamError, "failed")
+    }
+}
+
+/// An error and its causes, `: `-separated, each once.
+fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        let text = e.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = e.source();
+    }
+    out
+}
+
+/// An OpenAI-style error response.
+fn error_response(fault: Fault, message: &str) -> Response<ProxyBody> {
+    json_error(fault.status(), fault.kind(), message)
+}
+
+/// A JSON error response in OpenAI's shape:
+/// `{"error":{"message":…,"type":…,"param":null,"code":null}}`.
+pub fn json_error(status: StatusCode, kind: &str, message: &str) -> Response<ProxyBody> {
+    let body = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": null,
+            "code": null,
+        }
+    });
+    let mut response = json_response(&body);
+    *response.status_mut() = status;
+    response
+}
+
+/// A `200` with a JSON body.
+pub fn json_response(value: &serde_json::Value) -> Response<ProxyBody> {
+    let body = Full::new(Bytes::from(value.to_string()))
+        .map_err(|never| match never {})
+        .boxed();
+    let mut response = Response::new(body);
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_content_types() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = http::HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
+            }
+            h
+        };
+        assert_eq!(
+            stream_framing(&headers(&[(
+                "content-type",
+                "text/event-stream; charset=utf-8"
+            )])),
+            Some(Framing::Sse)
+        );
+        assert_eq!(
+            stream_framing(&headers(&[("content-type", "application/x-ndjson")])),
+            Some(Framing::Ndjson)
+        );
+        assert_eq!(
+            stream_framing(&headers(&[("content-type", "application/json")])),
+            None
+        );
+        assert_eq!(
+            stream_framing(&headers(&[
+                ("content-type", "text/event-stream"),
+                ("content-encoding", "gzip")
+            ])),
+            None
+        );
+    }
+
+    #[test]
+    fn session_ids_are_checked() {
+        assert_eq!(
+            valid_session_id(&HeaderValue::from_static("chat-42")),
+            Ok("chat-42".into())
+        );
+        assert!(valid_session_id(&HeaderValue::from_static("a b")).is_err());
+        assert!(
+            valid_session_id(&HeaderValue::from_str(&"x".repeat(129)).expect("value")).is_err()
+        );
+    }
+
+    #[test]
+    fn inject_header_values() {
+        assert_eq!(
+            parse_inject(&HeaderValue::from_static("Comment")),
+            Ok(InjectMode::Comment)
+        );
+        assert!(parse_inject(&HeaderValue::from_static("error")).is_err());
+    }
+}

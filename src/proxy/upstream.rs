@@ -1,0 +1,266 @@
+//! The upstream side: where requests go, the HTTP client that sends them,
+//! and the header hygiene of a proxy (RFC 9110 §7.6.1).
+//!
+//! - [`Upstream`]: the validated `--upstream` URL and how a request path
+//!   maps onto it.
+//! - [`build_client`]: a hyper-util legacy client over rustls (bundled web
+//!   PKI roots plus `--upstream-ca`), HTTP/1.1 and HTTP/2 (ALPN), with a
+//!   connect timeout.
+//! - [`strip_hop_by_hop`]: removes the headers that describe one hop, both
+//!   ways.
+//!
+//! It does not log header values: `Authorization`, `api-key`, `x-api-key`
+//! and cookies must never reach a log.
+
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName};
+use http::uri::{Authority, PathAndQuery, Scheme, Uri};
+use http_body_util::combinators::BoxBody;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
+
+/// Errors of bodies the proxy forwards, both ways.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body type of every request and response the proxy produces.
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// The client that talks to the upstream.
+pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+
+/// Why the upstream configuration is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamConfigError {
+    #[error("--upstream {url:?} is not a URL: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("--upstream {url:?} must be an http:// or https:// URL")]
+    BadScheme { url: String },
+    #[error("cannot read --upstream-ca {path}: {reason}")]
+    BadCa { path: String, reason: String },
+    #[error("TLS setup failed: {0}")]
+    Tls(#[from] rustls::Error),
+}
+
+/// The validated `--upstream` URL.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    scheme: Scheme,
+    authority: Authority,
+    /// The URL's path without a trailing `/` (empty for the root).
+    path_prefix: String,
+}
+
+impl Upstream {
+    pub fn parse(url: &str) -> Result<Upstream, UpstreamConfigError> {
+        let bad = |reason: &str| UpstreamConfigError::BadUrl {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let uri: Uri = url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| UpstreamConfigError::BadScheme {
+                url: url.to_owned(),
+            })?;
+        if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
+            return Err(UpstreamConfigError::BadScheme {
+                url: url.to_owned(),
+            });
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| bad("it has no host"))?;
+        if uri.query().is_some() {
+            return Err(bad(
+                "it has a query string; give only scheme, host and path",
+            ));
+        }
+        let path_prefix = uri.path().trim_end_matches('/').to_owned();
+        Ok(Upstream {
+            scheme,
+            authority,
+            path_prefix,
+        })
+    }
+
+    /// `host:port` as given, for messages.
+    pub fn authority(&self) -> &Authority {
+        &self.authority
+    }
+
+    /// The upstream URI for a request URI. The upstream URL's path is a
+    /// prefix: a request path that already starts with it (at a segment
+    /// boundary) is kept, any other gets it prepended. So with
+    /// `--upstream https://host/v1`, both `/v1/chat/completions` and
+    /// `/chat/completions` go to `https://host/v1/chat/completions`.
+    pub fn uri_for(&self, request: &Uri) -> Result<Uri, http::Error> {
+        let path = request.path();
+        let prefix = self.path_prefix.as_str();
+        let has_prefix = prefix.is_empty()
+            || path == prefix
+            || path
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.starts_with('/'));
+        let mut path_and_query = if has_prefix {
+            path.to_owned()
+        } else {
+            format!("{prefix}{path}")
+        };
+        if let Some(query) = request.query() {
+            path_and_query.push('?');
+            path_and_query.push_str(query);
+        }
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(PathAndQuery::try_from(path_and_query)?)
+            .build()
+    }
+}
+
+/// Builds the upstream client.
+pub fn build_client(
+    extra_ca: Option<&Path>,
+    connect_timeout: Duration,
+) -> Result<UpstreamClient, UpstreamConfigError> {
+    let mut roots = rustls::RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    };
+    if let Some(path) = extra_ca {
+        let bad = |reason: String| UpstreamConfigError::BadCa {
+            path: path.display().to_string(),
+            reason,
+        };
+        let mut added = 0;
+        for cert in CertificateDer::pem_file_iter(path).map_err(|e| bad(e.to_string()))? {
+            let cert = cert.map_err(|e| bad(e.to_string()))?;
+            roots.add(cert).map_err(|e| bad(e.to_string()))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(bad("no PEM certificate in it".to_owned()));
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new()).build(connector))
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// Removes hop-by-hop headers, including those `Connection` names, and
+/// `Upgrade` (the proxy does not tunnel).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    headers.remove(header::UPGRADE);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(upstream: &str, request: &str) -> String {
+        let up = Upstream::parse(upstream).expect("valid upstream");
+        up.uri_for(&request.parse().expect("valid request uri"))
+            .expect("maps")
+            .to_string()
+    }
+
+    #[test]
+    fn the_upstream_path_is_a_prefix() {
+        assert_eq!(
+            map("http://h:1", "/v1/chat/completions"),
+            "http://h:1/v1/chat/completions"
+        );
+        assert_eq!(
+            map("https://h/v1", "/v1/chat/completions"),
+            "https://h/v1/chat/completions"
+        );
+        assert_eq!(
+            map("https://h/v1/", "/chat/completions?x=1"),
+            "https://h/v1/chat/completions?x=1"
+        );
+        assert_eq!(
+            map("https://h/v1", "/v1beta/models"),
+            "https://h/v1/v1beta/models"
+        );
+        assert_eq!(map("https://h/v1", "/v1"), "https://h/v1");
+    }
+
+    #[test]
+    fn bad_upstreams_are_refused_with_a_reason() {
+        for (url, wanted) in [
+            ("ftp://h/", "must be an http"),
+            ("h:80", "must be an http"),
+            ("http://h/?a=1", "query string"),
+            ("not a url", "is not a URL"),
+        ] {
+            let err = Upstream::parse(url).expect_err(url).to_string();
+            assert!(err.contains(wanted), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_headers_go_and_named_ones_too() {
+        let mut headers = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, x-hop"),
+            ("keep-alive", "timeout=5"),
+            ("x-hop", "1"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("upgrade", "h2c"),
+            ("authorization", "Bearer k"),
+            ("content-type", "application/json"),
+        ] {
+            headers.insert(HeaderName::from_static(k), v.parse().expect("value"));
+        }
+        strip_hop_by_hop(&mut headers);
+        let mut left: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
+        left.sort_unstable();
+        assert_eq!(left, vec!["authorization", "content-type"]);
+    }
+}
