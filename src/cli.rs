@@ -5,6 +5,10 @@
 //! help (`-h`), the rest the long help (`--help`) and the man page, which is
 //! generated from [`command`] (see `tests/man.rs`).
 
+// Doc comments here are help text first: URLs stay bare so `--help` and
+// the man page show them as typed.
+#![allow(rustdoc::bare_urls)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
