@@ -33,6 +33,9 @@ pub const SESSION_HEADER: HeaderName = HeaderName::from_static("x-aalis-session"
 /// Chooses the inject mode of one request (`field`, `comment`, …).
 pub const INJECT_HEADER: HeaderName = HeaderName::from_static("x-aalis-inject");
 
+/// Paths under this prefix are the proxy's own, never the upstream's.
+pub const ADMIN_PREFIX: &str = "/_aalis/";
+
 /// Longest session id accepted.
 const MAX_SESSION_ID_BYTES: usize = 128;
 
@@ -56,6 +59,8 @@ struct Shared {
 enum Fault {
     /// The client sent something we cannot use.
     BadRequest,
+    /// One of our own routes that does not exist.
+    NotFound,
     /// The upstream could not be reached.
     UpstreamUnreachable,
     /// The upstream did not answer in time.
@@ -68,6 +73,7 @@ impl Fault {
     fn status(self) -> StatusCode {
         match self {
             Fault::BadRequest => StatusCode::BAD_REQUEST,
+            Fault::NotFound => StatusCode::NOT_FOUND,
             Fault::UpstreamUnreachable | Fault::UpstreamError => StatusCode::BAD_GATEWAY,
             Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -76,6 +82,7 @@ impl Fault {
     fn kind(self) -> &'static str {
         match self {
             Fault::BadRequest => "invalid_request_error",
+            Fault::NotFound => "not_found",
             Fault::UpstreamUnreachable => "upstream_unreachable",
             Fault::UpstreamTimeout => "upstream_timeout",
             Fault::UpstreamError => "upstream_error",
@@ -139,6 +146,14 @@ impl Proxy {
         started: Instant,
     ) -> Result<Response<ProxyBody>, (Fault, String, Option<String>)> {
         let config = &self.shared.config;
+        // Phase 0: our own routes are never forwarded upstream.
+        if req.uri().path().starts_with(ADMIN_PREFIX) {
+            return Err((
+                Fault::NotFound,
+                format!("no route {} (aalis-proxy's own routes)", req.uri().path()),
+                None,
+            ));
+        }
         // Phase 1: our headers.
         let session_id = match req.headers().get(&SESSION_HEADER) {
             Some(value) => valid_session_id(value).map_err(|m| (Fault::BadRequest, m, None))?,
