@@ -13,14 +13,14 @@ use std::borrow::Cow;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Chunk<'a> {
     /// Answer text for choice `choice`. Never empty.
-    Text { choice: u32, text: Cow<'a, str> },
+    Text { choice: i64, text: Cow<'a, str> },
     /// Reasoning text (`reasoning_content`, `reasoning`, Ollama `thinking`,
     /// Mistral thinking parts). Never empty.
-    Reasoning { choice: u32, text: Cow<'a, str> },
+    Reasoning { choice: i64, text: Cow<'a, str> },
     /// One entry of a `tool_calls` list.
     ToolCallDelta(ToolCallDelta<'a>),
     /// The choice reported a `finish_reason`.
-    Finish { choice: u32 },
+    Finish { choice: i64 },
     /// Token usage; the last one of a stream wins.
     Usage(Usage),
     /// The provider reported an error inside the stream.
@@ -32,10 +32,11 @@ pub enum Chunk<'a> {
 /// One `tool_calls[j]` entry as the provider sent it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolCallDelta<'a> {
-    /// `choices[k].index`, 0 when absent.
-    pub choice: u32,
-    /// `tool_calls[j].index` when it is an integer.
-    pub index: Option<u32>,
+    /// `choices[k].index`, 0 when absent or not an integer.
+    pub choice: i64,
+    /// `tool_calls[j].index` when it is an integer (of any sign: SPEC.md
+    /// makes an integer index authoritative).
+    pub index: Option<i64>,
     /// A non-empty `id`, if sent.
     pub id: Option<Cow<'a, str>>,
     /// A non-empty `function.name`, if sent.

@@ -17,7 +17,7 @@ pub const EXIT_FAILURE: u8 = 1;
 /// Exit status of a usage error (the same as clap's).
 pub const EXIT_USAGE: u8 = 2;
 
-/// A frame a stream could not be understood; see the module docs.
+/// Something in a stream that could not be understood; see the module docs.
 #[derive(Debug, thiserror::Error)]
 pub enum Warning {
     #[error("{at}: {source}; passed on unchanged: {excerpt}")]
@@ -34,6 +34,8 @@ pub enum Warning {
          its data was not dispatched, passed on unchanged"
     )]
     Unterminated { number: u64, offset: u64 },
+    #[error("{at}: data after the end of the stream ([DONE]); passed on unchanged, not tracked")]
+    AfterEnd { at: Location },
     #[error("{count} more undecodable frames were passed on unchanged without a warning")]
     Suppressed { count: u64 },
     #[error("--inject {mode} applies to SSE streams; NDJSON lines get `field` injection")]

@@ -67,6 +67,9 @@ struct RawFrame<'a> {
     closing_brace: Option<usize>,
     /// The line break to use for added lines.
     line_ending: &'static [u8],
+    /// The frame's line break may still turn from CR into CRLF: what goes
+    /// after it waits for the [`SseBlockKind::LineEndTail`].
+    line_ending_open: bool,
     at: Location,
 }
 
@@ -78,12 +81,22 @@ struct StreamState {
     tracker: ToolCallTracker,
     /// The progress objects of the current frame.
     batch: ProgressBatch,
+    /// Progress is rendered only when some output shows it.
+    render_progress: bool,
     lines: LineEncoder,
-    /// Reused buffer for injected text.
-    scratch: String,
+    /// Reused buffer for text injected after a frame.
+    after: String,
+    /// Text to inject after the last frame once its line ending is known,
+    /// rendered with `\n` line breaks.
+    deferred: String,
     warnings: Vec<Warning>,
     /// Undecodable frames so far.
     undecodable: u64,
+    /// `[DONE]` (or Ollama's `done: true`) was seen: later frames are only
+    /// forwarded.
+    ended: bool,
+    /// Frames after the end were reported.
+    ended_warned: bool,
     /// The `done` line(s) were written.
     done_written: bool,
 }
@@ -102,12 +115,19 @@ impl Annotator {
                 output: config.output,
                 inject: config.inject,
                 decoder_state: DecoderState::default(),
-                tracker: ToolCallTracker::new(),
+                // Only the NDJSON output lists the assembled calls; the
+                // others need counts, not the arguments text.
+                tracker: ToolCallTracker::new(config.output == OutputFormat::Ndjson),
                 batch: ProgressBatch::default(),
+                render_progress: config.output != OutputFormat::Sse
+                    || config.inject != InjectMode::None,
                 lines: LineEncoder::new(format),
-                scratch: String::new(),
+                after: String::new(),
+                deferred: String::new(),
                 warnings: Vec::new(),
                 undecodable: 0,
+                ended: false,
+                ended_warned: false,
                 done_written: false,
             },
         };
@@ -149,6 +169,9 @@ impl Annotator {
         }
         self.drain(now_ms, out);
         let state = &mut self.state;
+        if !state.deferred.is_empty() {
+            state.line_end_tail(b"", out);
+        }
         state.tracker.end();
         state.write_done(out);
         if state.undecodable > MAX_REPORTED {
@@ -224,7 +247,14 @@ impl Annotator {
                                 raw: block.raw,
                                 data: is_chunk.then_some(event.data),
                                 closing_brace: event.closing_brace,
-                                line_ending: event.line_ending.as_bytes(),
+                                // An open line ending renders as `\n` now
+                                // and is fixed up at its tail.
+                                line_ending: if event.line_ending_open {
+                                    b"\n"
+                                } else {
+                                    event.line_ending.as_bytes()
+                                },
+                                line_ending_open: event.line_ending_open,
                                 at: Location {
                                     unit: "SSE event",
                                     number: event.number,
@@ -234,6 +264,7 @@ impl Annotator {
                             state.handle(Provider::OpenAiChat, &frame, now_ms, out);
                         }
                         SseBlockKind::NoData => state.forward(block.raw, out),
+                        SseBlockKind::LineEndTail => state.line_end_tail(block.raw, out),
                         SseBlockKind::Unterminated { has_data, number } => {
                             if has_data {
                                 state.warnings.push(Warning::Unterminated {
@@ -253,6 +284,7 @@ impl Annotator {
                         data: (!line.is_blank()).then_some(line.content),
                         closing_brace: line.closing_brace(),
                         line_ending: b"\n",
+                        line_ending_open: false,
                         at: Location {
                             unit: "NDJSON line",
                             number: line.number,
@@ -274,6 +306,20 @@ impl StreamState {
         }
     }
 
+    /// The byte after an event whose line ending was open: forward it, then
+    /// what was waiting to go after that event, with the line ending now
+    /// known (`\n` completed a CRLF; anything else left a lone CR).
+    fn line_end_tail(&mut self, raw: &[u8], out: &mut impl Sink) {
+        self.forward(raw, out);
+        if self.deferred.is_empty() {
+            return;
+        }
+        let ending = if raw == b"\n" { "\r\n" } else { "\r" };
+        let text = self.deferred.replace('\n', ending);
+        out.insert(text.as_bytes());
+        self.deferred.clear();
+    }
+
     /// Decodes one frame, updates the tracker and writes the output.
     fn handle(
         &mut self,
@@ -283,7 +329,14 @@ impl StreamState {
         out: &mut impl Sink,
     ) {
         self.batch.clear();
-        let decoded = match frame.data {
+        let data = match frame.data {
+            Some(_) if self.ended => {
+                self.warn_after_end(frame.at);
+                None
+            }
+            data => data,
+        };
+        let decoded = match data {
             Some(data) => self.decode(provider, data, frame.at, now_ms, out),
             None => Ok(FrameInfo::default()),
         };
@@ -295,7 +348,7 @@ impl StreamState {
                     self.warnings.push(Warning::Undecodable {
                         at: frame.at,
                         source,
-                        excerpt: excerpt(frame.data.unwrap_or_default(), EXCERPT_CHARS),
+                        excerpt: excerpt(data.unwrap_or_default(), EXCERPT_CHARS),
                     });
                 }
                 None
@@ -308,11 +361,25 @@ impl StreamState {
                 line_ending: frame.line_ending,
                 info: info.as_ref(),
             };
-            inject::write_frame(out, &encoded, self.inject, &self.batch, &mut self.scratch);
+            inject::write_frame(out, &encoded, self.inject, &self.batch, &mut self.after);
+            if frame.line_ending_open {
+                self.deferred.push_str(&self.after);
+            } else if !self.after.is_empty() {
+                out.insert(self.after.as_bytes());
+            }
+        }
+    }
+
+    /// Reports, once, that frames came after the end of the stream.
+    fn warn_after_end(&mut self, at: Location) {
+        if !std::mem::replace(&mut self.ended_warned, true) {
+            self.warnings.push(Warning::AfterEnd { at });
         }
     }
 
     /// Applies one frame's chunks; with a line format, writes their lines.
+    /// The provider decoder parses the whole frame before it emits a chunk,
+    /// so a frame that fails changes nothing.
     fn decode<'d>(
         &mut self,
         provider: Provider,
@@ -322,6 +389,7 @@ impl StreamState {
         out: &mut impl Sink,
     ) -> Result<FrameInfo<'d>, FrameError> {
         let lines_out = self.output != OutputFormat::Sse;
+        let render = self.render_progress;
         let mut upstream_error = None;
         let mut done = false;
         let tracker = &mut self.tracker;
@@ -346,13 +414,13 @@ impl StreamState {
                 | Chunk::Usage(_) => {}
             }
             match tracker.apply(&chunk, now_ms) {
-                Applied::Progress(p) => {
+                Applied::Progress(p) if render => {
                     batch.push(&p);
                     if lines_out && let Some(json) = batch.last() {
                         lines.progress(out, json);
                     }
                 }
-                Applied::Cleared | Applied::Unchanged => {}
+                Applied::Progress(_) | Applied::Cleared | Applied::Unchanged => {}
             }
         })?;
         if let Some(message) = upstream_error {
@@ -361,6 +429,7 @@ impl StreamState {
         if done {
             // `Done` is the last chunk of its frame (`[DONE]`, Ollama's
             // `done: true` line), so the done line(s) come right after it.
+            self.ended = true;
             self.write_done(out);
         }
         Ok(info)

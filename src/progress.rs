@@ -50,12 +50,13 @@ pub enum CallState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolCall {
     /// The provider's `tool_calls[j].index` (or the resolved one).
-    pub index: u32,
+    pub index: i64,
     /// Empty until the provider sends one.
     pub id: String,
     /// Empty until the provider sends one.
     pub name: String,
-    /// The arguments text, unescaped.
+    /// The arguments text, unescaped; empty when the tracker was made not to
+    /// keep it.
     pub arguments: String,
     /// `arguments` in UTF-16 code units (JavaScript `String.length`).
     pub chars_accumulated: usize,
@@ -65,8 +66,8 @@ pub struct ToolCall {
 /// One `toolCallProgress`, borrowed from the tracker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress<'a> {
-    pub choice: u32,
-    pub index: u32,
+    pub choice: i64,
+    pub index: i64,
     pub name: &'a str,
     pub chars_accumulated: usize,
     /// When this index entered the in-progress map, Unix milliseconds.
@@ -86,11 +87,16 @@ pub enum Applied<'a> {
 
 #[derive(Debug, Default)]
 struct ChoiceCalls {
-    choice: u32,
+    choice: i64,
     /// Sorted by index.
     calls: Vec<ToolCall>,
     /// Index of the call the last delta went to.
-    last_touched: Option<u32>,
+    last_touched: Option<i64>,
+    /// Every id seen, with the call it named (an id stays that call's even
+    /// after a later delta replaced it).
+    ids: Vec<(String, i64)>,
+    /// The choice reported a `finish_reason`: its calls are whole.
+    finished: bool,
 }
 
 /// The progress state of one stream; see the module docs.
@@ -99,17 +105,25 @@ pub struct ToolCallTracker {
     /// Sorted by choice.
     choices: Vec<ChoiceCalls>,
     /// `(choice, index) → startedAt`: the calls being generated now.
-    in_progress: BTreeMap<(u32, u32), u64>,
+    in_progress: BTreeMap<(i64, i64), u64>,
     phase: StreamPhase,
     usage: Option<Usage>,
     /// Counts changes of the in-progress map (progress or clear), so an
     /// observer can tell cheaply whether there is anything new to publish.
     changes: u64,
+    /// Keep the arguments text (for the final `toolCalls`), or only count.
+    keep_arguments: bool,
 }
 
 impl ToolCallTracker {
-    pub fn new() -> Self {
-        Self::default()
+    /// A tracker; `keep_arguments` says whether the assembled arguments
+    /// text is kept (needed for the final `toolCalls`) or only counted
+    /// (O(1) memory per call, enough for progress).
+    pub fn new(keep_arguments: bool) -> Self {
+        ToolCallTracker {
+            keep_arguments,
+            ..ToolCallTracker::default()
+        }
     }
 
     /// Applies one chunk at time `now_ms`.
@@ -128,10 +142,10 @@ impl ToolCallTracker {
                 Applied::Progress(self.apply_delta(delta, now_ms))
             }
             Chunk::Finish { choice } => {
-                if let Some(c) = self.choices.iter_mut().find(|c| c.choice == *choice) {
-                    for call in &mut c.calls {
-                        call.state = CallState::Complete;
-                    }
+                let c = self.choice_mut(*choice);
+                c.finished = true;
+                for call in &mut c.calls {
+                    call.state = CallState::Complete;
                 }
                 Applied::Unchanged
             }
@@ -196,14 +210,22 @@ impl ToolCallTracker {
 
     /// Every choice that has tool calls, in choice order, with its calls in
     /// index order.
-    pub fn calls(&self) -> impl Iterator<Item = (u32, &[ToolCall])> {
+    pub fn calls(&self) -> impl Iterator<Item = (i64, &[ToolCall])> {
         self.choices
             .iter()
             .filter(|c| !c.calls.is_empty())
             .map(|c| (c.choice, c.calls.as_slice()))
     }
 
-    fn call(&self, choice: u32, index: u32) -> Option<&ToolCall> {
+    /// True when `choice` reported a `finish_reason` (so its calls are not
+    /// cut short by an error or a stream that just stopped).
+    pub fn finished(&self, choice: i64) -> bool {
+        self.choices
+            .iter()
+            .any(|c| c.choice == choice && c.finished)
+    }
+
+    fn call(&self, choice: i64, index: i64) -> Option<&ToolCall> {
         let c = self.choices.iter().find(|c| c.choice == choice)?;
         let i = c
             .calls
@@ -221,23 +243,20 @@ impl ToolCallTracker {
         Applied::Cleared
     }
 
+    fn choice_mut(&mut self, choice: i64) -> &mut ChoiceCalls {
+        choice_entry(&mut self.choices, choice)
+    }
+
     fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now_ms: u64) -> Progress<'_> {
-        let pos = match self
-            .choices
-            .binary_search_by_key(&delta.choice, |c| c.choice)
-        {
-            Ok(pos) => pos,
-            Err(pos) => {
-                let calls = ChoiceCalls {
-                    choice: delta.choice,
-                    ..ChoiceCalls::default()
-                };
-                self.choices.insert(pos, calls);
-                pos
-            }
-        };
-        let choice = &mut self.choices[pos];
+        let keep_arguments = self.keep_arguments;
+        self.changes += 1;
+        let choice = choice_entry(&mut self.choices, delta.choice);
         let index = resolve_index(choice, delta);
+        if let Some(id) = &delta.id
+            && !choice.ids.iter().any(|(seen, _)| seen == id)
+        {
+            choice.ids.push((id.to_string(), index));
+        }
         choice.last_touched = Some(index);
         let slot = match choice.calls.binary_search_by_key(&index, |c| c.index) {
             Ok(slot) => slot,
@@ -267,19 +286,22 @@ impl ToolCallTracker {
         match &delta.arguments {
             ArgumentsDelta::Unchanged => {}
             ArgumentsDelta::Append(fragment) => {
-                call.arguments.push_str(fragment);
+                if keep_arguments {
+                    call.arguments.push_str(fragment);
+                }
                 call.chars_accumulated += utf16_len(fragment);
             }
             ArgumentsDelta::Replace(whole) => {
                 call.arguments.clear();
-                call.arguments.push_str(whole);
+                if keep_arguments {
+                    call.arguments.push_str(whole);
+                }
                 call.chars_accumulated = utf16_len(whole);
             }
         }
-        if !call.arguments.is_empty() {
+        if call.chars_accumulated > 0 {
             call.state = CallState::StreamingArgs;
         }
-        self.changes += 1;
         let started_at_ms = *self
             .in_progress
             .entry((delta.choice, index))
@@ -294,15 +316,31 @@ impl ToolCallTracker {
     }
 }
 
+/// The calls of `choice`, created in choice order when new.
+fn choice_entry(choices: &mut Vec<ChoiceCalls>, choice: i64) -> &mut ChoiceCalls {
+    let pos = match choices.binary_search_by_key(&choice, |c| c.choice) {
+        Ok(pos) => pos,
+        Err(pos) => {
+            let calls = ChoiceCalls {
+                choice,
+                ..ChoiceCalls::default()
+            };
+            choices.insert(pos, calls);
+            pos
+        }
+    };
+    &mut choices[pos]
+}
+
 /// SPEC.md, "Which call a `tool_calls` entry belongs to".
-fn resolve_index(choice: &ChoiceCalls, delta: &ToolCallDelta<'_>) -> u32 {
+fn resolve_index(choice: &ChoiceCalls, delta: &ToolCallDelta<'_>) -> i64 {
     if let Some(index) = delta.index {
         return index;
     }
     if let Some(id) = &delta.id
-        && let Some(call) = choice.calls.iter().find(|c| c.id == *id)
+        && let Some((_, index)) = choice.ids.iter().find(|(seen, _)| seen == id)
     {
-        return call.index;
+        return *index;
     }
     let next = choice.calls.last().map_or(0, |c| c.index.saturating_add(1));
     if delta.id.is_some() || delta.name.is_some() {
@@ -317,7 +355,7 @@ mod tests {
     use std::borrow::Cow;
 
     fn delta(
-        index: Option<u32>,
+        index: Option<i64>,
         id: Option<&str>,
         name: Option<&str>,
         args: &str,
@@ -331,7 +369,7 @@ mod tests {
         })
     }
 
-    fn progress(t: &mut ToolCallTracker, chunk: Chunk<'_>, now: u64) -> (u32, String, usize, u64) {
+    fn progress(t: &mut ToolCallTracker, chunk: Chunk<'_>, now: u64) -> (i64, String, usize, u64) {
         match t.apply(&chunk, now) {
             Applied::Progress(p) => (
                 p.index,
@@ -345,7 +383,7 @@ mod tests {
 
     #[test]
     fn same_index_keeps_started_at_and_counts_utf16() {
-        let mut t = ToolCallTracker::new();
+        let mut t = ToolCallTracker::new(true);
         assert_eq!(
             progress(&mut t, delta(Some(0), Some("c1"), Some("edit"), ""), 100),
             (0, "edit".into(), 0, 100)
@@ -382,14 +420,14 @@ mod tests {
                 message: "x".into(),
             },
         ] {
-            let mut t = ToolCallTracker::new();
+            let mut t = ToolCallTracker::new(true);
             progress(&mut t, delta(Some(0), None, Some("f"), ""), 1);
             assert_eq!(t.apply(&clear, 2), Applied::Cleared);
             assert_eq!(t.in_progress().count(), 0);
             // The assembled calls survive a clear.
             assert_eq!(t.calls().count(), 1);
         }
-        let mut t = ToolCallTracker::new();
+        let mut t = ToolCallTracker::new(true);
         progress(&mut t, delta(Some(0), None, Some("f"), ""), 1);
         assert_eq!(t.tool_execution_started(), Applied::Cleared);
         assert_eq!(t.apply(&text, 3), Applied::Unchanged);
@@ -402,7 +440,7 @@ mod tests {
 
     #[test]
     fn entries_without_index_resolve_by_id_then_name_then_last_touched() {
-        let mut t = ToolCallTracker::new();
+        let mut t = ToolCallTracker::new(true);
         assert_eq!(
             progress(&mut t, delta(None, Some("a"), Some("f"), "{"), 1).0,
             0
@@ -424,7 +462,7 @@ mod tests {
 
     #[test]
     fn index_is_authoritative_and_names_replace() {
-        let mut t = ToolCallTracker::new();
+        let mut t = ToolCallTracker::new(true);
         progress(&mut t, delta(Some(0), Some("a"), Some("get"), "1"), 1);
         progress(
             &mut t,
@@ -445,7 +483,7 @@ mod tests {
 
     #[test]
     fn replace_resets_the_count_and_end_completes_calls() {
-        let mut t = ToolCallTracker::new();
+        let mut t = ToolCallTracker::new(true);
         progress(&mut t, delta(Some(0), None, Some("f"), "abc"), 1);
         let replace = Chunk::ToolCallDelta(ToolCallDelta {
             choice: 0,

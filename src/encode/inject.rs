@@ -16,8 +16,9 @@
 //! - `none`: nothing.
 //!
 //! Nothing is ever added inside `delta`, nor under a key named `error`, nor
-//! to a frame that already has a `toolCallProgress` (so annotating twice
-//! changes nothing the second time).
+//! to a frame that already has a `toolCallProgress` (so in `field` mode,
+//! annotating an annotated stream changes nothing; the other modes add their
+//! events again).
 
 use super::{InjectMode, ProgressBatch, Sink};
 use crate::providers::FrameInfo;
@@ -34,19 +35,23 @@ pub struct Frame<'a, 'i> {
     pub info: Option<&'a FrameInfo<'i>>,
 }
 
-/// Writes one frame with its progress. `scratch` is reused between calls.
+/// Writes one frame, with its progress inside it (`field`), and renders in
+/// `after` what goes after it (`comment`, `event`, `chunk`; empty
+/// otherwise), for the caller to insert now or, when the frame's line
+/// ending is not known yet, once it is.
 pub fn write_frame(
     out: &mut impl Sink,
     frame: &Frame<'_, '_>,
     mode: InjectMode,
     progress: &ProgressBatch,
-    scratch: &mut String,
+    after: &mut String,
 ) {
+    after.clear();
     let info = match frame.info {
         Some(info) if !progress.is_empty() && !info.already_annotated => info,
         _ => return out.forward(frame.raw),
     };
-    scratch.clear();
+    let scratch = after;
     match mode {
         InjectMode::None => return out.forward(frame.raw),
         InjectMode::Field => {
@@ -77,6 +82,7 @@ pub fn write_frame(
             out.forward(before);
             out.insert(scratch.as_bytes());
             out.forward(after);
+            scratch.clear();
             return;
         }
         InjectMode::Comment => {
@@ -99,6 +105,7 @@ pub fn write_frame(
         }
         InjectMode::Chunk => {
             if info.finishes || info.has_usage {
+                scratch.clear();
                 return out.forward(frame.raw);
             }
             for p in progress.iter() {
@@ -113,7 +120,11 @@ pub fn write_frame(
                         scratch.push('"');
                         scratch.push_str(key);
                         scratch.push_str("\":");
-                        scratch.push_str(value.get());
+                        // A value from a multi-line `data` can hold line
+                        // breaks; in JSON they are whitespace outside
+                        // strings (inside, they are escaped), so dropping
+                        // them keeps the value and the `data:` line whole.
+                        scratch.extend(value.get().chars().filter(|c| !matches!(c, '\r' | '\n')));
                         scratch.push(',');
                     }
                 }
@@ -126,7 +137,6 @@ pub fn write_frame(
         }
     }
     out.forward(frame.raw);
-    out.insert(scratch.as_bytes());
 }
 
 fn push_line_end(s: &mut String, line_ending: &[u8]) {

@@ -24,7 +24,10 @@
 //!   (`id` is `""` when the provider sent none). When several choices made
 //!   tool calls, each gets its own `done` line, in choice order, with
 //!   `"choice":k` for k > 0; with no tool calls at all there is one
-//!   `{"done":true}`.
+//!   `{"done":true}`. When a choice never reported a `finish_reason` (the
+//!   stream failed or just stopped), its `done` line has
+//!   `"incomplete":true`: its last call's arguments may be cut short, so do
+//!   not run it blindly.
 //! - `usage` is `{"promptTokens":…,"completionTokens":…,"totalTokens":…}`,
 //!   the last usage of the stream, on the last `done` line only, so it is
 //!   counted once. Progress lines never carry text or usage: concatenating
@@ -76,7 +79,7 @@ impl LineEncoder {
     }
 
     /// A `contentDelta` or `reasoningDelta` line.
-    pub fn text(&mut self, out: &mut impl Sink, field: TextField, choice: u32, text: &str) {
+    pub fn text(&mut self, out: &mut impl Sink, field: TextField, choice: i64, text: &str) {
         self.open();
         self.line.push_str(match field {
             TextField::Content => "\"contentDelta\":",
@@ -130,6 +133,11 @@ impl LineEncoder {
                 self.line.push_str("}}");
             }
             self.line.push(']');
+            if !tracker.finished(choice) {
+                // The stream stopped (error, cut, no finish_reason) before
+                // this choice finished: its calls may be cut short.
+                self.line.push_str(",\"incomplete\":true");
+            }
             if i + 1 == choices {
                 self.usage(usage);
             }
@@ -147,7 +155,7 @@ impl LineEncoder {
         }
     }
 
-    fn choice(&mut self, choice: u32) {
+    fn choice(&mut self, choice: i64) {
         if choice != 0 {
             let _ = write!(self.line, ",\"choice\":{choice}");
         }

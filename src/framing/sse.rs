@@ -63,10 +63,16 @@ pub enum SseBlockKind<'a> {
     /// keep-alives, stray blank lines): nothing is dispatched.
     NoData,
     /// The input ended before the blank line that would end this block.
-    /// Per WHATWG nothing is dispatched; `has_data` says whether fields
-    /// (complete `data` lines, or a last line cut off mid-way) were lost to
-    /// that rule; `number` is the number the event would have had.
+    /// Per WHATWG nothing is dispatched; `has_data` says whether data
+    /// (complete `data` lines, or a last `data` line cut off mid-way) was
+    /// lost to that rule; `number` is the number the event would have had.
     Unterminated { has_data: bool, number: u64 },
+    /// Follows an event whose blank line ended with a CR at the end of the
+    /// input then available ([`SseEvent::line_ending_open`]): `raw` is the
+    /// LF that completed that CRLF, or empty when the next byte (or the end
+    /// of input) showed that no LF follows. The event itself was handed out
+    /// at once, not held until this byte arrived.
+    LineEndTail,
 }
 
 /// A dispatched event.
@@ -86,6 +92,10 @@ pub struct SseEvent<'a> {
     pub closing_brace: Option<usize>,
     /// The line break of the blank line that ended the event.
     pub line_ending: LineEnding,
+    /// The blank line ended with a CR at the end of the input then
+    /// available: it may yet be a CRLF, which the next block, a
+    /// [`SseBlockKind::LineEndTail`], tells.
+    pub line_ending_open: bool,
 }
 
 /// Incremental SSE decoder; see the module docs.
@@ -101,6 +111,9 @@ pub struct SseDecoder {
     reset_pending: bool,
     /// Start of the next line to read, as an index into `buf`.
     scan: usize,
+    /// `buf[scan..searched]` holds no line break: a long line arriving in
+    /// pieces is searched once, not once per piece.
+    searched: usize,
     /// Stream offset of `buf[0]`.
     base_offset: u64,
     /// The BOM check at stream start is done.
@@ -108,9 +121,9 @@ pub struct SseDecoder {
     /// The last line ended with a CR at the end of the available input, so an
     /// LF arriving next belongs to that line break.
     skip_lf: bool,
-    /// The blank line ending the current block ended with a CR at the end of
-    /// the input: the block is complete, but an LF may still belong to it.
-    awaiting_lf: bool,
+    /// The last event's blank line ended with a CR at the end of the input:
+    /// a [`SseBlockKind::LineEndTail`] is due once the next byte is known.
+    tail_pending: bool,
     /// No more input will come.
     eof: bool,
     data: Vec<u8>,
@@ -136,6 +149,7 @@ impl SseDecoder {
             self.buf.drain(..n);
             self.base_offset += n as u64;
             self.scan -= n;
+            self.searched -= n;
             self.data_last_byte = self.data_last_byte.map(|i| i - n);
             self.start = 0;
         }
@@ -175,16 +189,16 @@ impl SseDecoder {
             }
         }
         loop {
-            if self.awaiting_lf {
+            if self.tail_pending {
                 match self.buf.get(self.scan) {
-                    Some(b'\n') => {
-                        self.scan += 1;
-                        return Some(self.dispatch(LineEnding::CrLf));
-                    }
-                    Some(_) => return Some(self.dispatch(LineEnding::Cr)),
-                    None if self.eof => return Some(self.dispatch(LineEnding::Cr)),
+                    Some(b'\n') => self.scan += 1,
+                    Some(_) => {}
+                    None if self.eof => {}
                     None => return None,
                 }
+                self.tail_pending = false;
+                self.searched = self.scan;
+                return Some(self.hand_out(SseBlockKind::LineEndTail));
             }
             if self.skip_lf {
                 match self.buf.get(self.scan) {
@@ -195,12 +209,13 @@ impl SseDecoder {
                 }
                 self.skip_lf = false;
             }
-            let rest = &self.buf[self.scan..];
-            let Some(len) = memchr2(b'\r', b'\n', rest) else {
+            let from = self.searched.max(self.scan);
+            let Some(len) = memchr2(b'\r', b'\n', &self.buf[from..]) else {
+                self.searched = self.buf.len();
                 return self.unterminated_tail();
             };
             let line_start = self.scan;
-            let line_end = self.scan + len;
+            let line_end = from + len;
             let mut next = line_end + 1;
             let mut ending = LineEnding::Lf;
             let mut cr_at_end = false;
@@ -216,12 +231,11 @@ impl SseDecoder {
                 }
             }
             self.scan = next;
+            self.searched = next;
             if line_start == line_end {
-                if cr_at_end && !self.eof {
-                    self.awaiting_lf = true;
-                    continue;
-                }
-                return Some(self.dispatch(ending));
+                let open = cr_at_end && !self.eof;
+                self.tail_pending = open;
+                return Some(self.dispatch(ending, open));
             }
             self.skip_lf = cr_at_end;
             self.field(line_start, line_end);
@@ -270,13 +284,8 @@ impl SseDecoder {
     }
 
     /// Hands out `buf[start..scan]` as a block ended by a blank line.
-    fn dispatch(&mut self, line_ending: LineEnding) -> SseBlock<'_> {
+    fn dispatch(&mut self, line_ending: LineEnding, line_ending_open: bool) -> SseBlock<'_> {
         let start = self.start;
-        let end = self.scan;
-        self.start = end;
-        self.reset_pending = true;
-        self.awaiting_lf = false;
-        let offset = self.base_offset + start as u64;
         let kind = if self.has_data {
             self.events += 1;
             let closing_brace = self
@@ -290,13 +299,29 @@ impl SseDecoder {
                 last_event_id: &self.last_event_id,
                 closing_brace,
                 line_ending,
+                line_ending_open,
             })
         } else {
             SseBlockKind::NoData
         };
+        let end = self.scan;
+        self.start = end;
+        self.reset_pending = true;
         SseBlock {
             raw: &self.buf[start..end],
-            offset,
+            offset: self.base_offset + start as u64,
+            kind,
+        }
+    }
+
+    /// Hands out `buf[start..scan]` as a block of `kind`.
+    fn hand_out<'a>(&'a mut self, kind: SseBlockKind<'a>) -> SseBlock<'a> {
+        let start = self.start;
+        self.start = self.scan;
+        self.reset_pending = true;
+        SseBlock {
+            raw: &self.buf[start..self.scan],
+            offset: self.base_offset + start as u64,
             kind,
         }
     }
@@ -307,10 +332,12 @@ impl SseDecoder {
             return None;
         }
         let start = self.start;
-        // A last line cut off before its line break counts too, unless it
-        // is a comment: `data: {…}` at EOF is data lost to the rule.
+        // A last `data` line cut off before its line break is data lost
+        // too (its first bytes are a prefix of `data:`, or it is `data:…`).
         let partial = &self.buf[self.scan..];
-        let has_data = self.has_data || partial.first().is_some_and(|b| *b != b':');
+        let cut_data_line =
+            !partial.is_empty() && b"data:".starts_with(&partial[..partial.len().min(5)]);
+        let has_data = self.has_data || cut_data_line;
         self.scan = self.buf.len();
         self.start = self.buf.len();
         self.reset_pending = true;

@@ -15,12 +15,9 @@
 pub mod ollama;
 pub mod openai_chat;
 
-use std::borrow::Cow;
-use std::fmt;
-use std::marker::PhantomData;
-
-use serde::de::{self, Deserialize, Deserializer, Visitor};
+use serde::de::{self, Deserialize, Deserializer};
 use serde_json::value::RawValue;
+use std::borrow::Cow;
 
 use crate::chunk::{ArgumentsDelta, Chunk};
 use crate::framing::Framing;
@@ -71,8 +68,10 @@ pub struct FrameInfo<'a> {
 pub enum FrameError {
     #[error("data is not UTF-8 (byte {valid_up_to} of the data)")]
     NotUtf8 { valid_up_to: usize },
-    #[error("invalid JSON: {0}")]
+    #[error("cannot parse JSON: {0}")]
     InvalidJson(serde_json::Error),
+    #[error("not a JSON object")]
+    NotAnObject,
     #[error("unexpected JSON shape: {0}")]
     UnexpectedShape(serde_json::Error),
 }
@@ -107,12 +106,18 @@ pub fn decode<'a>(
 /// What a decoder must remember between frames.
 #[derive(Debug, Default)]
 pub struct DecoderState {
-    /// Ollama: tool calls seen so far, to number calls that come without an
-    /// index.
-    pub ollama_calls: u32,
+    /// Ollama: the index the next tool call gets unless it brings a higher
+    /// free one.
+    pub ollama_calls: i64,
 }
 
 // === shared borrowed views ===
+//
+// Every leaf is parsed inside `Deserialize`, so a frame either parses whole
+// or fails before any chunk is emitted. Strings go through `&RawValue` and
+// our own unescaper: JavaScript accepts lone surrogate escapes (`\ud83d`,
+// which a UTF-16 server can produce by cutting a fragment inside a pair),
+// serde_json's string decoder does not.
 
 /// A JSON string that borrows from the input when it has no escapes.
 #[derive(Debug)]
@@ -120,23 +125,10 @@ pub(crate) struct JsonStr<'a>(pub Cow<'a, str>);
 
 impl<'de: 'a, 'a> Deserialize<'de> for JsonStr<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<'a>(PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
-            type Value = JsonStr<'a>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(JsonStr(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(JsonStr(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(JsonStr(Cow::Owned(v)))
-            }
-        }
-        d.deserialize_str(V(PhantomData))
+        let raw: &'de RawValue = Deserialize::deserialize(d)?;
+        decode_string(raw.get()).map(JsonStr).ok_or_else(|| {
+            de::Error::custom(format_args!("expected a string, found {}", raw.get()))
+        })
     }
 }
 
@@ -147,82 +139,170 @@ impl<'a> JsonStr<'a> {
     }
 }
 
+/// The text of a JSON string literal (`json` is a validated JSON value),
+/// or `None` when it is not a string. Lone surrogate escapes become U+FFFD,
+/// which is one UTF-16 unit like the surrogate, so lengths stay JavaScript's.
+pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
+    let inner = json.strip_prefix('"')?.strip_suffix('"')?;
+    if memchr::memchr(b'\\', inner.as_bytes()).is_none() {
+        // A validated JSON string without escapes is its own text.
+        return Some(Cow::Borrowed(inner));
+    }
+    let mut out = String::with_capacity(inner.len());
+    let mut chars = inner.chars();
+    let mut pending_high: Option<u16> = None;
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            flush_high(&mut pending_high, &mut out);
+            out.push(c);
+            continue;
+        }
+        let escaped = match chars.next()? {
+            'u' => {
+                let hex: String = chars.by_ref().take(4).collect();
+                let unit = u16::from_str_radix(&hex, 16).ok()?;
+                match (pending_high.take(), unit) {
+                    (Some(high), 0xDC00..=0xDFFF) => {
+                        let code = 0x10000
+                            + ((u32::from(high) - 0xD800) << 10)
+                            + (u32::from(unit) - 0xDC00);
+                        out.push(char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER));
+                    }
+                    (high, 0xD800..=0xDBFF) => {
+                        if high.is_some() {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                        }
+                        pending_high = Some(unit);
+                    }
+                    (high, _) => {
+                        if high.is_some() {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                        }
+                        out.push(
+                            char::from_u32(u32::from(unit)).unwrap_or(char::REPLACEMENT_CHARACTER),
+                        );
+                    }
+                }
+                continue;
+            }
+            '"' => '"',
+            '\\' => '\\',
+            '/' => '/',
+            'b' => '\u{8}',
+            'f' => '\u{c}',
+            'n' => '\n',
+            'r' => '\r',
+            't' => '\t',
+            _ => return None,
+        };
+        flush_high(&mut pending_high, &mut out);
+        out.push(escaped);
+    }
+    flush_high(&mut pending_high, &mut out);
+    Some(Cow::Owned(out))
+}
+
+/// A high surrogate not followed by a low one stands alone: U+FFFD.
+fn flush_high(pending_high: &mut Option<u16>, out: &mut String) {
+    if pending_high.take().is_some() {
+        out.push(char::REPLACEMENT_CHARACTER);
+    }
+}
+
 /// A tool call's `arguments`: a string fragment or a whole value.
 #[derive(Debug)]
 pub(crate) struct ArgumentsView<'a>(pub ArgumentsDelta<'a>);
 
 impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<'a>(PhantomData<&'a ()>);
-        fn whole<'a, E>(value: serde_json::Value) -> Result<ArgumentsView<'a>, E> {
-            Ok(ArgumentsView(ArgumentsDelta::Replace(
-                crate::js::stringify_to_string(&value),
-            )))
+        let raw: &'de RawValue = Deserialize::deserialize(d)?;
+        let json = raw.get();
+        if json == "null" {
+            return Ok(ArgumentsView(ArgumentsDelta::Unchanged));
         }
-        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
-            type Value = ArgumentsView<'a>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string or a JSON value")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(ArgumentsView(ArgumentsDelta::Append(Cow::Borrowed(v))))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(ArgumentsView(ArgumentsDelta::Append(Cow::Owned(
-                    v.to_owned(),
-                ))))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(ArgumentsView(ArgumentsDelta::Append(Cow::Owned(v))))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(ArgumentsView(ArgumentsDelta::Unchanged))
-            }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
-                whole(serde_json::Value::Bool(v))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                whole(serde_json::Value::from(v))
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
-                whole(serde_json::Value::from(v))
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
-                whole(serde_json::Value::from(v))
-            }
-            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                whole(serde_json::Value::deserialize(
-                    de::value::MapAccessDeserializer::new(map),
-                )?)
-            }
-            fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-                whole(serde_json::Value::deserialize(
-                    de::value::SeqAccessDeserializer::new(seq),
-                )?)
-            }
+        if let Some(text) = decode_string(json) {
+            return Ok(ArgumentsView(ArgumentsDelta::Append(text)));
         }
-        d.deserialize_any(V(PhantomData))
+        // A whole value: serialized as JavaScript's JSON.stringify would.
+        let value: serde_json::Value = serde_json::from_str(json).map_err(de::Error::custom)?;
+        Ok(ArgumentsView(ArgumentsDelta::Replace(
+            crate::js::stringify_to_string(&value),
+        )))
     }
 }
 
-/// A JSON number that is a non-negative integer fitting `u32` (`1.0`
-/// included, as JavaScript's `Number.isInteger` would say); anything else is
-/// `None`.
-pub(crate) fn raw_u32(raw: Option<&RawValue>) -> Option<u32> {
-    raw_u64(raw).and_then(|n| u32::try_from(n).ok())
+/// A JSON number that is an integer (`1.0` included, as JavaScript's
+/// `Number.isInteger` would say) within `i64`; anything else is `None`.
+pub(crate) fn raw_i64(raw: Option<&RawValue>) -> Option<i64> {
+    let text = raw?.get();
+    if let Ok(n) = text.parse::<i64>() {
+        return Some(n);
+    }
+    let f = text.parse::<f64>().ok()?;
+    // The range check keeps the cast exact: ±2^63 excluded.
+    (f.fract() == 0.0 && f.abs() < 9.223_372_036_854_776e18).then_some(f as i64)
 }
 
 /// A JSON number that is a non-negative integer; anything else is `None`.
 pub(crate) fn raw_u64(raw: Option<&RawValue>) -> Option<u64> {
-    let text = raw?.get();
-    if let Ok(n) = text.parse::<u64>() {
-        return Some(n);
-    }
-    let f = text.parse::<f64>().ok()?;
-    (f.fract() == 0.0 && f >= 0.0 && f <= u64::MAX as f64).then_some(f as u64)
+    raw_i64(raw).and_then(|n| u64::try_from(n).ok())
 }
 
 /// True when a raw value is present and not `null`.
 pub(crate) fn is_set(raw: Option<&RawValue>) -> bool {
     raw.is_some_and(|r| r.get() != "null")
+}
+
+/// The frame's data must be a JSON object: serde would read an array into
+/// a struct field by field, and JavaScript's `chunk.choices` of an array is
+/// `undefined`.
+pub(crate) fn expect_object(data: &str) -> Result<(), FrameError> {
+    if data.trim_start().starts_with('{') {
+        Ok(())
+    } else {
+        Err(FrameError::NotAnObject)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strings_decode_like_javascript_json_parse() {
+        let s = |json: &str| decode_string(json).map(|c| c.into_owned());
+        assert_eq!(s(r#""plain""#).as_deref(), Some("plain"));
+        assert!(matches!(
+            decode_string(r#""plain""#),
+            Some(Cow::Borrowed(_))
+        ));
+        assert_eq!(
+            s(r#""a\"b\\c\/d\n\t\u00e9""#).as_deref(),
+            Some("a\"b\\c/d\n\t\u{e9}")
+        );
+        assert_eq!(s(r#""\ud83d\ude00""#).as_deref(), Some("😀"));
+        // Lone surrogates: one U+FFFD each, one UTF-16 unit each, as in JS.
+        assert_eq!(s(r#""x\ud83d""#).as_deref(), Some("x\u{fffd}"));
+        assert_eq!(s(r#""\ude00y""#).as_deref(), Some("\u{fffd}y"));
+        assert_eq!(s(r#""\ud83d\ud83d\ude00""#).as_deref(), Some("\u{fffd}😀"));
+        assert_eq!(
+            crate::js::utf16_len(&s(r#""\ud83dx\ude00""#).unwrap_or_default()),
+            3
+        );
+        assert_eq!(s("5"), None);
+        assert_eq!(s("null"), None);
+    }
+
+    #[test]
+    fn integers_as_javascript_sees_them() {
+        let raw = |t: &str| serde_json::from_str::<Box<RawValue>>(t).expect("json");
+        assert_eq!(raw_i64(Some(&raw("3"))), Some(3));
+        assert_eq!(raw_i64(Some(&raw("-1"))), Some(-1));
+        assert_eq!(raw_i64(Some(&raw("2.0"))), Some(2));
+        assert_eq!(raw_i64(Some(&raw("4294967296"))), Some(4_294_967_296));
+        assert_eq!(raw_i64(Some(&raw("1.5"))), None);
+        assert_eq!(raw_i64(Some(&raw("\"0\""))), None);
+        assert_eq!(raw_i64(Some(&raw("1e300"))), None);
+        assert_eq!(raw_u64(Some(&raw("-1"))), None);
+    }
 }

@@ -18,7 +18,8 @@ use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, is_set, raw_u32, raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, expect_object, is_set, raw_i64,
+    raw_u64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 
@@ -74,6 +75,7 @@ pub fn decode<'a>(
     state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
+    expect_object(data)?;
     let view: LineView<'a> = serde_json::from_str(data)?;
     let done = view.done == Some(true);
     let mut info = FrameInfo {
@@ -114,7 +116,7 @@ pub fn decode<'a>(
 fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallDelta<'a> {
     let (wire_index, name, arguments) = match call.function {
         Some(f) => (
-            raw_u32(f.index),
+            raw_i64(f.index),
             JsonStr::non_empty(f.name),
             f.arguments.map_or(ArgumentsDelta::Unchanged, |a| a.0),
         ),

@@ -14,7 +14,12 @@
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::{ArgumentsView, FrameError, FrameInfo, JsonStr, is_set, raw_u32, raw_u64};
+use serde::de::{self, Deserializer};
+
+use super::{
+    ArgumentsView, FrameError, FrameInfo, JsonStr, decode_string, expect_object, is_set, raw_i64,
+    raw_u64,
+};
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 
 #[derive(Deserialize)]
@@ -52,7 +57,7 @@ struct ChoiceView<'a> {
 #[derive(Deserialize)]
 struct DeltaView<'a> {
     #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Option<ContentView<'a>>,
     #[serde(borrow, default)]
     reasoning_content: Option<JsonStr<'a>>,
     #[serde(borrow, default)]
@@ -95,6 +100,14 @@ struct XGroqView<'a> {
     usage: Option<UsageView<'a>>,
 }
 
+/// `delta.content`: a string, or Mistral's array of typed parts; anything
+/// else carries no text.
+enum ContentView<'a> {
+    Text(JsonStr<'a>),
+    Parts(Vec<PartView<'a>>),
+    Other,
+}
+
 /// A Mistral content part: `{"type":"text","text":…}` or
 /// `{"type":"thinking","thinking":[{"type":"text","text":…}]}`.
 #[derive(Deserialize)]
@@ -104,7 +117,22 @@ struct PartView<'a> {
     #[serde(borrow, default)]
     text: Option<JsonStr<'a>>,
     #[serde(borrow, default)]
-    thinking: Option<&'a RawValue>,
+    thinking: Option<ContentView<'a>>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for ContentView<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw: &'de RawValue = Deserialize::deserialize(d)?;
+        let json = raw.get();
+        if let Some(text) = decode_string(json) {
+            return Ok(ContentView::Text(JsonStr(text)));
+        }
+        if json.starts_with('[') {
+            let parts = serde_json::from_str(json).map_err(de::Error::custom)?;
+            return Ok(ContentView::Parts(parts));
+        }
+        Ok(ContentView::Other)
+    }
 }
 
 impl UsageView<'_> {
@@ -126,6 +154,9 @@ pub fn decode<'a>(
         emit(Chunk::Done);
         return Ok(FrameInfo::default());
     }
+    expect_object(data)?;
+    // The whole frame is parsed here; from now on nothing can fail, so a
+    // bad frame emits no chunk at all.
     let view: ChunkView<'a> = serde_json::from_str(data)?;
     let mut info = FrameInfo {
         is_object: true,
@@ -142,9 +173,9 @@ pub fn decode<'a>(
         });
     }
     for choice in view.choices.into_iter().flatten() {
-        let k = raw_u32(choice.index).unwrap_or(0);
+        let k = raw_i64(choice.index).unwrap_or(0);
         if let Some(delta) = choice.delta {
-            decode_delta(k, delta, emit)?;
+            decode_delta(k, delta, emit);
         }
         if is_set(choice.finish_reason) {
             info.finishes = true;
@@ -162,11 +193,7 @@ pub fn decode<'a>(
     Ok(info)
 }
 
-fn decode_delta<'a>(
-    choice: u32,
-    delta: DeltaView<'a>,
-    emit: &mut dyn FnMut(Chunk<'a>),
-) -> Result<(), FrameError> {
+fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chunk<'a>)) {
     // Some servers (newer vLLM) send the same text as both fields.
     let reasoning =
         JsonStr::non_empty(delta.reasoning_content).or_else(|| JsonStr::non_empty(delta.reasoning));
@@ -174,7 +201,7 @@ fn decode_delta<'a>(
         emit(Chunk::Reasoning { choice, text });
     }
     if let Some(content) = delta.content {
-        decode_content(choice, content, emit)?;
+        decode_content(choice, content, emit);
     }
     for call in delta.tool_calls.into_iter().flatten() {
         let (name, arguments) = match call.function {
@@ -186,70 +213,61 @@ fn decode_delta<'a>(
         };
         emit(Chunk::ToolCallDelta(ToolCallDelta {
             choice,
-            index: raw_u32(call.index),
+            index: raw_i64(call.index),
             id: JsonStr::non_empty(call.id),
             name,
             arguments,
         }));
     }
-    Ok(())
 }
 
-/// `delta.content`: a string, `null`, or an array of typed parts.
-fn decode_content<'a>(
-    choice: u32,
-    content: &'a RawValue,
-    emit: &mut dyn FnMut(Chunk<'a>),
-) -> Result<(), FrameError> {
-    let json = content.get();
-    if json.starts_with('"') {
-        let text: JsonStr<'a> = serde_json::from_str(json)?;
-        if !text.0.is_empty() {
-            emit(Chunk::Text {
-                choice,
-                text: text.0,
-            });
-        }
-    } else if json.starts_with('[') {
-        let parts: Vec<PartView<'a>> = serde_json::from_str(json)?;
-        for part in parts {
-            match part.kind.as_ref().map(|k| k.0.as_ref()) {
-                Some("thinking") => {
-                    if let Some(thinking) = part.thinking {
-                        decode_thinking(choice, thinking, emit)?;
-                    }
-                }
-                Some("text") | None => {
-                    if let Some(text) = JsonStr::non_empty(part.text) {
-                        emit(Chunk::Text { choice, text });
-                    }
-                }
-                Some(_) => {}
+/// Emits the text of `delta.content` (or of a Mistral thinking part's
+/// `thinking`): a string is answer text, parts of type `text` too, parts of
+/// type `thinking` reasoning.
+fn decode_content<'a>(choice: i64, content: ContentView<'a>, emit: &mut dyn FnMut(Chunk<'a>)) {
+    match content {
+        ContentView::Text(text) => {
+            if let Some(text) = JsonStr::non_empty(Some(text)) {
+                emit(Chunk::Text { choice, text });
             }
         }
+        ContentView::Parts(parts) => {
+            for part in parts {
+                match part.kind.as_ref().map(|k| k.0.as_ref()) {
+                    Some("thinking") => {
+                        if let Some(thinking) = part.thinking {
+                            decode_thinking(choice, thinking, emit);
+                        }
+                    }
+                    Some("text") | None => {
+                        if let Some(text) = JsonStr::non_empty(part.text) {
+                            emit(Chunk::Text { choice, text });
+                        }
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        ContentView::Other => {}
     }
-    Ok(())
 }
 
-/// A Mistral thinking part's `thinking`: a string or an array of text parts.
-fn decode_thinking<'a>(
-    choice: u32,
-    thinking: &'a RawValue,
-    emit: &mut dyn FnMut(Chunk<'a>),
-) -> Result<(), FrameError> {
-    let json = thinking.get();
-    if json.starts_with('"') {
-        let text: JsonStr<'a> = serde_json::from_str(json)?;
-        if let Some(text) = JsonStr::non_empty(Some(text)) {
-            emit(Chunk::Reasoning { choice, text });
+/// A Mistral thinking part's `thinking`: a string or an array of text parts,
+/// all reasoning.
+fn decode_thinking<'a>(choice: i64, thinking: ContentView<'a>, emit: &mut dyn FnMut(Chunk<'a>)) {
+    match thinking {
+        ContentView::Text(text) => {
+            if let Some(text) = JsonStr::non_empty(Some(text)) {
+                emit(Chunk::Reasoning { choice, text });
+            }
         }
-    } else if json.starts_with('[') {
-        let parts: Vec<PartView<'a>> = serde_json::from_str(json)?;
-        for text in parts.into_iter().filter_map(|p| JsonStr::non_empty(p.text)) {
-            emit(Chunk::Reasoning { choice, text });
+        ContentView::Parts(parts) => {
+            for text in parts.into_iter().filter_map(|p| JsonStr::non_empty(p.text)) {
+                emit(Chunk::Reasoning { choice, text });
+            }
         }
+        ContentView::Other => {}
     }
-    Ok(())
 }
 
 /// The human part of an error value: `error.message`, or the value itself.
@@ -279,7 +297,7 @@ mod tests {
     }
 
     fn delta<'a>(
-        index: Option<u32>,
+        index: Option<i64>,
         id: Option<&'a str>,
         name: Option<&'a str>,
         arguments: ArgumentsDelta<'a>,
@@ -424,7 +442,7 @@ mod tests {
         ));
         assert!(matches!(
             decode("[1]", &mut sink),
-            Err(FrameError::UnexpectedShape(_))
+            Err(FrameError::NotAnObject)
         ));
         assert!(matches!(
             decode(r#"{"choices":"x"}"#, &mut sink),

@@ -24,8 +24,8 @@ use crate::progress::ToolCallTracker;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProgressEntry {
     /// `choices[k].index`; 0 for nearly every stream.
-    pub choice: u32,
-    pub index: u32,
+    pub choice: i64,
+    pub index: i64,
     pub name: String,
     pub chars_accumulated: usize,
     /// Unix milliseconds at which this index entered the in-progress map.
@@ -169,8 +169,8 @@ mod tests {
     use super::*;
     use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta};
 
-    fn tracker_with(calls: &[(u32, &str, &str)], now: u64) -> ToolCallTracker {
-        let mut t = ToolCallTracker::new();
+    fn tracker_with(calls: &[(i64, &str, &str)], now: u64) -> ToolCallTracker {
+        let mut t = ToolCallTracker::new(true);
         for &(index, name, args) in calls {
             let chunk = Chunk::ToolCallDelta(ToolCallDelta {
                 choice: 0,

@@ -1,7 +1,7 @@
 use super::*;
 
 /// What a block says, owned, so a test can compare whole streams.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Seen {
     Event {
         raw: String,
@@ -12,6 +12,11 @@ enum Seen {
     },
     NoData(String),
     Unterminated(String, bool),
+    /// A `LineEndTail` block and, for checking, whether the event before it
+    /// had an open line ending.
+    Tail(String),
+    /// An event handed out with its line ending still open.
+    OpenEvent(String),
 }
 
 fn feed(pieces: &[&[u8]]) -> Vec<Seen> {
@@ -21,6 +26,7 @@ fn feed(pieces: &[&[u8]]) -> Vec<Seen> {
         while let Some(block) = decoder.next_block() {
             let raw = String::from_utf8_lossy(block.raw).into_owned();
             seen.push(match block.kind {
+                SseBlockKind::Event(e) if e.line_ending_open => Seen::OpenEvent(raw),
                 SseBlockKind::Event(e) => Seen::Event {
                     raw,
                     data: String::from_utf8_lossy(e.data).into_owned(),
@@ -30,6 +36,7 @@ fn feed(pieces: &[&[u8]]) -> Vec<Seen> {
                 },
                 SseBlockKind::NoData => Seen::NoData(raw),
                 SseBlockKind::Unterminated { has_data, .. } => Seen::Unterminated(raw, has_data),
+                SseBlockKind::LineEndTail => Seen::Tail(raw),
             });
         }
     };
@@ -70,10 +77,18 @@ fn events_end_at_blank_lines_and_keep_their_raw_bytes() {
 
 #[test]
 fn crlf_split_across_pieces_is_one_line_break() {
-    let expected = vec![event("data: x\r\n\r\n", "x", None, LineEnding::CrLf)];
-    assert_eq!(feed(&[b"data: x\r", b"\n\r", b"\n"]), expected);
-    assert_eq!(feed(&[b"data: x\r\n\r", b"\n"]), expected);
-    assert_eq!(bytewise(b"data: x\r\n\r\n"), expected);
+    let whole = vec![event("data: x\r\n\r\n", "x", None, LineEnding::CrLf)];
+    assert_eq!(feed(&[b"data: x\r\n\r\n"]), whole);
+    assert_eq!(feed(&[b"data: x\r", b"\n\r\n"]), whole);
+    // The event goes out at its CR, not when the next byte comes; the LF
+    // follows as the tail that closes its line ending.
+    let split = vec![
+        Seen::OpenEvent("data: x\r\n\r".into()),
+        Seen::Tail("\n".into()),
+    ];
+    assert_eq!(feed(&[b"data: x\r", b"\n\r", b"\n"]), split);
+    assert_eq!(feed(&[b"data: x\r\n\r", b"\n"]), split);
+    assert_eq!(bytewise(b"data: x\r\n\r\n"), split);
 }
 
 #[test]
@@ -82,8 +97,23 @@ fn cr_alone_ends_lines() {
         event("data: a\r\r", "a", None, LineEnding::Cr),
         event("data: b\r\r", "b", None, LineEnding::Cr),
     ];
-    assert_eq!(feed(&[b"data: a\r\rdata: b\r\r"]), expected);
-    assert_eq!(bytewise(b"data: a\r\rdata: b\r\r"), expected);
+    // Whole: the first event's CR is followed by a byte, so it is closed;
+    // the last one's is open until the end of input closes it.
+    let mut whole = expected[..1].to_vec();
+    whole.push(Seen::OpenEvent("data: b\r\r".into()));
+    whole.push(Seen::Tail(String::new()));
+    assert_eq!(feed(&[b"data: a\r\rdata: b\r\r"]), whole);
+    // Byte by byte, each event goes out at its second CR; the next byte (or
+    // the end of input) closes its line ending with an empty tail.
+    assert_eq!(
+        bytewise(b"data: a\r\rdata: b\r\r"),
+        vec![
+            Seen::OpenEvent("data: a\r\r".into()),
+            Seen::Tail(String::new()),
+            Seen::OpenEvent("data: b\r\r".into()),
+            Seen::Tail(String::new()),
+        ]
+    );
 }
 
 #[test]
