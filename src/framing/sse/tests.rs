@@ -93,15 +93,13 @@ fn crlf_split_across_pieces_is_one_line_break() {
 
 #[test]
 fn cr_alone_ends_lines() {
-    let expected = vec![
-        event("data: a\r\r", "a", None, LineEnding::Cr),
-        event("data: b\r\r", "b", None, LineEnding::Cr),
-    ];
     // Whole: the first event's CR is followed by a byte, so it is closed;
     // the last one's is open until the end of input closes it.
-    let mut whole = expected[..1].to_vec();
-    whole.push(Seen::OpenEvent("data: b\r\r".into()));
-    whole.push(Seen::Tail(String::new()));
+    let whole = vec![
+        event("data: a\r\r", "a", None, LineEnding::Cr),
+        Seen::OpenEvent("data: b\r\r".into()),
+        Seen::Tail(String::new()),
+    ];
     assert_eq!(feed(&[b"data: a\r\rdata: b\r\r"]), whole);
     // Byte by byte, each event goes out at its second CR; the next byte (or
     // the end of input) closes its line ending with an empty tail.
