@@ -309,6 +309,29 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
 }
 
+/// A usage error as one line, for `aalis-proxy: error: …`: clap's message
+/// with its line breaks folded, and where to read more. Clap's own
+/// multi-line block (tip, usage, "for more information") is for help, not
+/// for errors in a log.
+///
+/// `args` are the words the user typed (without the program name): the
+/// subcommand among them says which `--help` to point to.
+pub fn usage_error_line(err: &clap::Error, args: &[String]) -> String {
+    let rendered = err.render().to_string();
+    let message = rendered.split("\n\n").next().unwrap_or_default();
+    let message = message.strip_prefix("error: ").unwrap_or(message);
+    let mut line = message.split_whitespace().collect::<Vec<_>>().join(" ");
+    let cmd = command();
+    let subcommand = args
+        .iter()
+        .find(|a| cmd.get_subcommands().any(|s| s.get_name() == a.as_str()));
+    match subcommand {
+        Some(sub) => line.push_str(&format!(" (see 'aalis-proxy {sub} --help')")),
+        None => line.push_str(" (see 'aalis-proxy --help')"),
+    }
+    line
+}
+
 /// The clap command, for `--help`, the man page and tests.
 pub fn command() -> clap::Command {
     Cli::command()
@@ -328,6 +351,33 @@ mod tests {
         let err = Cli::try_parse_from(["aalis-proxy", "annotate", "--format", "messages"])
             .expect_err("--session is required");
         assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
+
+    #[test]
+    fn usage_errors_fit_on_one_line() {
+        let line = |args: &[&str]| {
+            let err = Cli::try_parse_from(args).expect_err("a usage error");
+            let typed: Vec<String> = args[1..].iter().map(|a| a.to_string()).collect();
+            usage_error_line(&err, &typed)
+        };
+        assert_eq!(
+            line(&["aalis-proxy", "annotate", "--bogus"]),
+            "unexpected argument '--bogus' found (see 'aalis-proxy annotate --help')"
+        );
+        assert_eq!(
+            line(&["aalis-proxy", "annotate", "--format", "messages"]),
+            "the following required arguments were not provided: --session <ID> \
+             (see 'aalis-proxy annotate --help')"
+        );
+        assert_eq!(
+            line(&["aalis-proxy", "annotate", "--inject", "x"]),
+            "invalid value 'x' for '--inject <MODE>' [possible values: field, comment, event, \
+             chunk, none] (see 'aalis-proxy annotate --help')"
+        );
+        assert_eq!(
+            line(&["aalis-proxy", "frobnicate"]),
+            "unrecognized subcommand 'frobnicate' (see 'aalis-proxy --help')"
+        );
     }
 
     #[test]

@@ -64,8 +64,13 @@ impl std::fmt::Display for Location {
 pub enum FilterError {
     // The io error is the source, not part of the message: `main` prints
     // the whole chain, and it would appear twice.
-    #[error("cannot read the input")]
-    Read(#[source] io::Error),
+    #[error("cannot read {input}")]
+    Read {
+        /// The file name, or `stdin`.
+        input: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot write the output")]
     Write(#[source] io::Error),
 }

@@ -15,9 +15,11 @@ use crate::pipeline::{Annotator, AnnotatorConfig};
 /// anyway when less is available.
 const READ_BYTES: usize = 64 * 1024;
 
-/// Runs the filter to the end of `input`.
+/// Runs the filter to the end of `input` (`input_name` says which, for
+/// messages).
 pub fn run(
     input: &mut dyn Read,
+    input_name: &str,
     output: &mut dyn Write,
     warnings: &mut dyn Write,
     config: AnnotatorConfig,
@@ -35,7 +37,10 @@ pub fn run(
                 // Whatever came before the failure still goes out.
                 annotator.finish(clock(), &mut out);
                 let _ = emit(output, warnings, &mut annotator, &mut out);
-                return Err(FilterError::Read(e));
+                return Err(FilterError::Read {
+                    input: input_name.to_owned(),
+                    source: e,
+                });
             }
         };
         annotator.push(&buf[..n], clock(), &mut out);

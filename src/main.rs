@@ -9,16 +9,19 @@ use anyhow::Context;
 use clap::Parser;
 
 use aalis_proxy::cli::{AnnotateArgs, Cli, Command, MockArgs, ServeArgs};
-use aalis_proxy::error::{EXIT_FAILURE, FilterError};
+use aalis_proxy::error::{EXIT_FAILURE, EXIT_USAGE, FilterError};
 use aalis_proxy::filter;
 use aalis_proxy::mock::{Capture, MockUpstream};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return usage_error(&err),
+    };
     let result = match cli.command {
         Command::Annotate(args) => {
             if let Err(err) = args.validate() {
-                err.exit();
+                return usage_error(&err);
             }
             annotate(&args)
         }
@@ -41,6 +44,28 @@ fn main() -> ExitCode {
     }
 }
 
+/// Help and version go to stdout as clap prints them; a usage error is one
+/// line on stderr and status 2.
+fn usage_error(err: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match err.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = err.print();
+            ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(EXIT_USAGE))
+        }
+        _ => {
+            let args: Vec<String> = std::env::args().skip(1).collect();
+            eprintln!(
+                "aalis-proxy: error: {}",
+                aalis_proxy::cli::usage_error_line(err, &args)
+            );
+            ExitCode::from(EXIT_USAGE)
+        }
+    }
+}
+
 fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     let mut input: Box<dyn Read> = match args.input_path() {
         Some(path) => {
@@ -50,8 +75,13 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     };
     let mut stdout = io::stdout().lock();
     let mut stderr = io::stderr().lock();
+    let input_name = match args.input_path() {
+        Some(path) => path.display().to_string(),
+        None => "stdin".to_owned(),
+    };
     filter::run(
         &mut input,
+        &input_name,
         &mut stdout,
         &mut stderr,
         args.annotator_config(),

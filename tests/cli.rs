@@ -352,7 +352,7 @@ fn unreadable_input_is_status_1() {
     assert!(output.stdout.is_empty());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.starts_with("aalis-proxy: error: cannot read the input: Is a directory"),
+        stderr.starts_with("aalis-proxy: error: cannot read fixtures: Is a directory"),
         "{stderr}"
     );
 }
@@ -363,7 +363,7 @@ fn read_error_names_its_cause_once() {
     let output = run(aalis_proxy_with(&["annotate", "fixtures"]));
     assert_eq!(
         String::from_utf8_lossy(&output.stderr),
-        "aalis-proxy: error: cannot read the input: Is a directory (os error 21)\n"
+        "aalis-proxy: error: cannot read fixtures: Is a directory (os error 21)\n"
     );
 }
 

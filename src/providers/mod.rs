@@ -20,7 +20,6 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 
 use crate::chunk::{ArgumentsDelta, Chunk};
-use crate::framing::Framing;
 
 /// The wire format of a stream's frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,16 +28,6 @@ pub enum Provider {
     OpenAiChat,
     /// Ollama native `/api/chat` objects, one per NDJSON line.
     OllamaChat,
-}
-
-impl Provider {
-    /// The provider format a framing carries.
-    pub fn for_framing(framing: Framing) -> Provider {
-        match framing {
-            Framing::Sse => Provider::OpenAiChat,
-            Framing::Ndjson => Provider::OllamaChat,
-        }
-    }
 }
 
 /// What a decoder learned about a frame besides its chunks.
