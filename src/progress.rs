@@ -92,8 +92,8 @@ struct ChoiceCalls {
     calls: Vec<ToolCall>,
     /// Index of the call the last delta went to.
     last_touched: Option<i64>,
-    /// Every id seen, with the call it named (an id stays that call's even
-    /// after a later delta replaced it).
+    /// Every id seen, with the call it last named (an id keeps naming that
+    /// call even after a later delta gave the call another id).
     ids: Vec<(String, i64)>,
     /// The choice reported a `finish_reason`: its calls are whole.
     finished: bool,
@@ -252,10 +252,12 @@ impl ToolCallTracker {
         self.changes += 1;
         let choice = choice_entry(&mut self.choices, delta.choice);
         let index = resolve_index(choice, delta);
-        if let Some(id) = &delta.id
-            && !choice.ids.iter().any(|(seen, _)| seen == id)
-        {
-            choice.ids.push((id.to_string(), index));
+        if let Some(id) = &delta.id {
+            // The latest call an id named is the one it names.
+            match choice.ids.iter_mut().find(|(seen, _)| seen == id) {
+                Some((_, named)) => *named = index,
+                None => choice.ids.push((id.to_string(), index)),
+            }
         }
         choice.last_touched = Some(index);
         let slot = match choice.calls.binary_search_by_key(&index, |c| c.index) {

@@ -11,7 +11,7 @@ use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
 use aalis_proxy::pipeline::AnnotatorConfig;
 use common::*;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 fn config(output: OutputFormat, inject: InjectMode) -> AnnotatorConfig {
     AnnotatorConfig {
@@ -194,53 +194,6 @@ fn field_injection_keeps_json_valid() {
     }
 }
 
-/// What the oracle says for one fixture, rebuilt from our `ndjson` lines.
-fn observed(output: &[u8]) -> Value {
-    let mut progress = Vec::new();
-    let mut choices: BTreeMap<u64, (String, String, Vec<Value>)> = BTreeMap::new();
-    let mut usage = Value::Null;
-    let mut done_lines = 0;
-    for line in String::from_utf8_lossy(output).lines() {
-        let v: Value = serde_json::from_str(line).expect("every ndjson line is JSON");
-        let choice = v["choice"].as_u64().unwrap_or(0);
-        if let Some(p) = v.get("toolCallProgress") {
-            progress.push(json!({
-                "choice": p["choice"].as_u64().unwrap_or(0),
-                "index": p["index"],
-                "name": p["name"],
-                "charsAccumulated": p["charsAccumulated"],
-            }));
-        }
-        if let Some(t) = v["contentDelta"].as_str() {
-            choices.entry(choice).or_default().0.push_str(t);
-        }
-        if let Some(t) = v["reasoningDelta"].as_str() {
-            choices.entry(choice).or_default().1.push_str(t);
-        }
-        if v["done"] == json!(true) {
-            done_lines += 1;
-            if let Some(u) = v.get("usage") {
-                assert!(usage.is_null(), "usage appears once");
-                usage = u.clone();
-            }
-            for call in v["toolCalls"].as_array().into_iter().flatten() {
-                choices.entry(choice).or_default().2.push(call.clone());
-            }
-        }
-    }
-    assert!(done_lines >= 1, "a done line is always written");
-    json!({
-        "progress": progress,
-        "usage": usage,
-        "choices": choices.into_iter().map(|(k, (content, reasoning, calls))| json!({
-            "choice": k, "content": content, "reasoning": reasoning,
-            "toolCalls": calls.iter().map(|c| json!({
-                "id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-            })).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-    })
-}
-
 #[test]
 fn agrees_with_the_javascript_oracle() {
     let expected: BTreeMap<String, Value> = serde_json::from_slice(
@@ -259,18 +212,7 @@ fn agrees_with_the_javascript_oracle() {
         let want = &expected[&name];
         assert_eq!(got["progress"], want["progress"], "{name}: progress");
         assert_eq!(got["usage"], want["usage"], "{name}: usage");
-        let want_choices: Vec<Value> = want["choices"]
-            .as_array()
-            .expect("choices")
-            .iter()
-            .map(|c| json!({
-                "choice": c["choice"], "content": c["content"], "reasoning": c["reasoning"],
-                "toolCalls": c["toolCalls"].as_array().expect("toolCalls").iter().map(|t| json!({
-                    "id": t["id"], "name": t["name"], "arguments": t["arguments"],
-                })).collect::<Vec<_>>(),
-            }))
-            .collect();
-        assert_eq!(got["choices"], json!(want_choices), "{name}: choices");
+        assert_eq!(got["choices"], oracle_choices(want), "{name}: choices");
         // The final charsAccumulated of each call is the JavaScript length
         // of its assembled arguments.
         for c in want["choices"].as_array().expect("choices") {
@@ -280,6 +222,60 @@ fn agrees_with_the_javascript_oracle() {
                     t["charsAccumulated"].as_u64(),
                     Some(aalis_proxy::js::utf16_len(args) as u64),
                     "{name}: oracle and utf16_len agree"
+                );
+            }
+        }
+    }
+}
+
+/// Where the last complete frame of `input` ends, by a scanner written
+/// apart from the crate's: after the last blank line (SSE: a line break
+/// right after a line break; a CR at the very end counts) or the last LF
+/// (NDJSON).
+fn end_of_last_complete_frame(input: &[u8], ndjson: bool) -> usize {
+    if ndjson {
+        return input.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+    }
+    let (mut end, mut line_start, mut i) = (0, 0, 0);
+    while i < input.len() {
+        if matches!(input[i], b'\r' | b'\n') {
+            let mut next = i + 1;
+            if input[i] == b'\r' && input.get(next) == Some(&b'\n') {
+                next += 1;
+            }
+            if i == line_start {
+                end = next;
+            }
+            line_start = next;
+            i = next;
+        } else {
+            i += 1;
+        }
+    }
+    end
+}
+
+/// "Each output event is written as soon as its input event is complete":
+/// fed one byte at a time, after every byte the output already holds every
+/// input byte up to the end of the last complete event (so a consumer of
+/// `curl -N … | aalis-proxy annotate` sees each event at once).
+#[test]
+fn each_frame_is_written_as_soon_as_it_is_complete() {
+    for (name, input) in fixtures() {
+        let ndjson = name.ends_with(".ndjson");
+        for (mode, config) in all_configs() {
+            if config.output != OutputFormat::Sse {
+                continue;
+            }
+            let mut annotator = aalis_proxy::pipeline::Annotator::new(config.clone());
+            let mut run = Run::default();
+            for i in 0..input.len() {
+                annotator.push(&input[i..=i], NOW_MS, &mut run);
+                let due = end_of_last_complete_frame(&input[..=i], ndjson);
+                assert!(
+                    run.forwarded.len() >= due,
+                    "{name} [{mode}]: after byte {i}, {} bytes out, {due} due",
+                    run.forwarded.len()
                 );
             }
         }

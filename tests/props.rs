@@ -12,6 +12,7 @@
 mod common;
 
 use aalis_proxy::encode::{InjectMode, OutputFormat};
+use aalis_proxy::framing::Framing;
 use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
 use aalis_proxy::js::utf16_len;
 use aalis_proxy::pipeline::AnnotatorConfig;
@@ -34,6 +35,40 @@ fn check_guarantees(input: &[u8], cuts: &[usize]) -> Result<(), TestCaseError> {
         }
         if config.inject == InjectMode::None && config.output == OutputFormat::Sse {
             prop_assert_eq!(&whole.output, &input.to_vec(), "[none] output != input");
+        }
+        // NDJSON input takes `field` whatever the mode asks.
+        if Framing::sniff(input) != Some(Framing::Ndjson) {
+            check_injected_json(&whole, config.inject)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whatever `comment`, `event` and `chunk` add is well-formed: each added
+/// line is a `data:` line, an `event: toolCallProgress` line, a
+/// `: toolCallProgress` comment or empty, and the JSON in it parses (with
+/// serde_json, not with the crate's own decoders).
+fn check_injected_json(run: &Run, mode: InjectMode) -> Result<(), TestCaseError> {
+    if !matches!(
+        mode,
+        InjectMode::Comment | InjectMode::Event | InjectMode::Chunk
+    ) {
+        return Ok(());
+    }
+    for (_, bytes) in &run.inserted {
+        let text = String::from_utf8(bytes.clone()).expect("injections are UTF-8");
+        for line in text.split(['\r', '\n']).filter(|l| !l.is_empty()) {
+            let json = if let Some(json) = line.strip_prefix("data: ") {
+                json
+            } else if let Some(json) = line.strip_prefix(": toolCallProgress ") {
+                json
+            } else {
+                prop_assert_eq!(line, "event: toolCallProgress");
+                continue;
+            };
+            let value: Value = serde_json::from_str(json)
+                .map_err(|e| TestCaseError::fail(format!("injected {json:?}: {e}")))?;
+            prop_assert!(value.is_object(), "injected {}", json);
         }
     }
     Ok(())

@@ -2,7 +2,10 @@
 //! and the base command for CLI tests.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
 
 use aalis_proxy::encode::{InjectMode, OutputFormat, Sink};
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
@@ -145,4 +148,71 @@ pub fn run_cut_at(config: &AnnotatorConfig, input: &[u8], cuts: &[usize]) -> Run
     }
     pieces.push(&input[start..]);
     run_pieces(config, pieces)
+}
+
+/// What the oracle says for one fixture, rebuilt from our `ndjson` lines.
+pub fn observed(output: &[u8]) -> Value {
+    let mut progress = Vec::new();
+    let mut choices: BTreeMap<u64, (String, String, Vec<Value>)> = BTreeMap::new();
+    let mut usage = Value::Null;
+    let mut done_lines = 0;
+    for line in String::from_utf8_lossy(output).lines() {
+        let v: Value = serde_json::from_str(line).expect("every ndjson line is JSON");
+        let choice = v["choice"].as_u64().unwrap_or(0);
+        if let Some(p) = v.get("toolCallProgress") {
+            progress.push(json!({
+                "choice": p["choice"].as_u64().unwrap_or(0),
+                "index": p["index"],
+                "name": p["name"],
+                "charsAccumulated": p["charsAccumulated"],
+            }));
+        }
+        if let Some(t) = v["contentDelta"].as_str() {
+            choices.entry(choice).or_default().0.push_str(t);
+        }
+        if let Some(t) = v["reasoningDelta"].as_str() {
+            choices.entry(choice).or_default().1.push_str(t);
+        }
+        if v["done"] == json!(true) {
+            done_lines += 1;
+            if let Some(u) = v.get("usage") {
+                assert!(usage.is_null(), "usage appears once");
+                usage = u.clone();
+            }
+            for call in v["toolCalls"].as_array().into_iter().flatten() {
+                choices.entry(choice).or_default().2.push(call.clone());
+            }
+        }
+    }
+    assert!(done_lines >= 1, "a done line is always written");
+    json!({
+        "progress": progress,
+        "usage": usage,
+        "choices": choices.into_iter().map(|(k, (content, reasoning, calls))| json!({
+            "choice": k, "content": content, "reasoning": reasoning,
+            "toolCalls": calls.iter().map(|c| json!({
+                "id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The oracle's `choices` in the shape [`observed`] gives.
+pub fn oracle_choices(want: &Value) -> Value {
+    let choices: Vec<Value> = want["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        // A choice that produced nothing has no line in our output.
+        .filter(|c| c["content"] != "" || c["reasoning"] != "" || c["toolCalls"] != json!([]))
+        .map(|c| {
+            json!({
+                "choice": c["choice"], "content": c["content"], "reasoning": c["reasoning"],
+                "toolCalls": c["toolCalls"].as_array().expect("toolCalls").iter().map(|t| json!({
+                    "id": t["id"], "name": t["name"], "arguments": t["arguments"],
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!(choices)
 }
