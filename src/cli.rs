@@ -92,6 +92,17 @@ pub struct AnnotateArgs {
     /// Example: --format messages --session chat-42
     #[arg(long, value_name = "ID", required_if_eq("format", "messages"))]
     pub session: Option<String>,
+
+    /// Events (SSE) or lines (NDJSON) larger than this are passed on as they
+    /// stream, unparsed, with one warning; memory stays bounded whatever the
+    /// input
+    ///
+    /// Sizes are a number with an optional unit: B, KiB, MiB, GiB (K, M, G
+    /// too, all powers of 1024).
+    ///
+    /// Example: --max-event-bytes 64MiB
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
+    pub max_event_bytes: usize,
 }
 
 const ANNOTATE_EXAMPLES: &str = "\
@@ -127,6 +138,7 @@ impl AnnotateArgs {
             inject: self.inject,
             session_id: self.session.clone(),
             framing: None,
+            max_event_bytes: self.max_event_bytes,
         }
     }
 
@@ -285,6 +297,29 @@ Examples:
   Replay your own capture slowly:
     aalis-proxy mock capture.sse --delay 500ms";
 
+/// Parses `512`, `64KiB`, `16MiB`, `1GiB` (or `K`, `M`, `G`, `KB`, `MB`,
+/// `GB`: all powers of 1024) into bytes; at least 1.
+pub fn parse_bytes(text: &str) -> Result<usize, String> {
+    let bad = || format!("{text:?} is not a size (examples: 4096, 64KiB, 16MiB)");
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let number: usize = number.parse().map_err(|_| bad())?;
+    let scale: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    match number.checked_mul(scale) {
+        Some(0) | None => Err(bad()),
+        Some(bytes) => Ok(bytes),
+    }
+}
+
 /// Parses `250ms`, `1.5s`, `2m` or a bare number of seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
@@ -378,6 +413,24 @@ mod tests {
             line(&["aalis-proxy", "frobnicate"]),
             "unrecognized subcommand 'frobnicate' (see 'aalis-proxy --help')"
         );
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_bytes("16MiB"), Ok(16 << 20));
+        assert_eq!(parse_bytes("1G"), Ok(1 << 30));
+        for bad in [
+            "",
+            "0",
+            "-1",
+            "1.5MiB",
+            "12 parsecs",
+            "99999999999999999999G",
+        ] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -36,6 +36,10 @@ pub enum Warning {
     Unterminated { number: u64, offset: u64 },
     #[error("{at}: data after the end of the stream ([DONE]); passed on unchanged, not tracked")]
     AfterEnd { at: Location },
+    #[error(
+        "{at}: larger than {max_bytes} bytes (--max-event-bytes); passed on as it streams, not parsed"
+    )]
+    Oversized { at: Location, max_bytes: usize },
     #[error("{count} more undecodable frames were passed on unchanged without a warning")]
     Suppressed { count: u64 },
     #[error("--inject {mode} applies to SSE streams; NDJSON lines get `field` injection")]

@@ -19,7 +19,7 @@ use crate::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
 use crate::error::{Location, Warning, excerpt};
 use crate::framing::Framing;
 use crate::framing::ndjson::NdjsonDecoder;
-use crate::framing::sse::{SseBlockKind, SseDecoder};
+use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlockKind, SseDecoder};
 use crate::progress::{Applied, ToolCallTracker};
 use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
@@ -30,7 +30,7 @@ const MAX_REPORTED: u64 = 10;
 const EXCERPT_CHARS: usize = 80;
 
 /// What the pipeline should do; validated by the CLI or the proxy.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct AnnotatorConfig {
     pub output: OutputFormat,
     pub inject: InjectMode,
@@ -39,6 +39,21 @@ pub struct AnnotatorConfig {
     /// The framing, when known (from a `Content-Type`); `None` sniffs it
     /// from the first bytes.
     pub framing: Option<Framing>,
+    /// Events (SSE) or lines (NDJSON) larger than this are passed on as
+    /// they stream, unparsed, and reported once.
+    pub max_event_bytes: usize,
+}
+
+impl Default for AnnotatorConfig {
+    fn default() -> Self {
+        AnnotatorConfig {
+            output: OutputFormat::default(),
+            inject: InjectMode::default(),
+            session_id: None,
+            framing: None,
+            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+        }
+    }
 }
 
 enum Framer {
@@ -51,6 +66,7 @@ enum Framer {
 /// The pipeline of one stream; see the module docs.
 pub struct Annotator {
     framer: Framer,
+    max_event_bytes: usize,
     /// Everything after framing; a separate struct so a frame borrowed from
     /// the framer can be handled while the rest is mutated.
     state: StreamState,
@@ -77,6 +93,8 @@ struct RawFrame<'a> {
 struct StreamState {
     output: OutputFormat,
     inject: InjectMode,
+    /// For the oversized-frame warning.
+    max_event_bytes: usize,
     decoder_state: DecoderState,
     tracker: ToolCallTracker,
     /// The progress objects of the current frame.
@@ -111,9 +129,11 @@ impl Annotator {
         };
         let mut annotator = Annotator {
             framer: Framer::Sniffing(Vec::new()),
+            max_event_bytes: config.max_event_bytes,
             state: StreamState {
                 output: config.output,
                 inject: config.inject,
+                max_event_bytes: config.max_event_bytes,
                 decoder_state: DecoderState::default(),
                 // Only the NDJSON output lists the assembled calls; the
                 // others need counts, not the arguments text.
@@ -203,7 +223,7 @@ impl Annotator {
     fn start(&mut self, framing: Framing) {
         let state = &mut self.state;
         self.framer = match framing {
-            Framing::Sse => Framer::Sse(SseDecoder::new()),
+            Framing::Sse => Framer::Sse(SseDecoder::with_max_event_bytes(self.max_event_bytes)),
             Framing::Ndjson => {
                 let mode = match state.inject {
                     InjectMode::Comment => Some("comment"),
@@ -217,7 +237,7 @@ impl Annotator {
                         .push(Warning::InjectModeNotForNdjson { mode });
                     state.inject = InjectMode::Field;
                 }
-                Framer::Ndjson(NdjsonDecoder::new())
+                Framer::Ndjson(NdjsonDecoder::with_max_line_bytes(self.max_event_bytes))
             }
         };
     }
@@ -265,6 +285,14 @@ impl Annotator {
                         }
                         SseBlockKind::NoData => state.forward(block.raw, out),
                         SseBlockKind::LineEndTail => state.line_end_tail(block.raw, out),
+                        SseBlockKind::Oversized { number, first, .. } => {
+                            let at = Location {
+                                unit: "SSE event",
+                                number,
+                                offset: block.offset,
+                            };
+                            state.oversized(at, first, block.raw, out);
+                        }
                         SseBlockKind::Unterminated { has_data, number } => {
                             if has_data {
                                 state.warnings.push(Warning::Unterminated {
@@ -279,6 +307,15 @@ impl Annotator {
             }
             Framer::Ndjson(decoder) => {
                 while let Some(line) = decoder.next_line() {
+                    if let Some(piece) = line.oversized {
+                        let at = Location {
+                            unit: "NDJSON line",
+                            number: line.number,
+                            offset: line.offset,
+                        };
+                        state.oversized(at, piece.first, line.raw, out);
+                        continue;
+                    }
                     let frame = RawFrame {
                         raw: line.raw,
                         data: (!line.is_blank()).then_some(line.content),
@@ -304,6 +341,17 @@ impl StreamState {
         if self.output == OutputFormat::Sse {
             out.forward(raw);
         }
+    }
+
+    /// A piece of a frame too large to parse: forwarded, reported once.
+    fn oversized(&mut self, at: Location, first: bool, raw: &[u8], out: &mut impl Sink) {
+        if first {
+            self.warnings.push(Warning::Oversized {
+                at,
+                max_bytes: self.max_event_bytes,
+            });
+        }
+        self.forward(raw, out);
     }
 
     /// The byte after an event whose line ending was open: forward it, then

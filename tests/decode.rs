@@ -18,7 +18,7 @@ fn config(output: OutputFormat, inject: InjectMode) -> AnnotatorConfig {
         output,
         inject,
         session_id: Some("s1".into()),
-        framing: None,
+        ..AnnotatorConfig::default()
     }
 }
 
@@ -116,9 +116,8 @@ fn output_does_not_depend_on_how_input_is_cut() {
             for _ in 0..20 {
                 let n = (rng.next() % 8) as usize;
                 let cuts: Vec<usize> = (0..n).map(|_| rng.next() as usize).collect();
-                assert_eq!(
-                    run_cut_at(&config, &input, &cuts),
-                    whole,
+                assert!(
+                    run_cut_at(&config, &input, &cuts) == whole,
                     "{name} [{mode}] cut at {cuts:?}"
                 );
             }

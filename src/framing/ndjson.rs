@@ -21,8 +21,18 @@ pub struct NdjsonLine<'a> {
     pub content_start: usize,
     /// 1-based line number.
     pub number: u64,
+    /// `Some` for a piece of a line longer than the decoder's
+    /// `max_line_bytes`: such a line is handed out as it arrives, unparsed.
+    pub oversized: Option<OversizedPiece>,
     /// Offset of `raw[0]` in the whole stream.
     pub offset: u64,
+}
+
+/// Which piece of an oversized line this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OversizedPiece {
+    pub first: bool,
+    pub last: bool,
 }
 
 impl NdjsonLine<'_> {
@@ -43,8 +53,12 @@ impl NdjsonLine<'_> {
 }
 
 /// Incremental NDJSON decoder; see the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct NdjsonDecoder {
+    /// Lines longer than this are handed out as they come, unparsed.
+    max_line_bytes: usize,
+    /// In an oversized line: `Some(first piece not handed out yet)`.
+    oversized: Option<bool>,
     /// Input: lines already handed out (until the next `push` drops them,
     /// one move per push rather than per line), then the current line.
     buf: Vec<u8>,
@@ -58,9 +72,30 @@ pub struct NdjsonDecoder {
     eof: bool,
 }
 
+impl Default for NdjsonDecoder {
+    fn default() -> Self {
+        NdjsonDecoder::with_max_line_bytes(crate::framing::sse::DEFAULT_MAX_EVENT_BYTES)
+    }
+}
+
 impl NdjsonDecoder {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A decoder that passes lines longer than `max_line_bytes` on as they
+    /// stream, unparsed.
+    pub fn with_max_line_bytes(max_line_bytes: usize) -> Self {
+        NdjsonDecoder {
+            max_line_bytes: max_line_bytes.max(1),
+            oversized: None,
+            buf: Vec::new(),
+            start: 0,
+            scan: 0,
+            base_offset: 0,
+            lines: 0,
+            eof: false,
+        }
     }
 
     pub fn push(&mut self, input: &[u8]) {
@@ -86,8 +121,35 @@ impl NdjsonDecoder {
     /// The next complete line, or `None` when more input is needed.
     pub fn next_line(&mut self) -> Option<NdjsonLine<'_>> {
         let start = self.start;
-        let end = match memchr(b'\n', &self.buf[self.scan..]) {
-            Some(i) => self.scan + i + 1,
+        let newline = memchr(b'\n', &self.buf[self.scan..]).map(|i| self.scan + i + 1);
+        // Too long, whether it is complete or still arriving: the same line
+        // is oversized however the input was cut.
+        let line_bytes = newline.map_or(self.buf.len(), |end| end - 1) - start;
+        if self.oversized.is_none() && line_bytes > self.max_line_bytes {
+            self.lines += 1;
+            self.oversized = Some(true);
+        }
+        if let Some(first) = self.oversized {
+            let last = newline.is_some() || self.eof;
+            let end = newline.unwrap_or(self.buf.len());
+            if end == start && !last {
+                return None;
+            }
+            self.start = end;
+            self.scan = end;
+            self.oversized = (!last).then_some(false);
+            let raw = &self.buf[start..end];
+            return Some(NdjsonLine {
+                raw,
+                content: raw,
+                content_start: 0,
+                number: self.lines,
+                offset: self.base_offset + start as u64,
+                oversized: Some(OversizedPiece { first, last }),
+            });
+        }
+        let end = match newline {
+            Some(end) => end,
             None if self.eof && start < self.buf.len() => self.buf.len(),
             None => {
                 self.scan = self.buf.len();
@@ -114,6 +176,7 @@ impl NdjsonDecoder {
             content_start,
             number: self.lines,
             offset,
+            oversized: None,
         })
     }
 }

@@ -73,7 +73,36 @@ pub enum SseBlockKind<'a> {
     /// of input) showed that no LF follows. The event itself was handed out
     /// at once, not held until this byte arrived.
     LineEndTail,
+    /// A piece of an event larger than the decoder's `max_event_bytes`: such
+    /// an event is handed out as its bytes arrive, unparsed, so memory stays
+    /// bounded whatever the input. `first` and `last` mark its first and
+    /// last piece; `number` is its event number.
+    Oversized {
+        number: u64,
+        first: bool,
+        last: bool,
+    },
 }
+
+/// Where the scan of an oversized event is.
+#[derive(Debug, Clone, Copy)]
+struct Oversized {
+    number: u64,
+    /// No piece was handed out yet.
+    first: bool,
+    /// The current line has no byte yet (a line break now is a blank line).
+    line_empty: bool,
+    /// The last byte was a CR: an LF now completes that line break.
+    cr_pending: bool,
+    /// The blank line ending the event was a CR at the end of the input: the
+    /// next piece is its LF, if one comes, and ends the event.
+    closing_cr: bool,
+}
+
+/// The default for [`SseDecoder::with_max_event_bytes`]: large enough for
+/// any real chunk (a whole Ollama tool call in one line included), small
+/// enough that a stream without blank lines cannot exhaust memory.
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 
 /// A dispatched event.
 #[derive(Debug)]
@@ -99,8 +128,12 @@ pub struct SseEvent<'a> {
 }
 
 /// Incremental SSE decoder; see the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseDecoder {
+    /// Events larger than this are handed out as they come, unparsed.
+    max_event_bytes: usize,
+    /// The current event outgrew `max_event_bytes`.
+    oversized: Option<Oversized>,
     /// Input: blocks already handed out (until the next `push` drops them,
     /// one move per push rather than per block), then the current block.
     buf: Vec<u8>,
@@ -135,9 +168,40 @@ pub struct SseDecoder {
     events: u64,
 }
 
+impl Default for SseDecoder {
+    fn default() -> Self {
+        SseDecoder::with_max_event_bytes(DEFAULT_MAX_EVENT_BYTES)
+    }
+}
+
 impl SseDecoder {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A decoder that passes events larger than `max_event_bytes` on as
+    /// they stream, unparsed ([`SseBlockKind::Oversized`]).
+    pub fn with_max_event_bytes(max_event_bytes: usize) -> Self {
+        SseDecoder {
+            max_event_bytes: max_event_bytes.max(1),
+            oversized: None,
+            buf: Vec::new(),
+            start: 0,
+            reset_pending: false,
+            scan: 0,
+            searched: 0,
+            base_offset: 0,
+            started: false,
+            skip_lf: false,
+            tail_pending: false,
+            eof: false,
+            data: Vec::new(),
+            has_data: false,
+            event_type: Vec::new(),
+            last_event_id: Vec::new(),
+            data_last_byte: None,
+            events: 0,
+        }
     }
 
     /// Adds input. Call [`next_block`](Self::next_block) until it returns
@@ -200,6 +264,9 @@ impl SseDecoder {
                 self.searched = self.scan;
                 return Some(self.hand_out(SseBlockKind::LineEndTail));
             }
+            if self.oversized.is_some() {
+                return self.next_oversized_piece();
+            }
             if self.skip_lf {
                 match self.buf.get(self.scan) {
                     Some(b'\n') => self.scan += 1,
@@ -212,6 +279,10 @@ impl SseDecoder {
             let from = self.searched.max(self.scan);
             let Some(len) = memchr2(b'\r', b'\n', &self.buf[from..]) else {
                 self.searched = self.buf.len();
+                if !self.eof && self.buf.len() - self.start > self.max_event_bytes {
+                    self.enter_oversized();
+                    continue;
+                }
                 return self.unterminated_tail();
             };
             let line_start = self.scan;
@@ -239,7 +310,111 @@ impl SseDecoder {
             }
             self.skip_lf = cr_at_end;
             self.field(line_start, line_end);
+            if self.scan - self.start > self.max_event_bytes {
+                self.enter_oversized();
+            }
         }
+    }
+
+    /// The current event is too large to hold: from now on its bytes go out
+    /// as they come. `scan` is at the start of a line.
+    fn enter_oversized(&mut self) {
+        self.events += 1;
+        self.oversized = Some(Oversized {
+            number: self.events,
+            first: true,
+            line_empty: true,
+            cr_pending: std::mem::take(&mut self.skip_lf),
+            closing_cr: false,
+        });
+        // What was gathered of its fields will not be used.
+        self.data = Vec::new();
+        self.has_data = false;
+        self.data_last_byte = None;
+    }
+
+    /// Hands out what arrived of an oversized event, up to and including its
+    /// blank line if that has come.
+    fn next_oversized_piece(&mut self) -> Option<SseBlock<'_>> {
+        let mut state = self.oversized?;
+        let mut pos = self.scan;
+        if state.closing_cr {
+            // As for a normal event: an LF right after its last CR is its.
+            let end = match self.buf.get(pos) {
+                Some(b'\n') => pos + 1,
+                Some(_) => pos,
+                None if self.eof => pos,
+                None => return None,
+            };
+            return Some(self.oversized_piece(state, end, true));
+        }
+        let event_end = loop {
+            let Some(offset) = memchr2(b'\r', b'\n', &self.buf[pos..]) else {
+                if pos < self.buf.len() {
+                    state.line_empty = false;
+                    state.cr_pending = false;
+                }
+                pos = self.buf.len();
+                break None;
+            };
+            let i = pos + offset;
+            if i > pos {
+                state.line_empty = false;
+                state.cr_pending = false;
+            }
+            let byte = self.buf[i];
+            if byte == b'\n' && state.cr_pending {
+                // The LF of a CRLF whose CR was already counted.
+                state.cr_pending = false;
+                pos = i + 1;
+                continue;
+            }
+            if state.line_empty {
+                let mut end = i + 1;
+                if byte == b'\r' {
+                    match self.buf.get(end) {
+                        Some(b'\n') => end += 1,
+                        Some(_) => {}
+                        None if self.eof => {}
+                        None => {
+                            // Wait for the next byte before ending it.
+                            state.closing_cr = true;
+                            return Some(self.oversized_piece(state, end, false));
+                        }
+                    }
+                }
+                break Some(end);
+            }
+            state.line_empty = true;
+            state.cr_pending = byte == b'\r';
+            pos = i + 1;
+        };
+        let last = event_end.is_some() || self.eof;
+        let end = event_end.unwrap_or(pos);
+        if end == self.start && !last {
+            self.oversized = Some(state);
+            return None;
+        }
+        Some(self.oversized_piece(state, end, last))
+    }
+
+    /// Hands out `buf[start..end]` as a piece of the oversized event.
+    fn oversized_piece(&mut self, state: Oversized, end: usize, last: bool) -> SseBlock<'_> {
+        self.scan = end;
+        self.searched = end;
+        self.oversized = if last {
+            None
+        } else {
+            Some(Oversized {
+                first: false,
+                ..state
+            })
+        };
+        self.hand_out(SseBlockKind::Oversized {
+            number: state.number,
+            first: state.first,
+            last,
+        })
     }
 
     /// Interprets one non-empty line `buf[start..end]`.

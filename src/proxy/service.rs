@@ -243,6 +243,7 @@ impl Proxy {
                     inject,
                     session_id: Some(session_id.clone()),
                     framing: Some(framing),
+                    ..AnnotatorConfig::default()
                 });
                 let stream = self.shared.sessions.begin_stream(&session_id);
                 TapBody::stream(body, annotator, stream, config.idle_timeout, log).boxed()

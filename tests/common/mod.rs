@@ -72,6 +72,22 @@ pub fn all_configs() -> Vec<(&'static str, AnnotatorConfig)> {
                 ..AnnotatorConfig::default()
             },
         ),
+        // Most events are larger than this: they go out unparsed, in pieces.
+        (
+            "field_max_64_bytes",
+            AnnotatorConfig {
+                max_event_bytes: 64,
+                ..AnnotatorConfig::default()
+            },
+        ),
+        (
+            "ndjson_max_300_bytes",
+            AnnotatorConfig {
+                output: OutputFormat::Ndjson,
+                max_event_bytes: 300,
+                ..AnnotatorConfig::default()
+            },
+        ),
     ]
 }
 

@@ -37,6 +37,7 @@ fn feed(pieces: &[&[u8]]) -> Vec<Seen> {
                 SseBlockKind::NoData => Seen::NoData(raw),
                 SseBlockKind::Unterminated { has_data, .. } => Seen::Unterminated(raw, has_data),
                 SseBlockKind::LineEndTail => Seen::Tail(raw),
+                SseBlockKind::Oversized { .. } => panic!("no test here is oversized: {raw:?}"),
             });
         }
     };
@@ -199,4 +200,57 @@ fn offsets_and_numbers_count_the_whole_stream() {
         got.push((block.offset, number));
     }
     assert_eq!(got, vec![(0, 0), (5, 1), (14, 2)]);
+}
+
+#[test]
+fn oversized_events_go_out_in_pieces_and_parsing_resumes_after_them() {
+    let input = b"data: small\n\ndata: 0123456789abcdef\ndata: more\r\n\r\ndata: next\n\n";
+    for pieces in [
+        vec![&input[..]],
+        input.chunks(1).collect(),
+        input.chunks(5).collect(),
+    ] {
+        let mut decoder = SseDecoder::with_max_event_bytes(16);
+        let mut raw = Vec::new();
+        let mut kinds = Vec::new();
+        let mut drain = |d: &mut SseDecoder, raw: &mut Vec<u8>, kinds: &mut Vec<String>| {
+            while let Some(block) = d.next_block() {
+                raw.extend_from_slice(block.raw);
+                kinds.push(match block.kind {
+                    SseBlockKind::Event(e) => format!("event {}", String::from_utf8_lossy(e.data)),
+                    SseBlockKind::Oversized {
+                        number,
+                        first,
+                        last,
+                    } => {
+                        format!("oversized {number} {first} {last}")
+                    }
+                    other => format!("{other:?}"),
+                });
+            }
+        };
+        for piece in &pieces {
+            decoder.push(piece);
+            drain(&mut decoder, &mut raw, &mut kinds);
+        }
+        decoder.finish();
+        drain(&mut decoder, &mut raw, &mut kinds);
+        assert_eq!(raw, input, "every byte once, in order");
+        assert_eq!(kinds.first().map(String::as_str), Some("event small"));
+        assert_eq!(kinds.last().map(String::as_str), Some("event next"));
+        let oversized: Vec<_> = kinds
+            .iter()
+            .filter(|k| k.starts_with("oversized"))
+            .collect();
+        assert!(
+            oversized
+                .first()
+                .is_some_and(|k| k.starts_with("oversized 2 true")),
+            "{kinds:?}"
+        );
+        assert!(
+            oversized.last().is_some_and(|k| k.ends_with("true")),
+            "{kinds:?}"
+        );
+    }
 }
