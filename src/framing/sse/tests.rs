@@ -213,7 +213,7 @@ fn oversized_events_go_out_in_pieces_and_parsing_resumes_after_them() {
         let mut decoder = SseDecoder::with_max_event_bytes(16);
         let mut raw = Vec::new();
         let mut kinds = Vec::new();
-        let mut drain = |d: &mut SseDecoder, raw: &mut Vec<u8>, kinds: &mut Vec<String>| {
+        let drain = |d: &mut SseDecoder, raw: &mut Vec<u8>, kinds: &mut Vec<String>| {
             while let Some(block) = d.next_block() {
                 raw.extend_from_slice(block.raw);
                 kinds.push(match block.kind {
