@@ -39,7 +39,8 @@ Exit status:
   0    success, also when stdout is closed early (e.g. `| head -1`)
   1    the input could not be opened or read, or the output written
   2    usage error: unknown flag, bad value, missing argument
-  130  interrupted (SIGINT)";
+  130  annotate interrupted by SIGINT (serve and mock shut down gracefully
+       on SIGINT or SIGTERM and exit 0)";
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -259,7 +260,7 @@ impl ServeArgs {
 /// For demos, tests and benchmarks without an API key: POST
 /// /v1/chat/completions replays an SSE capture as text/event-stream, POST
 /// /api/chat an NDJSON capture as application/x-ndjson (Ollama), each event
-/// byte for byte, --delay apart; GET /v1/models lists the captures. A
+/// byte for byte, --delay-ms apart; GET /v1/models lists the captures. A
 /// request whose "model" is a capture's file name (without extension) gets
 /// that capture, any other the first of its kind. Without CAPTURE files,
 /// captures bundled in the binary are served (parallel_tool_calls,
@@ -277,11 +278,11 @@ pub struct MockArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8788")]
     pub listen: SocketAddr,
 
-    /// Pause between two events of a replay
+    /// Pause between two events of a replay, in milliseconds
     ///
-    /// Example: --delay 200ms
-    #[arg(long, value_name = "DURATION", default_value = "50ms", value_parser = parse_duration)]
-    pub delay: Duration,
+    /// Example: --delay-ms 200
+    #[arg(long, value_name = "MS", default_value_t = 50)]
+    pub delay_ms: u64,
 
     /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
     #[arg(short, long, action = clap::ArgAction::Count)]
@@ -295,7 +296,7 @@ Examples:
     aalis-proxy serve --upstream http://127.0.0.1:8788
     curl -N http://127.0.0.1:8787/v1/chat/completions -d '{\"model\":\"parallel_tool_calls\"}'
   Replay your own capture slowly:
-    aalis-proxy mock capture.sse --delay 500ms";
+    aalis-proxy mock capture.sse --delay-ms 500";
 
 /// Parses `512`, `64KiB`, `16MiB`, `1GiB` (or `K`, `M`, `G`, `KB`, `MB`,
 /// `GB`: all powers of 1024) into bytes; at least 1.

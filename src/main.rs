@@ -4,6 +4,7 @@
 use std::fs::File;
 use std::io::{self, IsTerminal, Read};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
@@ -12,6 +13,9 @@ use aalis_proxy::cli::{AnnotateArgs, Cli, Command, MockArgs, ServeArgs};
 use aalis_proxy::error::{EXIT_FAILURE, EXIT_USAGE, FilterError};
 use aalis_proxy::filter;
 use aalis_proxy::mock::{Capture, MockUpstream};
+use aalis_proxy::proxy::service::Proxy;
+use aalis_proxy::proxy::upstream::UpstreamConfigError;
+use aalis_proxy::proxy::{ProxyConfig, serve_proxy};
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -25,7 +29,15 @@ fn main() -> ExitCode {
             }
             annotate(&args)
         }
-        Command::Serve(args) => serve(&args),
+        Command::Serve(args) => match args.proxy_config() {
+            Ok(config) => serve(&args, config),
+            // A bad --upstream is a usage error, like any bad flag value.
+            Err(err @ UpstreamConfigError::BadUrl { .. })
+            | Err(err @ UpstreamConfigError::BadScheme { .. }) => {
+                return usage_error_text(&err.to_string(), "serve");
+            }
+            Err(err) => Err(err.into()),
+        },
         Command::Mock(args) => mock(&args),
     };
     match result {
@@ -66,6 +78,12 @@ fn usage_error(err: &clap::Error) -> ExitCode {
     }
 }
 
+/// A usage error found after parsing: one line, status 2.
+fn usage_error_text(message: &str, subcommand: &str) -> ExitCode {
+    eprintln!("aalis-proxy: error: {message} (see 'aalis-proxy {subcommand} --help')");
+    ExitCode::from(EXIT_USAGE)
+}
+
 fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     let mut input: Box<dyn Read> = match args.input_path() {
         Some(path) => {
@@ -90,17 +108,18 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(args: &ServeArgs) -> anyhow::Result<()> {
-    let config = args.proxy_config()?;
+fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     init_logging(args.verbose);
+    // Everything that can fail on configuration (the CA file) fails before
+    // the port is taken.
+    let proxy = Proxy::from_config(config)?;
     runtime()?.block_on(async {
-        let listener = listen(args.listen).await?;
+        let (listener, local) = listen(args.listen).await?;
         tracing::info!(
-            "listening on http://{}, forwarding to {}",
-            args.listen,
+            "listening on http://{local}, forwarding to {}",
             args.upstream
         );
-        aalis_proxy::proxy::run(listener, config, shutdown_signal()).await?;
+        serve_proxy(listener, proxy, shutdown_signal()).await;
         Ok(())
     })
 }
@@ -118,14 +137,10 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
     };
     init_logging(args.verbose);
     runtime()?.block_on(async {
-        let listener = listen(args.listen).await?;
+        let (listener, local) = listen(args.listen).await?;
         let names: Vec<&str> = captures.iter().map(|c| c.name.as_str()).collect();
-        tracing::info!(
-            "mock upstream on http://{}: {}",
-            args.listen,
-            names.join(", ")
-        );
-        MockUpstream::new(captures, args.delay)
+        tracing::info!("mock upstream on http://{local}: {}", names.join(", "));
+        MockUpstream::new(captures, Duration::from_millis(args.delay_ms))
             .run(listener, shutdown_signal())
             .await;
         Ok(())
@@ -139,15 +154,21 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-/// Binds `addr`, warning when it is not loopback.
-async fn listen(addr: std::net::SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+/// Binds `addr` and says the address really bound (port 0 picks one),
+/// warning when it is not loopback.
+async fn listen(
+    addr: std::net::SocketAddr,
+) -> anyhow::Result<(tokio::net::TcpListener, std::net::SocketAddr)> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
-    if !addr.ip().is_loopback() {
-        tracing::warn!("listening on {addr}, which is not loopback: other machines can reach it");
+    let local = listener
+        .local_addr()
+        .with_context(|| format!("cannot read the address bound for {addr}"))?;
+    if !local.ip().is_loopback() {
+        tracing::warn!("listening on {local}, which is not loopback: other machines can reach it");
     }
-    Ok(listener)
+    Ok((listener, local))
 }
 
 /// Logs to stderr: info by default, more with -v, or as RUST_LOG says.

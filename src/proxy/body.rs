@@ -46,6 +46,27 @@ pub struct RequestLog {
     pub started: Instant,
 }
 
+impl RequestLog {
+    /// The one info line of a request, the same for every outcome:
+    /// `ok`, `cancelled` (the client went away), `idle-timeout`,
+    /// `upstream-error`, or the fault of a request that got no upstream
+    /// response (`upstream_unreachable`, `upstream_timeout`, …).
+    pub fn write(&self, bytes_in: u64, bytes_out: u64, tool_calls: usize, outcome: &str) {
+        tracing::info!(
+            method = %self.method,
+            path = %self.path,
+            status = self.status.as_u16(),
+            session = %self.session_id,
+            duration_ms = self.started.elapsed().as_millis() as u64,
+            bytes_in,
+            bytes_out,
+            tool_calls,
+            outcome,
+            "request"
+        );
+    }
+}
+
 /// How a response body ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -87,19 +108,7 @@ pin_project! {
                 .annotator
                 .as_ref()
                 .map_or(0, |a| a.tracker().calls().map(|(_, calls)| calls.len()).sum::<usize>());
-            let log = &*this.log;
-            tracing::info!(
-                method = %log.method,
-                path = %log.path,
-                status = log.status.as_u16(),
-                session = %log.session_id,
-                duration_ms = log.started.elapsed().as_millis() as u64,
-                bytes_in = *this.bytes_in,
-                bytes_out = *this.bytes_out,
-                tool_calls,
-                outcome = *this.outcome,
-                "request"
-            );
+            this.log.write(*this.bytes_in, *this.bytes_out, tool_calls, this.outcome);
             // Ends the session's stream: its progress is cleared.
             this.session.take();
         }

@@ -25,7 +25,6 @@ use tokio::net::TcpListener;
 
 use crate::encode::InjectMode;
 use service::Proxy;
-use sessions::SessionRegistry;
 use upstream::{Upstream, UpstreamConfigError};
 
 /// The validated configuration of `serve`.
@@ -53,13 +52,18 @@ pub async fn run(
     config: ProxyConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), UpstreamConfigError> {
-    let client = upstream::build_client(config.upstream_ca.as_deref(), config.connect_timeout)?;
-    let grace = config.shutdown_grace;
-    let proxy = Proxy::new(config, client, SessionRegistry::new());
+    let proxy = Proxy::from_config(config)?;
+    serve_proxy(listener, proxy, shutdown).await;
+    Ok(())
+}
+
+/// Serves a ready [`Proxy`] on `listener` until `shutdown` resolves and the
+/// open streams have drained (or its grace period is over).
+pub async fn serve_proxy(listener: TcpListener, proxy: Proxy, shutdown: impl Future<Output = ()>) {
+    let grace = proxy.config().shutdown_grace;
     let handler = move |req, peer| {
         let proxy = proxy.clone();
         async move { proxy.handle(req, peer).await }
     };
     server::serve(listener, handler, shutdown, grace).await;
-    Ok(())
 }

@@ -16,13 +16,16 @@ use bytes::Bytes;
 use clap::ValueEnum;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
+use http_body::Body as _;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
 use super::ProxyConfig;
 use super::body::{RequestLog, TapBody};
 use super::sessions::SessionRegistry;
-use super::upstream::{BoxError, ProxyBody, UpstreamClient, strip_hop_by_hop};
+use super::upstream::{
+    BoxError, ProxyBody, UpstreamClient, UpstreamConfigError, build_client, strip_hop_by_hop,
+};
 use crate::encode::{InjectMode, OutputFormat};
 use crate::framing::Framing;
 use crate::pipeline::{Annotator, AnnotatorConfig};
@@ -109,6 +112,16 @@ impl Proxy {
         }
     }
 
+    /// A proxy with its own upstream client and session registry.
+    pub fn from_config(config: ProxyConfig) -> Result<Proxy, UpstreamConfigError> {
+        let client = build_client(config.upstream_ca.as_deref(), config.connect_timeout)?;
+        Ok(Proxy::new(config, client, SessionRegistry::new()))
+    }
+
+    pub fn config(&self) -> &ProxyConfig {
+        &self.shared.config
+    }
+
     pub fn sessions(&self) -> &SessionRegistry {
         &self.shared.sessions
     }
@@ -121,16 +134,17 @@ impl Proxy {
         match self.forward(req, started).await {
             Ok(response) => response,
             Err((fault, message, session_id)) => {
-                tracing::info!(
-                    method = %method,
-                    path = %path,
-                    status = fault.status().as_u16(),
-                    session = %session_id.as_deref().unwrap_or("-"),
-                    duration_ms = started.elapsed().as_millis() as u64,
-                    peer = %peer,
-                    "request failed: {message}"
-                );
                 let mut response = error_response(fault, &message);
+                let log = RequestLog {
+                    method,
+                    path,
+                    status: fault.status(),
+                    session_id: session_id.clone().unwrap_or_else(|| "-".to_owned()),
+                    started,
+                };
+                let bytes_out = response.body().size_hint().exact().unwrap_or(0);
+                log.write(0, bytes_out, 0, fault.kind());
+                tracing::debug!(%peer, "request failed: {message}");
                 if let Some(id) = session_id.and_then(|id| HeaderValue::from_str(&id).ok()) {
                     response.headers_mut().insert(SESSION_HEADER, id);
                 }

@@ -1,0 +1,1159 @@
+//! `aalis-proxy serve` and `aalis-proxy mock` as a user runs them: the real
+//! binary, started as child processes on loopback ports, talked to by a
+//! minimal HTTP/1.1 client over `std::net::TcpStream` (so CI needs nothing
+//! else).
+//!
+//! - the README demo: mock + serve + a client, byte for byte against the
+//!   library pipeline;
+//! - secrets never reach the log, at the most verbose levels, and every
+//!   request gets its one info line;
+//! - SIGTERM and SIGINT: open streams finish, new connections are refused,
+//!   exit 0; a stream longer than `--shutdown-grace` is cut;
+//! - startup errors: status and one-line message;
+//! - loopback by default.
+//!
+//! Every child is a [`Running`], whose `Drop` kills it (and shows its stderr
+//! when the test failed), and every wait has a deadline.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use aalis_proxy::framing::Framing;
+use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+
+/// Bound for anything a test waits for (a child to listen or exit, a
+/// response to arrive).
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// The clock passed to the reference pipeline (the SSE output with `field`
+/// injection does not depend on it).
+const NOW_MS: u64 = 1_767_225_600_000;
+
+const CHAT_PATH: &str = "/v1/chat/completions";
+/// The request of the README demo.
+const PARALLEL_REQUEST: &str = r#"{"model":"parallel_tool_calls","stream":true}"#;
+/// The capture the mock serves for [`PARALLEL_REQUEST`] (14 events).
+const PARALLEL_FIXTURE: &str = "openai/parallel_tool_calls.sse";
+
+/// Variables that could change what the binary does or prints (the same as
+/// `tests/cli.rs`): colors, help wrapping, logging, proxies.
+const SCRUBBED_ENV: &[&str] = &[
+    "NO_COLOR",
+    "CLICOLOR",
+    "CLICOLOR_FORCE",
+    "TERM",
+    "COLUMNS",
+    "LINES",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+];
+
+/// Signals, without a libc dependency.
+mod sig {
+    use std::ffi::c_int;
+
+    unsafe extern "C" {
+        fn signal(signum: c_int, handler: usize) -> usize;
+        fn kill(pid: c_int, sig: c_int) -> c_int;
+    }
+
+    pub const SIGINT: c_int = 2;
+    pub const SIGTERM: c_int = 15;
+    const SIG_DFL: usize = 0;
+
+    /// In a child between fork and exec: the default disposition for
+    /// SIGINT and SIGTERM. A test run started in the background by a shell
+    /// without job control inherits SIGINT ignored, and so would the child.
+    pub fn reset_to_default() {
+        // SAFETY: signal() is async-signal-safe and touches no Rust state.
+        unsafe {
+            signal(SIGINT, SIG_DFL);
+            signal(SIGTERM, SIG_DFL);
+        }
+    }
+
+    /// Sends `signum` to the process `pid`.
+    pub fn send(pid: u32, signum: c_int) {
+        let pid = c_int::try_from(pid).expect("pid fits in pid_t");
+        // SAFETY: kill() has no memory-safety preconditions.
+        let rc = unsafe { kill(pid, signum) };
+        assert_eq!(
+            rc,
+            0,
+            "kill({pid}, {signum}): {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// The base command: the `aalis-proxy` binary, run from the package root,
+/// with the environment that could change results removed and the default
+/// disposition for SIGINT and SIGTERM.
+fn aalis_proxy() -> Command {
+    let mut cmd = Command::new(assert_cmd::cargo::cargo_bin!("aalis-proxy"));
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    // SAFETY: the closure only calls signal(), which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            sig::reset_to_default();
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// Runs `aalis-proxy args` to the end (bounded) with no input.
+fn run_to_end(args: &[&str]) -> Output {
+    let mut cmd = aalis_proxy();
+    cmd.args(args);
+    assert_cmd::Command::from_std(cmd)
+        .timeout(DEADLINE)
+        .output()
+        .expect("run aalis-proxy")
+}
+
+/// A loopback port that was free a moment ago.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind 127.0.0.1:0")
+        .port()
+}
+
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))
+}
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+/// What the library pipeline makes of a fixture with the default
+/// configuration (SSE output, `field` injection): what the proxy must send.
+fn annotated(name: &str, framing: Framing) -> Vec<u8> {
+    let mut annotator = Annotator::new(AnnotatorConfig {
+        framing: Some(framing),
+        ..AnnotatorConfig::default()
+    });
+    let mut out = Vec::new();
+    annotator.push(&fixture(name), NOW_MS, &mut out);
+    annotator.finish(NOW_MS, &mut out);
+    assert!(annotator.take_warnings().is_empty(), "{name} is clean");
+    out
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+// ---------------------------------------------------------------------------
+// Child processes
+
+/// A running `aalis-proxy` that listens on `port`. Dropping it kills it; if
+/// the test is failing, its stderr is printed.
+struct Running {
+    name: String,
+    port: u16,
+    child: Child,
+    stderr: Arc<Mutex<Vec<u8>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Running {
+    /// Starts `aalis-proxy` with the arguments `args(port)` for a free
+    /// port, and waits until it accepts connections. Retries with another
+    /// port when the one picked was taken in the meantime.
+    fn start(name: &str, args: impl Fn(u16) -> Vec<String>, env: &[(&str, &str)]) -> Running {
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let mut cmd = aalis_proxy();
+            cmd.args(args(port)).envs(env.iter().copied());
+            let mut running = Running::spawn(&format!("{name} on port {port}"), cmd, port);
+            match running.wait_accepting() {
+                Ok(()) => return running,
+                Err(stderr) if stderr.contains("Address already in use") => last_error = stderr,
+                Err(stderr) => panic!("{} did not start:\n{stderr}", running.name),
+            }
+        }
+        panic!("{name}: no free port after 5 tries:\n{last_error}");
+    }
+
+    /// Spawns `cmd` with stderr collected by a thread.
+    fn spawn(name: &str, mut cmd: Command, port: u16) -> Running {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn aalis-proxy");
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let mut pipe = child.stderr.take().expect("piped stderr");
+        let sink = Arc::clone(&stderr);
+        let reader = thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .expect("stderr lock")
+                    .extend_from_slice(&buf[..n]);
+            }
+        });
+        Running {
+            name: name.to_owned(),
+            port,
+            child,
+            stderr,
+            reader: Some(reader),
+        }
+    }
+
+    /// Waits until stderr contains `needle`; kills the child and fails past
+    /// [`DEADLINE`] or if it exits first.
+    fn wait_for_stderr(&mut self, needle: &str) -> String {
+        let start = Instant::now();
+        loop {
+            let stderr = self.stderr();
+            if stderr.contains(needle) {
+                return stderr;
+            }
+            assert!(
+                self.child.try_wait().expect("try_wait").is_none(),
+                "{} exited before saying {needle:?}:\n{stderr}",
+                self.name
+            );
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{} did not say {needle:?} within {DEADLINE:?}:\n{stderr}",
+                self.name
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Polls until the port accepts a connection; `Err(stderr)` if the
+    /// child exits first. Kills the child and fails past [`DEADLINE`].
+    fn wait_accepting(&mut self) -> Result<(), String> {
+        let start = Instant::now();
+        loop {
+            if self.child.try_wait().expect("try_wait").is_some() {
+                self.join_reader();
+                return Err(self.stderr());
+            }
+            if TcpStream::connect_timeout(&loopback(self.port), Duration::from_millis(200)).is_ok()
+            {
+                return Ok(());
+            }
+            if start.elapsed() > DEADLINE {
+                panic!(
+                    "{} accepts no connection after {DEADLINE:?}:\n{}",
+                    self.name,
+                    self.stderr()
+                );
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn signal(&self, signum: std::ffi::c_int) {
+        sig::send(self.pid(), signum);
+    }
+
+    /// Stderr so far (all of it once the child has exited and
+    /// [`Self::wait_exit`] returned).
+    fn stderr(&self) -> String {
+        text(&self.stderr.lock().expect("stderr lock"))
+    }
+
+    fn join_reader(&mut self) {
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+
+    /// Waits for the child to exit within `within`; past it, kills the
+    /// child and fails.
+    fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                self.join_reader();
+                return status;
+            }
+            if start.elapsed() > within {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                self.join_reader();
+                panic!(
+                    "{} still running {within:?} after being asked to stop; killed. stderr:\n{}",
+                    self.name,
+                    self.stderr()
+                );
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// SIGTERM, then waits for exit 0; returns the whole stderr.
+    fn stop(&mut self) -> String {
+        self.signal(sig::SIGTERM);
+        let status = self.wait_exit(DEADLINE);
+        let stderr = self.stderr();
+        assert_eq!(
+            status.code(),
+            Some(0),
+            "{}: {status:?}\n{stderr}",
+            self.name
+        );
+        stderr
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        self.join_reader();
+        if thread::panicking() {
+            eprintln!("--- stderr of {}:\n{}", self.name, self.stderr());
+        }
+    }
+}
+
+/// `aalis-proxy mock` with the bundled captures and `extra` arguments.
+fn start_mock(extra: &[&str], env: &[(&str, &str)]) -> Running {
+    Running::start(
+        "mock",
+        |port| {
+            let mut args = vec![
+                "mock".to_owned(),
+                "--listen".into(),
+                loopback(port).to_string(),
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            args
+        },
+        env,
+    )
+}
+
+/// `aalis-proxy serve` forwarding to `http://127.0.0.1:{upstream_port}`.
+fn start_serve(upstream_port: u16, extra: &[&str], env: &[(&str, &str)]) -> Running {
+    Running::start(
+        "serve",
+        |port| {
+            let mut args = vec![
+                "serve".to_owned(),
+                "--upstream".into(),
+                format!("http://{}", loopback(upstream_port)),
+                "--listen".into(),
+                loopback(port).to_string(),
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            args
+        },
+        env,
+    )
+}
+
+/// Polls `port` until a connection is refused; fails if it still accepts
+/// after `within`.
+fn assert_refused_within(port: u16, within: Duration) {
+    let start = Instant::now();
+    loop {
+        match TcpStream::connect_timeout(&loopback(port), Duration::from_millis(200)) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return,
+            _ if start.elapsed() > within => {
+                panic!("port {port} still accepts connections {within:?} after the signal")
+            }
+            _ => thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A minimal HTTP/1.1 client
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyLength {
+    Chunked,
+    Length(usize),
+    /// Delimited by the end of the connection.
+    Close,
+}
+
+/// A response being read: head parsed, body read piece by piece.
+struct HttpResponse {
+    status: u16,
+    /// Lowercased names.
+    headers: Vec<(String, String)>,
+    reader: BufReader<TcpStream>,
+    length: BodyLength,
+    body: Vec<u8>,
+    /// The body's end was read as the framing says (last chunk, full
+    /// length, or end of a close-delimited body).
+    complete: bool,
+    /// Nothing more will be read (complete, cut or failed).
+    ended: bool,
+    /// Why it ended early, if it did.
+    error: Option<String>,
+}
+
+/// Sends one request with `Connection: close` and reads the response head.
+fn request(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> HttpResponse {
+    let stream =
+        TcpStream::connect_timeout(&loopback(port), DEADLINE).expect("connect to 127.0.0.1");
+    stream
+        .set_read_timeout(Some(DEADLINE))
+        .expect("read timeout");
+    stream
+        .set_write_timeout(Some(DEADLINE))
+        .expect("write timeout");
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\
+         Content-Length: {}\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        head.push_str("Content-Type: application/json\r\n");
+    }
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut writer = stream.try_clone().expect("clone stream");
+    writer
+        .write_all(head.as_bytes())
+        .and_then(|()| writer.write_all(body.as_bytes()))
+        .expect("send the request");
+
+    let mut reader = BufReader::new(stream);
+    let mut status_line = String::new();
+    reader
+        .read_line(&mut status_line)
+        .expect("read the status line");
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("read a header line");
+        let line = line.trim_end_matches(['\r', '\n']);
+        if line.is_empty() {
+            break;
+        }
+        let (name, value) = line
+            .split_once(':')
+            .unwrap_or_else(|| panic!("bad header line {line:?}"));
+        headers.push((name.trim().to_ascii_lowercase(), value.trim().to_owned()));
+    }
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let length = if header("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+        BodyLength::Chunked
+    } else if let Some(n) = header("content-length") {
+        BodyLength::Length(n.parse().expect("numeric content-length"))
+    } else {
+        BodyLength::Close
+    };
+    let no_body = method == "HEAD" || status == 204 || status == 304;
+    HttpResponse {
+        status,
+        headers,
+        reader,
+        length,
+        body: Vec::new(),
+        complete: no_body || length == BodyLength::Length(0),
+        ended: no_body || length == BodyLength::Length(0),
+        error: None,
+    }
+}
+
+fn post(port: u16, path: &str, body: &str, headers: &[(&str, &str)]) -> HttpResponse {
+    request(port, "POST", path, headers, body)
+}
+
+fn get(port: u16, path: &str) -> HttpResponse {
+    request(port, "GET", path, &[], "")
+}
+
+impl HttpResponse {
+    fn header(&self, name: &str) -> Option<&str> {
+        let name = name.to_ascii_lowercase();
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn fail(&mut self, why: String) {
+        self.ended = true;
+        self.error = Some(why);
+    }
+
+    /// Reads the next piece of the body (one chunk, or what arrives).
+    fn read_piece(&mut self) {
+        if self.ended {
+            return;
+        }
+        match self.length {
+            BodyLength::Chunked => {
+                let mut size_line = String::new();
+                match self.reader.read_line(&mut size_line) {
+                    Ok(0) => return self.fail("connection closed between chunks".into()),
+                    Ok(_) => {}
+                    Err(e) => return self.fail(format!("reading a chunk size: {e}")),
+                }
+                let size = size_line.trim().split(';').next().unwrap_or("");
+                let Ok(size) = usize::from_str_radix(size, 16) else {
+                    return self.fail(format!("bad chunk size line {size_line:?}"));
+                };
+                if size == 0 {
+                    // Trailers, up to the empty line.
+                    loop {
+                        let mut line = String::new();
+                        match self.reader.read_line(&mut line) {
+                            Ok(0) => return self.fail("connection closed in trailers".into()),
+                            Ok(_) if line.trim().is_empty() => break,
+                            Ok(_) => {}
+                            Err(e) => return self.fail(format!("reading trailers: {e}")),
+                        }
+                    }
+                    self.complete = true;
+                    self.ended = true;
+                    return;
+                }
+                let mut data = vec![0; size + 2];
+                if let Err(e) = self.reader.read_exact(&mut data) {
+                    return self.fail(format!("reading a chunk of {size} bytes: {e}"));
+                }
+                if &data[size..] != b"\r\n" {
+                    return self.fail("chunk not followed by CRLF".into());
+                }
+                self.body.extend_from_slice(&data[..size]);
+            }
+            BodyLength::Length(total) => {
+                let mut buf = vec![0; (total - self.body.len()).min(64 * 1024)];
+                match self.reader.read(&mut buf) {
+                    Ok(0) => self.fail("connection closed before Content-Length".into()),
+                    Ok(n) => {
+                        self.body.extend_from_slice(&buf[..n]);
+                        if self.body.len() == total {
+                            self.complete = true;
+                            self.ended = true;
+                        }
+                    }
+                    Err(e) => self.fail(format!("reading the body: {e}")),
+                }
+            }
+            BodyLength::Close => {
+                let mut buf = [0; 64 * 1024];
+                match self.reader.read(&mut buf) {
+                    Ok(0) => {
+                        self.complete = true;
+                        self.ended = true;
+                    }
+                    Ok(n) => self.body.extend_from_slice(&buf[..n]),
+                    Err(e) => self.fail(format!("reading the body: {e}")),
+                }
+            }
+        }
+    }
+
+    /// Reads until `done(body)` holds; fails if the body ends first or
+    /// [`DEADLINE`] passes.
+    fn read_until(&mut self, what: &str, done: impl Fn(&[u8]) -> bool) {
+        let start = Instant::now();
+        while !done(&self.body) {
+            assert!(
+                !self.ended,
+                "the body ended before {what} ({:?}); got:\n{}",
+                self.error,
+                text(&self.body)
+            );
+            assert!(
+                start.elapsed() < DEADLINE,
+                "no {what} after {DEADLINE:?}; got:\n{}",
+                text(&self.body)
+            );
+            self.read_piece();
+        }
+    }
+
+    /// Reads the rest of the body, however it ends (see `complete`).
+    fn read_to_end(&mut self) -> &[u8] {
+        let start = Instant::now();
+        while !self.ended {
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the body did not end within {DEADLINE:?}; got:\n{}",
+                text(&self.body)
+            );
+            self.read_piece();
+        }
+        &self.body
+    }
+
+    /// Reads the whole body and requires that it ended properly.
+    fn read_complete(&mut self) -> Vec<u8> {
+        self.read_to_end();
+        assert!(
+            self.complete,
+            "the body was cut ({:?}); got:\n{}",
+            self.error,
+            text(&self.body)
+        );
+        self.body.clone()
+    }
+}
+
+/// The first SSE event is in: a blank line ends it.
+fn has_first_event(body: &[u8]) -> bool {
+    body.windows(2).any(|w| w == b"\n\n")
+}
+
+// ---------------------------------------------------------------------------
+// 1. The README demo
+
+/// `aalis-proxy mock` + `aalis-proxy serve` + a client, as the README shows:
+/// the stream through the proxy is exactly what the library pipeline makes
+/// of the capture (so it carries progress, and nothing else changes), for
+/// SSE and for Ollama's NDJSON, and non-stream responses pass through.
+#[test]
+fn mock_serve_and_a_client_as_in_the_readme() {
+    let mock = start_mock(&["--delay-ms", "5"], &[]);
+    let serve = start_serve(mock.port, &[], &[]);
+
+    // The mock alone replays the capture byte for byte.
+    let mut direct = post(mock.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+    assert_eq!(direct.status, 200);
+    assert_eq!(direct.header("content-type"), Some("text/event-stream"));
+    assert_eq!(
+        text(&direct.read_complete()),
+        text(&fixture(PARALLEL_FIXTURE))
+    );
+
+    // Through the proxy: the library's annotation of the same capture.
+    let mut proxied = post(
+        serve.port,
+        CHAT_PATH,
+        PARALLEL_REQUEST,
+        &[("X-Aalis-Session", "readme-demo")],
+    );
+    assert_eq!(proxied.status, 200);
+    assert_eq!(proxied.header("content-type"), Some("text/event-stream"));
+    assert_eq!(proxied.header("cache-control"), Some("no-cache"));
+    assert_eq!(proxied.header("x-accel-buffering"), Some("no"));
+    assert_eq!(proxied.header("content-length"), None);
+    assert_eq!(proxied.header("x-aalis-session"), Some("readme-demo"));
+    let body = text(&proxied.read_complete());
+    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
+    assert_ne!(
+        expected,
+        text(&fixture(PARALLEL_FIXTURE)),
+        "progress is added"
+    );
+    assert!(expected.contains(r#""toolCallProgress":{"index":1,"name":"get_local_time""#));
+    assert_eq!(body, expected);
+    assert!(body.ends_with("data: [DONE]\n\n"));
+
+    // Ollama's native API: NDJSON, annotated line for line; a session id
+    // is generated when none is given.
+    let mut ollama = post(
+        serve.port,
+        "/api/chat",
+        r#"{"model":"thinking_two_tools","stream":true}"#,
+        &[],
+    );
+    assert_eq!(ollama.status, 200);
+    assert_eq!(ollama.header("content-type"), Some("application/x-ndjson"));
+    assert!(
+        ollama
+            .header("x-aalis-session")
+            .is_some_and(|s| !s.is_empty()),
+        "a generated session id: {:?}",
+        ollama.headers
+    );
+    let expected = text(&annotated(
+        "ollama/thinking_two_tools.ndjson",
+        Framing::Ndjson,
+    ));
+    assert!(expected.contains("toolCallProgress"));
+    assert_eq!(text(&ollama.read_complete()), expected);
+
+    // Not a stream: passed through untouched, and it lists the captures.
+    let mut models = get(serve.port, "/v1/models");
+    assert_eq!(models.status, 200);
+    let listed = models.read_complete();
+    let mut from_mock = get(mock.port, "/v1/models");
+    assert_eq!(text(&listed), text(&from_mock.read_complete()));
+    let listed: serde_json::Value = serde_json::from_slice(&listed).expect("JSON model list");
+    let ids: Vec<&str> = listed["data"]
+        .as_array()
+        .expect("data is a list")
+        .iter()
+        .map(|m| m["id"].as_str().expect("id"))
+        .collect();
+    let bundled: Vec<&str> = aalis_proxy::mock::BUNDLED.iter().map(|(n, _)| *n).collect();
+    assert_eq!(ids, bundled);
+    assert!(ids.contains(&"parallel_tool_calls"));
+}
+
+// ---------------------------------------------------------------------------
+// 2. Logs
+
+/// Headers that carry secrets, each with a value to look for in the logs.
+const SECRET_HEADERS: [(&str, &str); 4] = [
+    ("Authorization", "Bearer sk-test-SECRET-1"),
+    ("api-key", "SECRET-2"),
+    ("x-api-key", "SECRET-3"),
+    ("Cookie", "session=SECRET-4"),
+];
+
+/// The request lines of a log: info lines about a request path.
+fn request_lines(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.contains(" INFO ") && l.contains(" path=/"))
+        .collect()
+}
+
+/// Requires ` name=value` (or ` name=` anything, for `None`) in `line`.
+fn assert_fields(line: &str, fields: &[(&str, Option<&str>)]) {
+    for (name, value) in fields {
+        let wanted = match value {
+            Some(value) => format!(" {name}={value}"),
+            None => format!(" {name}="),
+        };
+        assert!(
+            line.contains(&wanted),
+            "no {wanted:?} in the log line {line:?}"
+        );
+    }
+}
+
+/// The fields of every request line: method, path, status, session,
+/// duration, bytes, tool calls.
+const REQUEST_LINE_FIELDS: [&str; 7] = [
+    "method",
+    "path",
+    "status",
+    "session",
+    "duration_ms",
+    "bytes_out",
+    "tool_calls",
+];
+
+/// Runs mock, a proxy to it and a proxy to a dead port with `args` and
+/// `env` for logging; sends every secret header on a stream, a non-stream
+/// and a 502; checks that no secret is in any log and that each request
+/// has its line.
+fn check_secrets_are_not_logged(args: &[&str], env: &[(&str, &str)]) {
+    let mut mock_args = vec!["--delay-ms", "1"];
+    mock_args.extend_from_slice(args);
+    let mut mock = start_mock(&mock_args, env);
+    let mut serve = start_serve(mock.port, args, env);
+    let dead_port = free_port();
+    let mut serve_502 = start_serve(dead_port, args, env);
+
+    let mut headers = SECRET_HEADERS.to_vec();
+    headers.push(("X-Aalis-Session", "log-stream"));
+    let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &headers);
+    assert_eq!(stream.status, 200);
+    let body = text(&stream.read_complete());
+    assert!(body.ends_with("data: [DONE]\n\n"));
+
+    let mut headers = SECRET_HEADERS.to_vec();
+    headers.push(("X-Aalis-Session", "log-models"));
+    let mut models = request(serve.port, "GET", "/v1/models", &headers, "");
+    assert_eq!(models.status, 200);
+    models.read_complete();
+
+    let mut headers = SECRET_HEADERS.to_vec();
+    headers.push(("X-Aalis-Session", "log-502"));
+    let mut failed = post(serve_502.port, CHAT_PATH, PARALLEL_REQUEST, &headers);
+    assert_eq!(failed.status, 502);
+    let error: serde_json::Value =
+        serde_json::from_slice(&failed.read_complete()).expect("a JSON error body");
+    assert_eq!(error["error"]["type"], "upstream_unreachable", "{error}");
+    assert!(error["error"]["message"].is_string(), "{error}");
+
+    let logs = [
+        ("serve", serve.stop()),
+        ("serve (502)", serve_502.stop()),
+        ("mock", mock.stop()),
+    ];
+    for (name, log) in &logs {
+        for secret in ["SECRET-", "sk-test"] {
+            assert!(
+                !log.contains(secret),
+                "{name} logged a secret ({secret}):\n{log}"
+            );
+        }
+    }
+    // The verbose level took effect: the search was not vacuous. (The mock
+    // has nothing to say at trace level.)
+    for (name, log) in &logs[..2] {
+        assert!(
+            log.contains(" TRACE ") && log.contains(" DEBUG "),
+            "{name} did not log at trace level:\n{log}"
+        );
+    }
+
+    let lines = request_lines(&logs[0].1);
+    assert_eq!(lines.len(), 2, "one line per request:\n{}", logs[0].1);
+    let all_fields: Vec<(&str, Option<&str>)> =
+        REQUEST_LINE_FIELDS.iter().map(|f| (*f, None)).collect();
+    for line in &lines {
+        assert_fields(line, &all_fields);
+    }
+    assert_fields(
+        lines[0],
+        &[
+            ("method", Some("POST")),
+            ("path", Some(CHAT_PATH)),
+            ("status", Some("200")),
+            ("session", Some("log-stream")),
+            ("bytes_out", Some(&body.len().to_string())),
+            ("tool_calls", Some("2")),
+        ],
+    );
+    assert_fields(
+        lines[1],
+        &[
+            ("method", Some("GET")),
+            ("path", Some("/v1/models")),
+            ("status", Some("200")),
+            ("session", Some("log-models")),
+            ("tool_calls", Some("0")),
+        ],
+    );
+
+    let lines = request_lines(&logs[1].1);
+    assert_eq!(lines.len(), 1, "one line per request:\n{}", logs[1].1);
+    assert_fields(
+        lines[0],
+        &[
+            ("method", Some("POST")),
+            ("path", Some(CHAT_PATH)),
+            ("status", Some("502")),
+            ("session", Some("log-502")),
+            ("duration_ms", None),
+        ],
+    );
+}
+
+/// `-vv` (trace): no value of Authorization, api-key, x-api-key or Cookie
+/// in the logs of serve or mock; one info line per request.
+#[test]
+fn secrets_are_not_logged_with_vv() {
+    check_secrets_are_not_logged(&["-vv"], &[]);
+}
+
+/// `RUST_LOG=trace` (every target, hyper's and rustls' included): same.
+#[test]
+fn secrets_are_not_logged_with_rust_log_trace() {
+    check_secrets_are_not_logged(&[], &[("RUST_LOG", "trace")]);
+}
+
+/// A request that fails before any response (here a 502) gets a line with
+/// the same fields as every other request, bytes and tool calls included.
+#[test]
+fn a_failed_request_is_logged_with_every_field() {
+    let mut serve = start_serve(free_port(), &[], &[]);
+    let mut failed = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+    assert_eq!(failed.status, 502);
+    failed.read_complete();
+    let log = serve.stop();
+    let lines = request_lines(&log);
+    assert_eq!(lines.len(), 1, "{log}");
+    let fields: Vec<(&str, Option<&str>)> =
+        REQUEST_LINE_FIELDS.iter().map(|f| (*f, None)).collect();
+    assert_fields(lines[0], &fields);
+}
+
+// ---------------------------------------------------------------------------
+// 3. Shutdown
+
+/// With a slow stream open, `signum` makes serve refuse new connections at
+/// once, let the stream finish in full, and exit 0 once it has (well before
+/// `--shutdown-grace` is over).
+fn open_stream_finishes_after(signum: std::ffi::c_int) {
+    const GRACE: Duration = Duration::from_secs(5);
+    // 14 events 150 ms apart: about 2 s.
+    let mock = start_mock(&["--delay-ms", "150"], &[]);
+    let mut serve = start_serve(mock.port, &["--shutdown-grace", "5s"], &[]);
+    let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+    assert_eq!(stream.status, 200);
+    stream.read_until("the first event", has_first_event);
+
+    let signalled = Instant::now();
+    serve.signal(signum);
+    assert_refused_within(serve.port, Duration::from_secs(1));
+    assert!(
+        !stream.body.ends_with(b"data: [DONE]\n\n"),
+        "the stream was still open when the signal came"
+    );
+
+    let body = text(&stream.read_complete());
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    assert_eq!(body, text(&annotated(PARALLEL_FIXTURE, Framing::Sse)));
+
+    let status = serve.wait_exit(GRACE + Duration::from_secs(1));
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{status:?}\n{}", serve.stderr());
+    assert!(
+        took < GRACE,
+        "serve exited {took:?} after the signal: it waited for the grace period \
+         although its only stream had finished"
+    );
+}
+
+#[test]
+fn sigterm_lets_an_open_stream_finish_then_exits_0() {
+    open_stream_finishes_after(sig::SIGTERM);
+}
+
+#[test]
+fn sigint_lets_an_open_stream_finish_then_exits_0() {
+    open_stream_finishes_after(sig::SIGINT);
+}
+
+/// A stream longer than `--shutdown-grace` is cut when the grace period is
+/// over: the client holds a prefix of the stream, no invented end, and
+/// serve exits 0.
+#[test]
+fn a_stream_longer_than_the_grace_period_is_cut() {
+    const GRACE: Duration = Duration::from_millis(300);
+    let mock = start_mock(&["--delay-ms", "150"], &[]);
+    let mut serve = start_serve(mock.port, &["--shutdown-grace", "300ms"], &[]);
+    let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+    assert_eq!(stream.status, 200);
+    stream.read_until("the first event", has_first_event);
+
+    let signalled = Instant::now();
+    serve.signal(sig::SIGTERM);
+    let status = serve.wait_exit(GRACE + Duration::from_secs(1));
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{status:?}\n{}", serve.stderr());
+    assert!(
+        took >= GRACE,
+        "serve exited {took:?} after the signal, before the grace period"
+    );
+
+    let body = text(stream.read_to_end()).to_owned();
+    assert!(
+        !stream.complete,
+        "the stream should have been cut, but it ended properly:\n{body}"
+    );
+    assert!(!body.contains("[DONE]"), "an end was invented:\n{body}");
+    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
+    assert!(
+        expected.starts_with(&body),
+        "what arrived is not a prefix of the stream:\n{body}"
+    );
+    assert!(has_first_event(body.as_bytes()));
+}
+
+// ---------------------------------------------------------------------------
+// 4. Startup errors
+
+fn status_code(output: &Output) -> Option<i32> {
+    output.status.code()
+}
+
+/// Stderr, which must be exactly one line.
+fn one_line_stderr(output: &Output) -> String {
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.ends_with('\n') && stderr.lines().count() == 1,
+        "stderr is not one line:\n{stderr}"
+    );
+    stderr.trim_end().to_owned()
+}
+
+/// Each way serve and mock can fail to start: a usage error is status 2
+/// (clap), anything else status 1 with one `aalis-proxy: error:` line that
+/// names what is wrong.
+#[test]
+fn startup_errors() {
+    // An upstream that is not http(s).
+    let out = run_to_end(&["serve", "--upstream", "ftp://x", "--listen", "127.0.0.1:0"]);
+    assert_eq!(status_code(&out), Some(2), "{:?}", out.status);
+    assert_eq!(
+        one_line_stderr(&out),
+        r#"aalis-proxy: error: --upstream "ftp://x" must be an http:// or https:// URL (see 'aalis-proxy serve --help')"#
+    );
+    assert!(out.stdout.is_empty());
+
+    // No upstream at all: a usage error.
+    let out = run_to_end(&["serve"]);
+    assert_eq!(status_code(&out), Some(2), "{:?}", out.status);
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("required") && stderr.contains("--upstream <URL>"),
+        "{stderr}"
+    );
+
+    // The listen address is taken (by this test).
+    let taken = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let addr = taken.local_addr().expect("local addr").to_string();
+    for args in [
+        vec![
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--listen",
+            &addr,
+        ],
+        vec!["mock", "--listen", &addr],
+    ] {
+        let out = run_to_end(&args);
+        assert_eq!(status_code(&out), Some(1), "{args:?}: {:?}", out.status);
+        let line = one_line_stderr(&out);
+        assert!(
+            line.starts_with(&format!("aalis-proxy: error: cannot listen on {addr}: ")),
+            "{args:?}: {line}"
+        );
+    }
+    drop(taken);
+
+    // A CA file that does not exist.
+    let out = run_to_end(&[
+        "serve",
+        "--upstream",
+        "https://127.0.0.1:9",
+        "--upstream-ca",
+        "/nonexistent",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("aalis-proxy: error: cannot read --upstream-ca /nonexistent: "),
+        "{stderr}"
+    );
+
+    // A capture file that does not exist.
+    let out = run_to_end(&["mock", "/nonexistent.sse", "--listen", "127.0.0.1:0"]);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    let line = one_line_stderr(&out);
+    assert!(
+        line.starts_with("aalis-proxy: error: cannot read /nonexistent.sse: "),
+        "{line}"
+    );
+}
+
+/// A bad `--upstream-ca` is a startup error like the others: one line, and
+/// no claim that the proxy is listening.
+#[test]
+fn a_bad_upstream_ca_fails_before_listening() {
+    let out = run_to_end(&[
+        "serve",
+        "--upstream",
+        "https://127.0.0.1:9",
+        "--upstream-ca",
+        "/nonexistent",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    let line = one_line_stderr(&out);
+    assert!(line.contains("/nonexistent"), "{line}");
+}
+
+/// `--listen 127.0.0.1:0` lets the OS pick a port; the log must say which.
+#[test]
+fn listening_on_port_zero_logs_the_real_port() {
+    let mut cmd = aalis_proxy();
+    cmd.args([
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    let mut serve = Running::spawn("serve on port 0", cmd, 0);
+    let stderr = serve.wait_for_stderr("listening on http://");
+    serve.stop();
+    let (_, rest) = stderr
+        .split_once("listening on http://")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    let addr: SocketAddr = rest
+        .split(',')
+        .next()
+        .and_then(|a| a.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert_ne!(addr.port(), 0, "{stderr}");
+}
+
+// ---------------------------------------------------------------------------
+// 5. Loopback by default
+
+/// serve listens on 127.0.0.1:8787 and mock on 127.0.0.1:8788 unless told
+/// otherwise, and the help says any other address must be given. (No test
+/// binds a non-loopback address.)
+#[test]
+fn the_default_listen_addresses_are_loopback() {
+    for (sub, default) in [("serve", "127.0.0.1:8787"), ("mock", "127.0.0.1:8788")] {
+        let out = run_to_end(&[sub, "--help"]);
+        assert!(out.status.success(), "{sub} --help: {:?}", out.status);
+        let help = text(&out.stdout);
+        let listen = help
+            .split("--listen <ADDR>")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{sub} --help has no --listen:\n{help}"));
+        // Up to the next option.
+        let end = listen.find("\n      --").unwrap_or(listen.len());
+        let listen = &listen[..end];
+        let wanted = format!("[default: {default}]");
+        assert!(listen.contains(&wanted), "{sub} --help:\n{help}");
+        let addr: SocketAddr = default.parse().expect("an address");
+        assert!(addr.ip().is_loopback());
+    }
+    let help = text(&run_to_end(&["serve", "--help"]).stdout);
+    assert!(
+        help.contains("anything but loopback must be given here"),
+        "{help}"
+    );
+}
