@@ -224,6 +224,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
+    /// Stream events (or NDJSON lines) larger than this are passed on as
+    /// they stream, unparsed, with one warning
+    ///
+    /// Example: --max-event-bytes 64MiB
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
+    pub max_event_bytes: usize,
+
     /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
     ///
     /// At the default level there is one line per request: method, path,
@@ -251,6 +258,7 @@ impl ServeArgs {
             response_timeout: self.response_timeout,
             idle_timeout: self.idle_timeout,
             shutdown_grace: self.shutdown_grace,
+            max_event_bytes: self.max_event_bytes,
         })
     }
 }

@@ -29,3 +29,4 @@ pub mod pipeline;
 pub mod progress;
 pub mod providers;
 pub mod proxy;
+pub mod render;

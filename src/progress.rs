@@ -74,6 +74,19 @@ pub struct Progress<'a> {
     pub started_at_ms: u64,
 }
 
+/// One in-progress tool call, owned: what a resume snapshot or a spinner
+/// shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgressEntry {
+    /// `choices[k].index`; 0 for nearly every stream.
+    pub choice: i64,
+    pub index: i64,
+    pub name: String,
+    pub chars_accumulated: usize,
+    /// Unix milliseconds at which this index entered the in-progress map.
+    pub started_at_ms: u64,
+}
+
 /// What applying a chunk did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Applied<'a> {
@@ -206,6 +219,19 @@ impl ToolCallTracker {
                     started_at_ms: started,
                 })
             })
+    }
+
+    /// Replaces `out` with the calls being generated now, sorted by choice
+    /// then index (reusing its allocations).
+    pub fn snapshot_into(&self, out: &mut Vec<ProgressEntry>) {
+        out.clear();
+        out.extend(self.in_progress().map(|p| ProgressEntry {
+            choice: p.choice,
+            index: p.index,
+            name: p.name.to_owned(),
+            chars_accumulated: p.chars_accumulated,
+            started_at_ms: p.started_at_ms,
+        }));
     }
 
     /// Every choice that has tool calls, in choice order, with its calls in

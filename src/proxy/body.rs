@@ -72,7 +72,12 @@ impl RequestLog {
 enum Phase {
     /// Frames are flowing.
     Streaming,
-    /// The upstream failed; the error is yielded next.
+    /// The upstream failed. Before the error, one `Pending`: hyper's
+    /// HTTP/1 server polls the body again before it flushes what it was
+    /// given, and an error then drops the unflushed bytes; the pause lets
+    /// them out first.
+    Flushing,
+    /// The error is yielded next.
     Failing,
     /// Over: the end was yielded (or the error).
     Done,
@@ -168,6 +173,11 @@ impl Body for TapBody {
         loop {
             match *this.phase {
                 Phase::Done => return Poll::Ready(None),
+                Phase::Flushing => {
+                    *this.phase = Phase::Failing;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
                 Phase::Failing => {
                     *this.phase = Phase::Done;
                     return Poll::Ready(this.error.take().map(Err));
@@ -219,7 +229,7 @@ impl Body for TapBody {
                     }
                     tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
                     *this.error = Some(err);
-                    *this.phase = Phase::Failing;
+                    *this.phase = Phase::Flushing;
                     finish(this.annotator, this.out, this.log);
                 }
                 None => {

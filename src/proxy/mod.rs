@@ -43,6 +43,8 @@ pub struct ProxyConfig {
     pub idle_timeout: Duration,
     /// How long open streams may run on after a shutdown signal.
     pub shutdown_grace: Duration,
+    /// Stream events larger than this are passed on unparsed.
+    pub max_event_bytes: usize,
 }
 
 /// Runs the proxy on `listener` until `shutdown` resolves and the open

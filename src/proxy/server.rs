@@ -17,6 +17,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::task::JoinSet;
 
 use super::upstream::ProxyBody;
 
@@ -33,6 +34,9 @@ pub async fn serve<H, F>(
 {
     let graceful = GracefulShutdown::new();
     let builder = auto::Builder::new(TokioExecutor::new());
+    // The connection tasks, so that what outlives the grace period can be
+    // stopped (dropping GracefulShutdown does not stop them).
+    let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -55,11 +59,14 @@ pub async fn serve<H, F>(
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let conn = graceful.watch(conn);
-                tokio::spawn(async move {
+                connections.spawn(async move {
                     if let Err(err) = conn.await {
                         tracing::debug!(%peer, "connection ended: {err}");
                     }
                 });
+                // Reap finished connections so the set stays as small as
+                // the number of open ones.
+                while connections.try_join_next().is_some() {}
             }
             () = &mut shutdown => break,
         }
@@ -70,4 +77,5 @@ pub async fn serve<H, F>(
         () = graceful.shutdown() => tracing::info!("all connections closed"),
         () = tokio::time::sleep(grace) => tracing::warn!("grace period over: closing open streams"),
     }
+    connections.shutdown().await;
 }

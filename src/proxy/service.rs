@@ -257,7 +257,7 @@ impl Proxy {
                     inject,
                     session_id: Some(session_id.clone()),
                     framing: Some(framing),
-                    ..AnnotatorConfig::default()
+                    max_event_bytes: config.max_event_bytes,
                 });
                 let stream = self.shared.sessions.begin_stream(&session_id);
                 TapBody::stream(body, annotator, stream, config.idle_timeout, log).boxed()

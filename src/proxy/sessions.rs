@@ -18,19 +18,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use crate::progress::ProgressEntry;
 use crate::progress::ToolCallTracker;
-
-/// One in-progress tool call of a session, as a resume snapshot lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProgressEntry {
-    /// `choices[k].index`; 0 for nearly every stream.
-    pub choice: i64,
-    pub index: i64,
-    pub name: String,
-    pub chars_accumulated: usize,
-    /// Unix milliseconds at which this index entered the in-progress map.
-    pub started_at_ms: u64,
-}
 
 #[derive(Debug, Default)]
 struct Session {
@@ -132,16 +121,7 @@ impl StreamHandle {
         if session.generation != self.generation {
             return;
         }
-        session.progress.clear();
-        session
-            .progress
-            .extend(tracker.in_progress().map(|p| ProgressEntry {
-                choice: p.choice,
-                index: p.index,
-                name: p.name.to_owned(),
-                chars_accumulated: p.chars_accumulated,
-                started_at_ms: p.started_at_ms,
-            }));
+        tracker.snapshot_into(&mut session.progress);
     }
 
     /// The stream ended, failed or was cancelled: its progress is cleared

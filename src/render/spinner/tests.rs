@@ -1,0 +1,148 @@
+use std::sync::{Arc, Mutex};
+
+use indicatif::{InMemoryTerm, ProgressDrawTarget, TermLike};
+
+use super::*;
+
+fn entry(index: i64, name: &str, chars: usize, started_at_ms: u64) -> ProgressEntry {
+    ProgressEntry {
+        choice: 0,
+        index,
+        name: name.to_owned(),
+        chars_accumulated: chars,
+        started_at_ms,
+    }
+}
+
+#[test]
+fn status_lines() {
+    let s = Duration::from_millis;
+    insta::assert_snapshot!(status_line("⠙", "get_weather", 142, s(3200)), @"⠙ get_weather  142 chars · 3.2s");
+    insta::assert_snapshot!(status_line("✓", "get_weather", 0, s(0)), @"✓ get_weather  0 chars · 0.0s");
+    // Wide characters are kept whole.
+    insta::assert_snapshot!(status_line("✓", "天気を調べる", 12, s(61_049)), @"✓ 天気を調べる  12 chars · 61.0s");
+    // Rounding to one decimal.
+    insta::assert_snapshot!(status_line("⠙", "f", 1, s(49)), @"⠙ f  1 chars · 0.0s");
+    insta::assert_snapshot!(status_line("⠙", "f", 1, s(51)), @"⠙ f  1 chars · 0.1s");
+    insta::assert_snapshot!(status_line("⠙", "f", 1, s(9_960)), @"⠙ f  1 chars · 10.0s");
+    // A missing name still says what the line is.
+    insta::assert_snapshot!(status_line("⠙", "", 5, s(100)), @"⠙ (unnamed)  5 chars · 0.1s");
+}
+
+#[test]
+fn hostile_names_are_neutralized() {
+    // An escape sequence that would clear the screen, bidi overrides that
+    // would reorder the line, zero-width characters, a line break.
+    let name = "rm\u{1b}[2J\u{202E}fdp\u{202C}\u{200B}_all\nnow\u{7f}";
+    let line = status_line("⠙", name, 3, Duration::from_millis(1500));
+    assert!(!line.chars().any(|c| c.is_control()), "{line:?}");
+    insta::assert_snapshot!(line, @"⠙ rm[2Jfdp_all now  3 chars · 1.5s");
+    // Long names are cut at a character boundary.
+    let long = "é".repeat(60);
+    let shown = sanitize_name(&long);
+    assert_eq!(shown.chars().count(), MAX_NAME_CHARS + 1);
+    assert!(shown.ends_with('…'));
+}
+
+#[test]
+fn two_parallel_tools_then_a_clear_on_a_terminal() {
+    let term = InMemoryTerm::new(10, 80);
+    let display = ProgressDisplay::terminal(
+        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
+        false,
+    );
+    let now = 1_000_000;
+    // The second tool is announced first: lines still come in index order.
+    display.show(
+        "",
+        &[entry(1, "get_time", 7, now - 1200)],
+        Outcome::Done,
+        now,
+    );
+    display.show(
+        "",
+        &[
+            entry(0, "get_weather", 42, now - 3200),
+            entry(1, "get_time", 9, now - 1200),
+        ],
+        Outcome::Done,
+        now,
+    );
+    std::thread::sleep(Duration::from_millis(150));
+    let screen = term.contents();
+    let lines: Vec<&str> = screen.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 2, "{screen}");
+    assert!(lines[0].contains("get_weather  42 chars · 3."), "{screen}");
+    assert!(lines[1].contains("get_time  9 chars · 1."), "{screen}");
+    // Text resumes: both end with a final line, nothing spins any more.
+    display.show("", &[], Outcome::Done, now + 800);
+    std::thread::sleep(Duration::from_millis(150));
+    let screen = term.contents();
+    let lines: Vec<&str> = screen.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(
+        lines,
+        vec![
+            "✓ get_weather  42 chars · 4.0s",
+            "✓ get_time  9 chars · 2.0s"
+        ],
+        "{screen}"
+    );
+    assert_eq!(term.height(), 10);
+}
+
+#[test]
+fn a_failed_stream_ends_with_crosses_and_sessions_are_labelled() {
+    let buffer = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(SharedBuffer(buffer.clone())));
+    display.show(
+        "chat-1",
+        &[entry(0, "edit_file", 10, 0)],
+        Outcome::Done,
+        500,
+    );
+    display.show("chat-1", &[], Outcome::Failed, 2500);
+    let text = String::from_utf8(buffer.lock().expect("lock").clone()).expect("UTF-8");
+    insta::assert_snapshot!(text, @r"
+    ⠿ [chat-1] edit_file  10 chars · 0.5s
+    ✗ [chat-1] edit_file  10 chars · 2.5s
+    ");
+}
+
+#[test]
+fn plain_lines_are_rate_limited_per_tool() {
+    let buffer = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(SharedBuffer(buffer.clone())));
+    // Ten updates within a second give the first line only; one a second
+    // later gives another; the clear gives the final one.
+    for i in 0..10 {
+        display.show("", &[entry(0, "f", i, 0)], Outcome::Done, 100 * i as u64);
+    }
+    display.show("", &[entry(0, "f", 50, 0)], Outcome::Done, 1200);
+    display.show("", &[], Outcome::Done, 1300);
+    let text = String::from_utf8(buffer.lock().expect("lock").clone()).expect("UTF-8");
+    insta::assert_snapshot!(text, @r"
+    ⠿ f  0 chars · 0.0s
+    ⠿ f  50 chars · 1.2s
+    ✓ f  50 chars · 1.3s
+    ");
+}
+
+#[test]
+fn never_and_auto_without_a_terminal_draw_nothing() {
+    assert!(ProgressDisplay::new(ProgressMode::Never, true, true).is_off());
+    assert!(ProgressDisplay::new(ProgressMode::Auto, false, true).is_off());
+    assert!(!ProgressDisplay::new(ProgressMode::Always, false, true).is_off());
+}
+
+/// A writer tests can read back.
+struct SharedBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for SharedBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lock").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
