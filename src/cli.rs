@@ -19,6 +19,7 @@ use crate::encode::{InjectMode, OutputFormat};
 use crate::pipeline::AnnotatorConfig;
 use crate::proxy::ProxyConfig;
 use crate::proxy::upstream::{Upstream, UpstreamConfigError};
+use crate::render::spinner::ProgressMode;
 
 /// Tool-call progress for LLM chat streams
 ///
@@ -104,6 +105,23 @@ pub struct AnnotateArgs {
     /// Example: --max-event-bytes 64MiB
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
     pub max_event_bytes: usize,
+    /// Spinners on stderr, one per tool being generated
+    ///
+    /// `auto` (what --progress alone means) draws them when stderr is a
+    /// terminal; `always` also prints plain lines (at most one per tool per
+    /// second) when it is not, for logs; `never` is the default. stdout is
+    /// never touched. NO_COLOR is honoured.
+    ///
+    /// Example: --progress
+    #[arg(
+        long,
+        value_enum,
+        value_name = "WHEN",
+        num_args = 0..=1,
+        default_value_t = ProgressMode::Never,
+        default_missing_value = "auto"
+    )]
+    pub progress: ProgressMode,
 }
 
 const ANNOTATE_EXAMPLES: &str = "\
@@ -230,6 +248,24 @@ pub struct ServeArgs {
     /// Example: --max-event-bytes 64MiB
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
     pub max_event_bytes: usize,
+
+    /// Spinners on stderr, one per tool being generated
+    ///
+    /// `auto` (what --progress alone means) draws them when stderr is a
+    /// terminal; `always` also prints plain lines (at most one per tool per
+    /// second) when it is not, for logs; `never` is the default. stdout is
+    /// never touched. NO_COLOR is honoured.
+    ///
+    /// Example: --progress
+    #[arg(
+        long,
+        value_enum,
+        value_name = "WHEN",
+        num_args = 0..=1,
+        default_value_t = ProgressMode::Never,
+        default_missing_value = "auto"
+    )]
+    pub progress: ProgressMode,
 
     /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
     ///

@@ -10,6 +10,8 @@ use std::io::{self, Read, Write};
 
 use crate::error::FilterError;
 use crate::pipeline::{Annotator, AnnotatorConfig};
+use crate::progress::{ProgressEntry, StreamPhase};
+use crate::render::spinner::{Outcome, ProgressDisplay};
 
 /// Read size: big enough for throughput, and a pipe read returns early
 /// anyway when less is available.
@@ -23,9 +25,11 @@ pub fn run(
     output: &mut dyn Write,
     warnings: &mut dyn Write,
     config: AnnotatorConfig,
+    display: &ProgressDisplay,
     clock: &mut dyn FnMut() -> u64,
 ) -> Result<(), FilterError> {
     let mut annotator = Annotator::new(config);
+    let mut spinners = Spinners::new(display);
     let mut buf = vec![0u8; READ_BYTES];
     let mut out = Vec::with_capacity(READ_BYTES);
     loop {
@@ -43,11 +47,51 @@ pub fn run(
                 });
             }
         };
-        annotator.push(&buf[..n], clock(), &mut out);
+        let now = clock();
+        annotator.push(&buf[..n], now, &mut out);
         emit(output, warnings, &mut annotator, &mut out)?;
+        spinners.update(&annotator, now);
     }
-    annotator.finish(clock(), &mut out);
+    let now = clock();
+    annotator.finish(now, &mut out);
+    spinners.update(&annotator, now);
     emit(output, warnings, &mut annotator, &mut out)
+}
+
+/// Feeds the spinners when the tracker's state changed.
+struct Spinners<'d> {
+    display: &'d ProgressDisplay,
+    /// The tracker's change counter when last shown.
+    shown: u64,
+    entries: Vec<ProgressEntry>,
+}
+
+impl<'d> Spinners<'d> {
+    fn new(display: &'d ProgressDisplay) -> Self {
+        Spinners {
+            display,
+            shown: 0,
+            entries: Vec::new(),
+        }
+    }
+
+    fn update(&mut self, annotator: &Annotator, now_ms: u64) {
+        let tracker = annotator.tracker();
+        if self.display.is_off() || tracker.changes() == self.shown {
+            return;
+        }
+        self.shown = tracker.changes();
+        tracker.snapshot_into(&mut self.entries);
+        let outcome = match tracker.phase() {
+            StreamPhase::Failed => Outcome::Failed,
+            StreamPhase::Waiting
+            | StreamPhase::Reasoning
+            | StreamPhase::Answering
+            | StreamPhase::CallingTools
+            | StreamPhase::Done => Outcome::Done,
+        };
+        self.display.show("", &self.entries, outcome, now_ms);
+    }
 }
 
 /// Writes and flushes pending output, then pending warnings.

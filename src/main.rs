@@ -14,8 +14,11 @@ use aalis_proxy::error::{EXIT_FAILURE, EXIT_USAGE, FilterError};
 use aalis_proxy::filter;
 use aalis_proxy::mock::{Capture, MockUpstream};
 use aalis_proxy::proxy::service::Proxy;
+use aalis_proxy::proxy::sessions::SessionRegistry;
 use aalis_proxy::proxy::upstream::UpstreamConfigError;
 use aalis_proxy::proxy::{ProxyConfig, serve_proxy};
+use aalis_proxy::render::spinner::{ProgressDisplay, ProgressMode};
+use std::sync::Arc;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -103,6 +106,7 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         &mut stdout,
         &mut stderr,
         args.annotator_config(),
+        &display(args.progress),
         &mut filter::unix_ms,
     )?;
     Ok(())
@@ -112,7 +116,8 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     init_logging(args.verbose);
     // Everything that can fail on configuration (the CA file) fails before
     // the port is taken.
-    let proxy = Proxy::from_config(config)?;
+    let sessions = SessionRegistry::with_display(Arc::new(display(args.progress)));
+    let proxy = Proxy::from_config(config, sessions)?;
     runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
         tracing::info!(
@@ -145,6 +150,12 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
             .await;
         Ok(())
     })
+}
+
+/// The spinners `--progress` asks for, given this process's stderr.
+fn display(mode: ProgressMode) -> ProgressDisplay {
+    let color = std::env::var_os("NO_COLOR").is_none();
+    ProgressDisplay::new(mode, io::stderr().is_terminal(), color)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

@@ -115,7 +115,11 @@ pin_project! {
                 .map_or(0, |a| a.tracker().calls().map(|(_, calls)| calls.len()).sum::<usize>());
             this.log.write(*this.bytes_in, *this.bytes_out, tool_calls, this.outcome);
             // Ends the session's stream: its progress is cleared.
-            this.session.take();
+            if let Some(mut session) = this.session.take()
+                && *this.outcome != "ok"
+            {
+                session.mark_failed();
+            }
         }
     }
 }

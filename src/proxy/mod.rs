@@ -54,7 +54,7 @@ pub async fn run(
     config: ProxyConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), UpstreamConfigError> {
-    let proxy = Proxy::from_config(config)?;
+    let proxy = Proxy::from_config(config, sessions::SessionRegistry::new())?;
     serve_proxy(listener, proxy, shutdown).await;
     Ok(())
 }

@@ -112,10 +112,13 @@ impl Proxy {
         }
     }
 
-    /// A proxy with its own upstream client and session registry.
-    pub fn from_config(config: ProxyConfig) -> Result<Proxy, UpstreamConfigError> {
+    /// A proxy with its own upstream client, publishing to `sessions`.
+    pub fn from_config(
+        config: ProxyConfig,
+        sessions: SessionRegistry,
+    ) -> Result<Proxy, UpstreamConfigError> {
         let client = build_client(config.upstream_ca.as_deref(), config.connect_timeout)?;
-        Ok(Proxy::new(config, client, SessionRegistry::new()))
+        Ok(Proxy::new(config, client, sessions))
     }
 
     pub fn config(&self) -> &ProxyConfig {

@@ -18,8 +18,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::filter::unix_ms;
 pub use crate::progress::ProgressEntry;
 use crate::progress::ToolCallTracker;
+use crate::render::spinner::{Outcome, ProgressDisplay};
 
 #[derive(Debug, Default)]
 struct Session {
@@ -35,6 +37,8 @@ struct Session {
 #[derive(Debug, Clone, Default)]
 pub struct SessionRegistry {
     shared: Arc<Mutex<State>>,
+    /// Spinners on stderr (`serve --progress`), fed as progress is published.
+    display: Option<Arc<ProgressDisplay>>,
 }
 
 #[derive(Debug, Default)]
@@ -51,11 +55,21 @@ pub struct StreamHandle {
     generation: u64,
     /// The tracker's change counter when last published.
     published: u64,
+    /// The stream failed (its spinners end with `✗`).
+    failed: bool,
 }
 
 impl SessionRegistry {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A registry that also draws every session's progress on `display`.
+    pub fn with_display(display: Arc<ProgressDisplay>) -> Self {
+        SessionRegistry {
+            display: (!display.is_off()).then_some(display),
+            ..SessionRegistry::default()
+        }
     }
 
     /// A new streamed request of `session_id` starts: what the session had
@@ -68,11 +82,16 @@ impl SessionRegistry {
         session.generation = generation;
         session.progress.clear();
         session.streaming = true;
+        drop(state);
+        if let Some(display) = &self.display {
+            display.show(session_id, &[], Outcome::Done, unix_ms());
+        }
         StreamHandle {
             registry: self.clone(),
             session_id: session_id.to_owned(),
             generation,
             published: 0,
+            failed: false,
         }
     }
 
@@ -122,6 +141,18 @@ impl StreamHandle {
             return;
         }
         tracker.snapshot_into(&mut session.progress);
+        if let Some(display) = &self.registry.display {
+            // Drawn outside the registry's lock.
+            let entries = session.progress.clone();
+            drop(state);
+            display.show(&self.session_id, &entries, Outcome::Done, unix_ms());
+        }
+    }
+
+    /// The stream failed (upstream error, idle timeout, client gone): its
+    /// spinners end with `✗`.
+    pub fn mark_failed(&mut self) {
+        self.failed = true;
     }
 
     /// The stream ended, failed or was cancelled: its progress is cleared
@@ -140,6 +171,15 @@ impl Drop for StreamHandle {
             .is_some_and(|s| s.generation == self.generation);
         if owned {
             state.sessions.remove(&self.session_id);
+            drop(state);
+            if let Some(display) = &self.registry.display {
+                let outcome = if self.failed {
+                    Outcome::Failed
+                } else {
+                    Outcome::Done
+                };
+                display.show(&self.session_id, &[], outcome, unix_ms());
+            }
         }
     }
 }

@@ -148,6 +148,21 @@ struct Inner {
     lines: BTreeMap<Key, Line>,
 }
 
+impl std::fmt::Debug for ProgressDisplay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.lock();
+        let target = match inner.target {
+            Target::Terminal { .. } => "terminal",
+            Target::Plain(_) => "plain",
+            Target::Off => "off",
+        };
+        f.debug_struct("ProgressDisplay")
+            .field("target", &target)
+            .field("lines", &inner.lines.len())
+            .finish()
+    }
+}
+
 impl ProgressDisplay {
     /// The display `--progress=<mode>` asks for, given whether stderr is a
     /// terminal and whether colour is allowed (`NO_COLOR`).
