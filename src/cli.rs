@@ -48,6 +48,7 @@ pub enum Command {
     Annotate(AnnotateArgs),
     Serve(ServeArgs),
     Mock(MockArgs),
+    Demo(DemoArgs),
 }
 
 /// Read a chat stream, write it back with tool-call progress
@@ -105,6 +106,22 @@ pub struct AnnotateArgs {
     /// Example: --max-event-bytes 64MiB
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
     pub max_event_bytes: usize,
+    /// Replay the input in real time: with the timing recorded beside it
+    /// (FILE.timing, as `serve --record` writes), or one event every --pace
+    ///
+    /// The whole input is read first, then played, so spinners (with
+    /// --progress) show the elapsed times the stream really had.
+    ///
+    /// Example: --realtime --progress
+    #[arg(long)]
+    pub realtime: bool,
+
+    /// With --realtime, the pause between events when the input has no
+    /// recorded timing (implies --realtime)
+    ///
+    /// Example: --pace 200
+    #[arg(long, value_name = "MS")]
+    pub pace: Option<u64>,
     /// Spinners on stderr, one per tool being generated
     ///
     /// `auto` (what --progress alone means) draws them when stderr is a
@@ -124,6 +141,9 @@ pub struct AnnotateArgs {
     pub progress: ProgressMode,
 }
 
+/// `--realtime` without `--pace` nor timing: one event every this many ms.
+const DEFAULT_PACE_MS: u64 = 100;
+
 const ANNOTATE_EXAMPLES: &str = "\
 Examples:
   Watch progress live while a model streams:
@@ -131,7 +151,9 @@ Examples:
   Only the progress, one JSON object per line:
     aalis-proxy annotate capture.sse --format ndjson | grep toolCallProgress
   Progress as SSE comments, invisible to SDK iterators:
-    aalis-proxy annotate --inject comment < capture.sse";
+    aalis-proxy annotate --inject comment < capture.sse
+  Watch a recorded stream again, with its timing and spinners:
+    aalis-proxy annotate --realtime --progress recorded.sse > /dev/null";
 
 impl AnnotateArgs {
     /// Checks what clap cannot express: --session means something only with
@@ -159,6 +181,13 @@ impl AnnotateArgs {
             framing: None,
             max_event_bytes: self.max_event_bytes,
         }
+    }
+
+    /// The pause between events of a replay when the input has no timing,
+    /// or `None` for a live run.
+    pub fn replay_pace(&self) -> Option<Duration> {
+        (self.realtime || self.pace.is_some())
+            .then(|| Duration::from_millis(self.pace.unwrap_or(DEFAULT_PACE_MS)))
     }
 
     /// The input path, `None` for stdin.
@@ -267,6 +296,18 @@ pub struct ServeArgs {
     )]
     pub progress: ProgressMode,
 
+    /// Save every streamed upstream response in DIR as a replayable capture
+    ///
+    /// Per stream: the body as the upstream sent it (.sse or .ndjson), its
+    /// timing (.timing, for `annotate --realtime` and `mock`), and the
+    /// request body (.request.json; headers are never saved). File names
+    /// are `<unix ms>-<session>-<n>`, with the session reduced to safe
+    /// characters. Request bodies are read whole first (at most 8 MiB).
+    ///
+    /// Example: --record captures/
+    #[arg(long, value_name = "DIR")]
+    pub record: Option<PathBuf>,
+
     /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
     ///
     /// At the default level there is one line per request: method, path,
@@ -295,6 +336,7 @@ impl ServeArgs {
             idle_timeout: self.idle_timeout,
             shutdown_grace: self.shutdown_grace,
             max_event_bytes: self.max_event_bytes,
+            record_dir: self.record.clone(),
         })
     }
 }
@@ -341,6 +383,36 @@ Examples:
     curl -N http://127.0.0.1:8787/v1/chat/completions -d '{\"model\":\"parallel_tool_calls\"}'
   Replay your own capture slowly:
     aalis-proxy mock capture.sse --delay-ms 500";
+
+/// Show the whole path in about ten seconds, with nothing but this binary
+///
+/// Starts a built-in upstream that replays the bundled captures (parallel
+/// tool calls, reasoning then a tool, text then a tool, Ollama thinking then
+/// two tools) and the proxy in front of it, on loopback ports the system
+/// picks, then sends one streamed request per capture through the proxy.
+/// Spinners show each tool on stderr as its arguments stream (plain lines
+/// when stderr is not a terminal); stdout gets a summary of what the client
+/// received, or the annotated streams with --stream. No API key, no network.
+#[derive(Debug, Args)]
+#[command(display_name = "aalis-proxy")]
+pub struct DemoArgs {
+    /// Pause between two events of each replayed capture
+    ///
+    /// Example: --delay-ms 50
+    #[arg(long, value_name = "MS", default_value_t = 150)]
+    pub delay_ms: u64,
+
+    /// Write the annotated streams on stdout instead of summaries
+    #[arg(long)]
+    pub stream: bool,
+
+    /// Spinners on stderr: `always` (the default here) draws them on a
+    /// terminal and prints plain lines otherwise
+    ///
+    /// Example: --progress never
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t = ProgressMode::Always)]
+    pub progress: ProgressMode,
+}
 
 /// Parses `512`, `64KiB`, `16MiB`, `1GiB` (or `K`, `M`, `G`, `KB`, `MB`,
 /// `GB`: all powers of 1024) into bytes; at least 1.

@@ -3,10 +3,13 @@
 //! Reads whatever the input has (a pipe read returns as soon as bytes
 //! arrive), pushes it through one [`Annotator`], and writes and flushes the
 //! output after every read, so each event goes out as soon as it is
-//! complete. Warnings go to the `warnings` writer (stderr), prefixed with
+//! complete; or replays a capture with its recorded timing
+//! ([`Source::Replay`]), so spinners show real elapsed times. Warnings go to the `warnings` writer (stderr), prefixed with
 //! the program name. The clock is a parameter, so tests are deterministic.
 
 use std::io::{self, Read, Write};
+use std::ops::Range;
+use std::time::Duration;
 
 use crate::error::FilterError;
 use crate::pipeline::{Annotator, AnnotatorConfig};
@@ -17,10 +20,23 @@ use crate::render::spinner::{Outcome, ProgressDisplay};
 /// anyway when less is available.
 const READ_BYTES: usize = 64 * 1024;
 
-/// Runs the filter to the end of `input` (`input_name` says which, for
-/// messages).
+/// Where the filter's input comes from.
+pub enum Source<'a> {
+    /// A reader, read as bytes arrive.
+    Live(&'a mut dyn Read),
+    /// A whole capture replayed piece by piece, each after its pause
+    /// (`--realtime`; see [`crate::capture::schedule`]).
+    Replay {
+        bytes: &'a [u8],
+        schedule: Vec<(Range<usize>, Duration)>,
+    },
+}
+
+/// Runs the filter to the end of `source` (`input_name` says which input,
+/// for messages).
+#[allow(clippy::too_many_arguments)]
 pub fn run(
-    input: &mut dyn Read,
+    source: Source<'_>,
     input_name: &str,
     output: &mut dyn Write,
     warnings: &mut dyn Write,
@@ -28,34 +44,86 @@ pub fn run(
     display: &ProgressDisplay,
     clock: &mut dyn FnMut() -> u64,
 ) -> Result<(), FilterError> {
-    let mut annotator = Annotator::new(config);
-    let mut spinners = Spinners::new(display);
-    let mut buf = vec![0u8; READ_BYTES];
-    let mut out = Vec::with_capacity(READ_BYTES);
-    loop {
-        let n = match input.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                // Whatever came before the failure still goes out.
-                annotator.finish(clock(), &mut out);
-                let _ = emit(output, warnings, &mut annotator, &mut out);
-                return Err(FilterError::Read {
-                    input: input_name.to_owned(),
-                    source: e,
-                });
+    let mut filter = Filter {
+        annotator: Annotator::new(config),
+        spinners: Spinners::new(display),
+        out: Vec::with_capacity(READ_BYTES),
+        output,
+        warnings,
+    };
+    match source {
+        Source::Live(input) => {
+            let mut buf = vec![0u8; READ_BYTES];
+            loop {
+                let n = match input.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        // Whatever came before the failure still goes out.
+                        let _ = filter.end(clock());
+                        return Err(FilterError::Read {
+                            input: input_name.to_owned(),
+                            source: e,
+                        });
+                    }
+                };
+                filter.feed(&buf[..n], clock())?;
             }
-        };
-        let now = clock();
-        annotator.push(&buf[..n], now, &mut out);
-        emit(output, warnings, &mut annotator, &mut out)?;
-        spinners.update(&annotator, now);
+        }
+        Source::Replay { bytes, schedule } => {
+            for (range, pause) in schedule {
+                if !pause.is_zero() {
+                    std::thread::sleep(pause);
+                }
+                filter.feed(&bytes[range], clock())?;
+            }
+        }
     }
-    let now = clock();
-    annotator.finish(now, &mut out);
-    spinners.update(&annotator, now);
-    emit(output, warnings, &mut annotator, &mut out)
+    filter.end(clock())
+}
+
+/// The pipeline with its output and spinners.
+struct Filter<'a> {
+    annotator: Annotator,
+    spinners: Spinners<'a>,
+    /// Output not yet written.
+    out: Vec<u8>,
+    output: &'a mut dyn Write,
+    warnings: &'a mut dyn Write,
+}
+
+impl Filter<'_> {
+    /// One piece of input: processed, written, flushed, drawn.
+    fn feed(&mut self, piece: &[u8], now_ms: u64) -> Result<(), FilterError> {
+        self.annotator.push(piece, now_ms, &mut self.out);
+        self.emit()?;
+        self.spinners.update(&self.annotator, now_ms);
+        Ok(())
+    }
+
+    /// End of input.
+    fn end(&mut self, now_ms: u64) -> Result<(), FilterError> {
+        self.annotator.finish(now_ms, &mut self.out);
+        self.spinners.update(&self.annotator, now_ms);
+        self.emit()
+    }
+
+    /// Writes and flushes pending output, then pending warnings.
+    fn emit(&mut self) -> Result<(), FilterError> {
+        if !self.out.is_empty() {
+            self.output
+                .write_all(&self.out)
+                .map_err(FilterError::Write)?;
+            self.output.flush().map_err(FilterError::Write)?;
+            self.out.clear();
+        }
+        for warning in self.annotator.take_warnings() {
+            // A closed stderr must not stop the stream.
+            let _ = writeln!(self.warnings, "aalis-proxy: warning: {warning}");
+        }
+        Ok(())
+    }
 }
 
 /// Feeds the spinners when the tracker's state changed.
@@ -92,25 +160,6 @@ impl<'d> Spinners<'d> {
         };
         self.display.show("", &self.entries, outcome, now_ms);
     }
-}
-
-/// Writes and flushes pending output, then pending warnings.
-fn emit(
-    output: &mut dyn Write,
-    warnings: &mut dyn Write,
-    annotator: &mut Annotator,
-    out: &mut Vec<u8>,
-) -> Result<(), FilterError> {
-    if !out.is_empty() {
-        output.write_all(out).map_err(FilterError::Write)?;
-        output.flush().map_err(FilterError::Write)?;
-        out.clear();
-    }
-    for warning in annotator.take_warnings() {
-        // A closed stderr must not stop the stream.
-        let _ = writeln!(warnings, "aalis-proxy: warning: {warning}");
-    }
-    Ok(())
 }
 
 /// Milliseconds since the Unix epoch, the clock `annotate` uses.

@@ -17,8 +17,10 @@
 //! - [`cli`]: the command line (clap); [`error`]: errors and exit codes
 //! - [`js`]: JavaScript `String.length` and `JSON.stringify`, for exact counts
 
+pub mod capture;
 pub mod chunk;
 pub mod cli;
+pub mod demo;
 pub mod encode;
 pub mod error;
 pub mod filter;

@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 
-use aalis_proxy::cli::{AnnotateArgs, Cli, Command, MockArgs, ServeArgs};
+use aalis_proxy::capture::{self, Timing};
+use aalis_proxy::cli::{AnnotateArgs, Cli, Command, DemoArgs, MockArgs, ServeArgs};
 use aalis_proxy::error::{EXIT_FAILURE, EXIT_USAGE, FilterError};
 use aalis_proxy::filter;
 use aalis_proxy::mock::{Capture, MockUpstream};
@@ -42,6 +43,7 @@ fn main() -> ExitCode {
             Err(err) => Err(err.into()),
         },
         Command::Mock(args) => mock(&args),
+        Command::Demo(args) => demo(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -88,20 +90,40 @@ fn usage_error_text(message: &str, subcommand: &str) -> ExitCode {
 }
 
 fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
+    let input_name = match args.input_path() {
+        Some(path) => path.display().to_string(),
+        None => "stdin".to_owned(),
+    };
     let mut input: Box<dyn Read> = match args.input_path() {
         Some(path) => {
             Box::new(File::open(path).with_context(|| format!("cannot open {}", path.display()))?)
         }
         None => Box::new(io::stdin().lock()),
     };
+    // A replay reads the whole capture first, then plays it in time.
+    let mut capture = Vec::new();
+    let source = match args.replay_pace() {
+        None => filter::Source::Live(&mut input),
+        Some(pace) => {
+            input
+                .read_to_end(&mut capture)
+                .with_context(|| format!("cannot read {input_name}"))?;
+            let timing = match args.input_path() {
+                Some(path) => Timing::load_for(path)
+                    .with_context(|| format!("cannot read {}", Timing::sidecar(path).display()))?,
+                None => None,
+            };
+            let schedule = capture::schedule(&capture, timing.as_ref(), pace);
+            filter::Source::Replay {
+                bytes: &capture,
+                schedule,
+            }
+        }
+    };
     let mut stdout = io::stdout().lock();
     let mut stderr = io::stderr().lock();
-    let input_name = match args.input_path() {
-        Some(path) => path.display().to_string(),
-        None => "stdin".to_owned(),
-    };
     filter::run(
-        &mut input,
+        source,
         &input_name,
         &mut stdout,
         &mut stderr,
@@ -114,6 +136,10 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
 
 fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     init_logging(args.verbose);
+    if let Some(dir) = &config.record_dir {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the --record directory {}", dir.display()))?;
+    }
     // Everything that can fail on configuration (the CA file) fails before
     // the port is taken.
     let sessions = SessionRegistry::with_display(Arc::new(display(args.progress)));
@@ -156,6 +182,20 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
 fn display(mode: ProgressMode) -> ProgressDisplay {
     let color = std::env::var_os("NO_COLOR").is_none();
     ProgressDisplay::new(mode, io::stderr().is_terminal(), color)
+}
+
+fn demo(args: &DemoArgs) -> anyhow::Result<()> {
+    let options = aalis_proxy::demo::DemoOptions {
+        delay: Duration::from_millis(args.delay_ms),
+        stream: args.stream,
+        display: Arc::new(display(args.progress)),
+    };
+    let mut stdout = io::stdout();
+    let calls = runtime()?.block_on(aalis_proxy::demo::run(options, &mut stdout))?;
+    if !args.stream {
+        println!("{calls} tool calls streamed through the proxy, each with progress");
+    }
+    Ok(())
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

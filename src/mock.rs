@@ -7,9 +7,9 @@
 //! - `GET …/models` lists the captures as models.
 //!
 //! The capture is the one whose file stem equals the request's `model`,
-//! else the first of the right kind. Each frame (SSE event or NDJSON line,
-//! cut by the same framers `annotate` uses) is sent byte for byte, with
-//! `delay` between frames. With no capture files, captures bundled in the
+//! else the first of the right kind. It is sent byte for byte, with its
+//! recorded timing (a `NAME.sse.timing` file beside it, as `serve --record`
+//! writes) or one frame (SSE event or NDJSON line) every `delay`. With no capture files, captures bundled in the
 //! binary are served, so nothing else is needed for a demo.
 //!
 //! Read [`MockUpstream`] first.
@@ -32,9 +32,8 @@ use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::time::Sleep;
 
+use crate::capture::{self, Timing};
 use crate::framing::Framing;
-use crate::framing::ndjson::NdjsonDecoder;
-use crate::framing::sse::SseDecoder;
 use crate::proxy::upstream::{BoxError, ProxyBody};
 use crate::proxy::{server, service};
 
@@ -58,54 +57,38 @@ pub const BUNDLED: [(&str, &[u8]); 4] = [
     ),
 ];
 
-/// One capture, cut into frames.
+/// One capture: its bytes, and when each piece came if it was recorded.
 #[derive(Debug, Clone)]
 pub struct Capture {
     /// The file stem; a request's `model` selects it.
     pub name: String,
     pub framing: Framing,
-    /// The frames, each exactly as in the file.
-    pub frames: Vec<Bytes>,
+    pub bytes: Bytes,
+    /// The recorded timing (`NAME.sse.timing`), if any.
+    pub timing: Option<Timing>,
 }
 
 impl Capture {
-    /// Cuts `bytes` into frames with the framing sniffed from its start.
+    /// A capture of `bytes`, with the framing sniffed from its start.
     pub fn new(name: &str, bytes: &[u8]) -> Capture {
-        let framing = Framing::sniff(bytes).unwrap_or(Framing::Sse);
-        let mut frames = Vec::new();
-        match framing {
-            Framing::Sse => {
-                let mut decoder = SseDecoder::new();
-                decoder.push(bytes);
-                decoder.finish();
-                while let Some(block) = decoder.next_block() {
-                    frames.push(Bytes::copy_from_slice(block.raw));
-                }
-            }
-            Framing::Ndjson => {
-                let mut decoder = NdjsonDecoder::new();
-                decoder.push(bytes);
-                decoder.finish();
-                while let Some(line) = decoder.next_line() {
-                    frames.push(Bytes::copy_from_slice(line.raw));
-                }
-            }
-        }
         Capture {
             name: name.to_owned(),
-            framing,
-            frames,
+            framing: Framing::sniff(bytes).unwrap_or(Framing::Sse),
+            bytes: Bytes::copy_from_slice(bytes),
+            timing: None,
         }
     }
 
-    /// Reads a capture file.
+    /// Reads a capture file and its timing file, if it has one.
     pub fn from_file(path: &Path) -> std::io::Result<Capture> {
         let bytes = std::fs::read(path)?;
         let name = path
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
-        Ok(Capture::new(&name, &bytes))
+        let mut capture = Capture::new(&name, &bytes);
+        capture.timing = Timing::load_for(path)?;
+        Ok(capture)
     }
 
     /// The captures bundled in the binary.
@@ -113,6 +96,15 @@ impl Capture {
         BUNDLED
             .iter()
             .map(|(name, bytes)| Capture::new(name, bytes))
+            .collect()
+    }
+
+    /// The pieces to send and the pause before each: the recorded timing,
+    /// or one frame every `pace`.
+    pub fn pieces(&self, pace: Duration) -> Vec<(Bytes, Duration)> {
+        capture::schedule(&self.bytes, self.timing.as_ref(), pace)
+            .into_iter()
+            .map(|(range, pause)| (self.bytes.slice(range), pause))
             .collect()
     }
 }
@@ -183,8 +175,7 @@ impl MockUpstream {
             Framing::Sse => "text/event-stream",
             Framing::Ndjson => "application/x-ndjson",
         };
-        let mut response =
-            Response::new(PacedBody::new(capture.frames.clone(), self.delay).boxed());
+        let mut response = Response::new(PacedBody::new(capture.pieces(self.delay)).boxed());
         response
             .headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -201,18 +192,17 @@ impl MockUpstream {
     }
 }
 
-/// Sends frames one by one, `delay` apart; stops when the client goes.
+/// Sends pieces one by one, each after its pause; stops when the client
+/// goes (the body is dropped, and with it the timer).
 struct PacedBody {
-    frames: VecDeque<Bytes>,
-    delay: Duration,
+    pieces: VecDeque<(Bytes, Duration)>,
     sleep: Option<Pin<Box<Sleep>>>,
 }
 
 impl PacedBody {
-    fn new(frames: Vec<Bytes>, delay: Duration) -> PacedBody {
+    fn new(pieces: Vec<(Bytes, Duration)>) -> PacedBody {
         PacedBody {
-            frames: frames.into(),
-            delay,
+            pieces: pieces.into(),
             sleep: None,
         }
     }
@@ -226,21 +216,30 @@ impl Body for PacedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(sleep) = self.sleep.as_mut() {
-            std::task::ready!(sleep.as_mut().poll(cx));
-            self.sleep = None;
+        loop {
+            if let Some(sleep) = self.sleep.as_mut() {
+                std::task::ready!(sleep.as_mut().poll(cx));
+                self.sleep = None;
+                let Some((piece, _)) = self.pieces.pop_front() else {
+                    return Poll::Ready(None);
+                };
+                return Poll::Ready(Some(Ok(Frame::data(piece))));
+            }
+            let Some((_, pause)) = self.pieces.front() else {
+                return Poll::Ready(None);
+            };
+            if pause.is_zero() {
+                let Some((piece, _)) = self.pieces.pop_front() else {
+                    return Poll::Ready(None);
+                };
+                return Poll::Ready(Some(Ok(Frame::data(piece))));
+            }
+            self.sleep = Some(Box::pin(tokio::time::sleep(*pause)));
         }
-        let Some(frame) = self.frames.pop_front() else {
-            return Poll::Ready(None);
-        };
-        if !self.frames.is_empty() && !self.delay.is_zero() {
-            self.sleep = Some(Box::pin(tokio::time::sleep(self.delay)));
-        }
-        Poll::Ready(Some(Ok(Frame::data(frame))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.frames.is_empty() && self.sleep.is_none()
+        self.pieces.is_empty()
     }
 }
 
@@ -255,8 +254,16 @@ mod tests {
     #[test]
     fn bundled_captures_cut_into_frames_that_rebuild_the_file() {
         for (capture, (_, bytes)) in Capture::bundled().iter().zip(BUNDLED) {
-            assert!(capture.frames.len() > 3, "{}", capture.name);
-            assert_eq!(capture.frames.concat(), bytes, "{}", capture.name);
+            let pieces = capture.pieces(Duration::from_millis(5));
+            assert!(pieces.len() > 3, "{}", capture.name);
+            let joined: Vec<u8> = pieces.iter().flat_map(|(p, _)| p.to_vec()).collect();
+            assert_eq!(joined, bytes, "{}", capture.name);
+            assert_eq!(pieces[0].1, Duration::ZERO);
+            assert!(
+                pieces[1..]
+                    .iter()
+                    .all(|(_, pause)| *pause == Duration::from_millis(5))
+            );
         }
         assert_eq!(Capture::bundled()[3].framing, Framing::Ndjson);
     }

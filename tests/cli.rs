@@ -410,7 +410,9 @@ fn write_error_names_its_cause_once() {
 /// status 0, nothing on stderr, even with ~20 MB of input still coming.
 #[test]
 fn broken_pipe_is_quiet_success() {
-    let fixture = read_fixture(TOOL_CALL_FIXTURE);
+    // A stream without `[DONE]`, so repeating it is one long stream (after
+    // a `[DONE]`, more data would rightly be warned about).
+    let fixture = read_fixture("openai/no_done.sse");
     let input = fixture.repeat(20 * 1024 * 1024 / fixture.len() + 1);
 
     let mut child = aalis_proxy_with(&["annotate"])

@@ -66,6 +66,7 @@ fn proxy_config(upstream: &str) -> ProxyConfig {
         idle_timeout: Duration::from_secs(5),
         shutdown_grace: Duration::from_secs(3),
         max_event_bytes: aalis_proxy::framing::sse::DEFAULT_MAX_EVENT_BYTES,
+        record_dir: None,
     }
 }
 
@@ -348,7 +349,11 @@ fn fixture(name: &str) -> Vec<u8> {
 /// A fixture cut into its frames (SSE events, NDJSON lines) by the
 /// library's own framers.
 fn frames_of(name: &str) -> Vec<Bytes> {
-    let frames = Capture::new(name, &fixture(name)).frames;
+    let frames: Vec<Bytes> = Capture::new(name, &fixture(name))
+        .pieces(Duration::ZERO)
+        .into_iter()
+        .map(|(piece, _)| piece)
+        .collect();
     assert_eq!(frames.concat(), fixture(name), "frames rebuild {name}");
     frames
 }

@@ -26,6 +26,7 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
+use super::record::Recording;
 use super::sessions::StreamHandle;
 use super::upstream::BoxError;
 use crate::filter::unix_ms;
@@ -91,6 +92,8 @@ pin_project! {
         // `None` for a response that is not a stream: frames pass untouched.
         annotator: Option<Annotator>,
         session: Option<StreamHandle>,
+        // `--record`: the upstream bytes, as they come.
+        recording: Option<Recording>,
         #[pin]
         idle: Sleep,
         idle_timeout: Duration,
@@ -130,10 +133,13 @@ impl TapBody {
         inner: Incoming,
         annotator: Annotator,
         session: StreamHandle,
+        recording: Option<Recording>,
         idle_timeout: Duration,
         log: RequestLog,
     ) -> TapBody {
-        TapBody::new(inner, Some(annotator), Some(session), idle_timeout, log)
+        let mut body = TapBody::new(inner, Some(annotator), Some(session), idle_timeout, log);
+        body.recording = recording;
+        body
     }
 
     /// A body that only passes frames through (and counts them).
@@ -152,6 +158,7 @@ impl TapBody {
             inner,
             annotator,
             session,
+            recording: None,
             idle: tokio::time::sleep(idle_timeout),
             idle_timeout,
             out: BytesMut::new(),
@@ -208,6 +215,9 @@ impl Body for TapBody {
                         Err(frame) => return Poll::Ready(Some(Ok(frame))),
                     };
                     *this.bytes_in += data.len() as u64;
+                    if let Some(recording) = this.recording.as_mut() {
+                        recording.data(&data);
+                    }
                     // A body with a known length ends with its last frame:
                     // the connection will not poll again to hear so.
                     let last = this.inner.is_end_stream();

@@ -12,6 +12,7 @@
 //! Read [`run`] first.
 
 pub mod body;
+pub mod record;
 pub mod server;
 pub mod service;
 pub mod sessions;
@@ -45,6 +46,9 @@ pub struct ProxyConfig {
     pub shutdown_grace: Duration,
     /// Stream events larger than this are passed on unparsed.
     pub max_event_bytes: usize,
+    /// Record every streamed response here (`--record`); the directory
+    /// must exist.
+    pub record_dir: Option<PathBuf>,
 }
 
 /// Runs the proxy on `listener` until `shutdown` resolves and the open

@@ -17,11 +17,12 @@ use clap::ValueEnum;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body::Body as _;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
 use super::ProxyConfig;
 use super::body::{RequestLog, TapBody};
+use super::record::Recorder;
 use super::sessions::SessionRegistry;
 use super::upstream::{
     BoxError, ProxyBody, UpstreamClient, UpstreamConfigError, build_client, strip_hop_by_hop,
@@ -39,6 +40,10 @@ pub const INJECT_HEADER: HeaderName = HeaderName::from_static("x-aalis-inject");
 /// Paths under this prefix are the proxy's own, never the upstream's.
 pub const ADMIN_PREFIX: &str = "/_aalis/";
 
+/// With `--record`, request bodies are read whole (to be saved): at most
+/// this many bytes.
+const MAX_RECORDED_REQUEST_BYTES: usize = 8 * 1024 * 1024;
+
 /// Longest session id accepted.
 const MAX_SESSION_ID_BYTES: usize = 128;
 
@@ -49,6 +54,8 @@ pub struct Proxy {
 }
 
 struct Shared {
+    /// `--record`: where streamed responses are saved.
+    recorder: Option<Recorder>,
     config: ProxyConfig,
     client: UpstreamClient,
     sessions: SessionRegistry,
@@ -103,6 +110,7 @@ impl Proxy {
             .finish();
         Proxy {
             shared: Arc::new(Shared {
+                recorder: config.record_dir.as_deref().map(Recorder::new),
                 config,
                 client,
                 sessions,
@@ -204,7 +212,32 @@ impl Proxy {
             header::ACCEPT_ENCODING,
             HeaderValue::from_static("identity"),
         );
-        let upstream_req = Request::from_parts(parts, body.map_err(BoxError::from).boxed());
+        // With --record the request body is kept for the recording, so it
+        // is read whole first; otherwise it streams.
+        let (body, request_copy) = match &self.shared.recorder {
+            None => (body.map_err(BoxError::from).boxed(), None),
+            Some(_) => {
+                let whole = Limited::new(body, MAX_RECORDED_REQUEST_BYTES)
+                    .collect()
+                    .await
+                    .map_err(|e| {
+                        fail(
+                            Fault::BadRequest,
+                            format!(
+                                "with --record, a request body must be complete and at most \
+                                 {MAX_RECORDED_REQUEST_BYTES} bytes: {e}"
+                            ),
+                        )
+                    })?
+                    .to_bytes();
+                let copy = whole.clone();
+                (
+                    Full::new(whole).map_err(|never| match never {}).boxed(),
+                    Some(copy),
+                )
+            }
+        };
+        let upstream_req = Request::from_parts(parts, body);
 
         // Phase 3: send, with a deadline for the response headers.
         let sent = tokio::time::timeout(
@@ -263,7 +296,15 @@ impl Proxy {
                     max_event_bytes: config.max_event_bytes,
                 });
                 let stream = self.shared.sessions.begin_stream(&session_id);
-                TapBody::stream(body, annotator, stream, config.idle_timeout, log).boxed()
+                let recording = self.shared.recorder.as_ref().and_then(|recorder| {
+                    let request = request_copy.as_deref().unwrap_or_default();
+                    recorder
+                        .start(&session_id, framing, request)
+                        .map_err(|err| tracing::warn!("cannot record this stream: {err}"))
+                        .ok()
+                });
+                TapBody::stream(body, annotator, stream, recording, config.idle_timeout, log)
+                    .boxed()
             }
             None => TapBody::passthrough(body, config.idle_timeout, log).boxed(),
         };

@@ -1,0 +1,252 @@
+//! Captures: a stream body as it came (`NAME.sse`, `NAME.ndjson`) and,
+//! beside it, when each piece of it arrived (`NAME.sse.timing`).
+//!
+//! `serve --record DIR` writes both; `annotate --realtime` and `mock`
+//! replay a capture with its timing, or, without a timing file, one frame
+//! (SSE event or NDJSON line) every `pace`. The capture file is always the
+//! exact bytes of the body, so `annotate` and `cmp` read it as any stream.
+//!
+//! The timing file is text, one line per piece, after a header line:
+//!
+//! ```text
+//! # aalis-proxy timing 1: <end offset in bytes> <milliseconds since the response began>
+//! 312 0
+//! 1045 52
+//! ```
+//!
+//! Read [`schedule`] first.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::framing::Framing;
+use crate::framing::ndjson::NdjsonDecoder;
+use crate::framing::sse::SseDecoder;
+
+/// The first line of every timing file.
+pub const TIMING_HEADER: &str =
+    "# aalis-proxy timing 1: <end offset in bytes> <milliseconds since the response began>";
+
+/// When each piece of a capture arrived: `(end offset, ms since start)`,
+/// both non-decreasing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Timing {
+    pub marks: Vec<(u64, u64)>,
+}
+
+/// Why a timing file cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("timing line {line}: {reason}")]
+pub struct TimingError {
+    pub line: usize,
+    pub reason: String,
+}
+
+impl Timing {
+    /// The timing file that goes with `capture`: `capture` + `.timing`.
+    pub fn sidecar(capture: &Path) -> PathBuf {
+        let mut name = capture.as_os_str().to_owned();
+        name.push(".timing");
+        PathBuf::from(name)
+    }
+
+    /// Reads the sidecar of `capture`, if there is one.
+    pub fn load_for(capture: &Path) -> Result<Option<Timing>, std::io::Error> {
+        match std::fs::read_to_string(Timing::sidecar(capture)) {
+            Ok(text) => Timing::parse(&text)
+                .map(Some)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Timing, TimingError> {
+        let mut marks: Vec<(u64, u64)> = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line_no = n + 1;
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let bad = |reason: &str| TimingError {
+                line: line_no,
+                reason: reason.to_owned(),
+            };
+            let mut fields = line.split_whitespace();
+            let (Some(offset), Some(ms), None) = (fields.next(), fields.next(), fields.next())
+            else {
+                return Err(bad("expected two numbers: <end offset> <milliseconds>"));
+            };
+            let offset: u64 = offset
+                .parse()
+                .map_err(|_| bad("the offset is not a number"))?;
+            let ms: u64 = ms.parse().map_err(|_| bad("the time is not a number"))?;
+            if let Some(&(last_offset, last_ms)) = marks.last()
+                && (offset < last_offset || ms < last_ms)
+            {
+                return Err(bad("offsets and times must not go back"));
+            }
+            marks.push((offset, ms));
+        }
+        Ok(Timing { marks })
+    }
+
+    /// The file's text.
+    pub fn render(&self) -> String {
+        let mut out = String::from(TIMING_HEADER);
+        out.push('\n');
+        for (offset, ms) in &self.marks {
+            out.push_str(&format!("{offset} {ms}\n"));
+        }
+        out
+    }
+}
+
+/// How to replay `bytes`: pieces, each with the pause before it. With a
+/// timing, the pieces are the recorded reads and the pauses the recorded
+/// gaps; without, the pieces are the stream's frames, `pace` apart. The
+/// pieces always cover `bytes` exactly, in order.
+pub fn schedule(
+    bytes: &[u8],
+    timing: Option<&Timing>,
+    pace: Duration,
+) -> Vec<(Range<usize>, Duration)> {
+    let mut out = Vec::new();
+    match timing {
+        Some(timing) => {
+            let (mut start, mut last_ms) = (0usize, 0u64);
+            for &(offset, ms) in &timing.marks {
+                let end = usize::try_from(offset)
+                    .unwrap_or(usize::MAX)
+                    .min(bytes.len());
+                if end > start {
+                    out.push((
+                        start..end,
+                        Duration::from_millis(ms.saturating_sub(last_ms)),
+                    ));
+                    start = end;
+                }
+                last_ms = ms;
+            }
+            if start < bytes.len() {
+                out.push((start..bytes.len(), Duration::ZERO));
+            }
+        }
+        None => {
+            let mut start = 0;
+            for end in frame_ends(bytes) {
+                let pause = if start == 0 { Duration::ZERO } else { pace };
+                out.push((start..end, pause));
+                start = end;
+            }
+        }
+    }
+    out
+}
+
+/// Where each frame of `bytes` ends, cut by the same framers `annotate`
+/// uses.
+fn frame_ends(bytes: &[u8]) -> Vec<usize> {
+    let mut ends = Vec::new();
+    let mut end = 0;
+    match Framing::sniff(bytes).unwrap_or(Framing::Sse) {
+        Framing::Sse => {
+            let mut decoder = SseDecoder::new();
+            decoder.push(bytes);
+            decoder.finish();
+            while let Some(block) = decoder.next_block() {
+                end += block.raw.len();
+                if !block.raw.is_empty() {
+                    ends.push(end);
+                }
+            }
+        }
+        Framing::Ndjson => {
+            let mut decoder = NdjsonDecoder::new();
+            decoder.push(bytes);
+            decoder.finish();
+            while let Some(line) = decoder.next_line() {
+                end += line.raw.len();
+                ends.push(end);
+            }
+        }
+    }
+    ends
+}
+
+/// A file name part made from anything (a session id from a header):
+/// ASCII letters, digits, `-` and `_` kept, everything else `_`, at most 64
+/// characters, never empty and never starting with `.`, so it cannot name
+/// a directory, a hidden file or a path outside the folder on any
+/// filesystem.
+pub fn safe_file_part(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if out.is_empty() {
+        out.push_str("session");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_round_trips_and_rejects_nonsense() {
+        let timing = Timing {
+            marks: vec![(10, 0), (25, 40), (25, 41)],
+        };
+        assert_eq!(Timing::parse(&timing.render()).expect("parses"), timing);
+        for bad in ["10", "a 1", "10 5\n5 6", "10 5\n11 4", "1 2 3"] {
+            assert!(Timing::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn schedules_cover_the_bytes_in_order() {
+        let bytes = b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n";
+        let paced = schedule(bytes, None, Duration::from_millis(7));
+        assert_eq!(
+            paced,
+            vec![
+                (0..9, Duration::ZERO),
+                (9..18, Duration::from_millis(7)),
+                (18..32, Duration::from_millis(7)),
+            ]
+        );
+        let timing = Timing {
+            marks: vec![(5, 0), (20, 30), (20, 35)],
+        };
+        let timed = schedule(bytes, Some(&timing), Duration::ZERO);
+        assert_eq!(
+            timed,
+            vec![
+                (0..5, Duration::ZERO),
+                (5..20, Duration::from_millis(30)),
+                (20..32, Duration::ZERO),
+            ]
+        );
+    }
+
+    #[test]
+    fn file_parts_are_safe() {
+        assert_eq!(safe_file_part("chat-42"), "chat-42");
+        assert_eq!(safe_file_part("../../etc/passwd"), "______etc_passwd");
+        assert_eq!(safe_file_part(".hidden"), "_hidden");
+        assert_eq!(safe_file_part("a\r\nb"), "a__b");
+        assert_eq!(safe_file_part(""), "session");
+        assert_eq!(safe_file_part(&"x".repeat(100)).len(), 64);
+    }
+}

@@ -1,0 +1,159 @@
+//! `aalis-proxy demo`: the whole path with nothing but the binary (issue 4).
+//!
+//! A built-in upstream ([`MockUpstream`] replaying the bundled captures:
+//! parallel tool calls, reasoning then a tool, text then a tool, Ollama
+//! thinking then two tools) and the proxy run in this process on loopback
+//! ports the system picks; a client sends one streamed request per capture
+//! through the proxy, one after the other, each in its own session. Spinners
+//! show on stderr (plain lines when stderr is not a terminal); stdout gets a
+//! summary per request, or with `--stream` the annotated streams themselves.
+//!
+//! Read [`run`] first.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use http::{Request, header};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::encode::{InjectMode, OutputFormat};
+use crate::framing::Framing;
+use crate::mock::{Capture, MockUpstream};
+use crate::pipeline::{Annotator, AnnotatorConfig};
+use crate::proxy::service::Proxy;
+use crate::proxy::sessions::SessionRegistry;
+use crate::proxy::upstream::Upstream;
+use crate::proxy::{ProxyConfig, serve_proxy};
+use crate::render::spinner::ProgressDisplay;
+
+/// What the demo does.
+pub struct DemoOptions {
+    /// Pause between two events of each replayed capture.
+    pub delay: Duration,
+    /// Write the annotated streams on stdout instead of summaries.
+    pub stream: bool,
+    /// Where spinners go.
+    pub display: Arc<ProgressDisplay>,
+}
+
+/// Runs the demo to the end, writing to `out`; returns the number of tool
+/// calls the client saw.
+pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Result<usize> {
+    let captures = Capture::bundled();
+    let mock_listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("cannot listen for the demo upstream")?;
+    let mock_addr = mock_listener.local_addr()?;
+    let (stop_mock, mock_stopped) = oneshot::channel::<()>();
+    let mock = MockUpstream::new(captures.clone(), options.delay);
+    let mock_task = tokio::spawn(mock.run(mock_listener, async {
+        let _ = mock_stopped.await;
+    }));
+
+    let proxy_listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("cannot listen for the demo proxy")?;
+    let proxy_addr = proxy_listener.local_addr()?;
+    let config = ProxyConfig {
+        upstream: Upstream::parse(&format!("http://{mock_addr}"))?,
+        upstream_ca: None,
+        inject: InjectMode::Field,
+        connect_timeout: Duration::from_secs(5),
+        response_timeout: Duration::from_secs(30),
+        idle_timeout: Duration::from_secs(30),
+        shutdown_grace: Duration::from_secs(1),
+        max_event_bytes: crate::framing::sse::DEFAULT_MAX_EVENT_BYTES,
+        record_dir: None,
+    };
+    let proxy = Proxy::from_config(config, SessionRegistry::with_display(options.display))?;
+    let (stop_proxy, proxy_stopped) = oneshot::channel::<()>();
+    let proxy_task = tokio::spawn(serve_proxy(proxy_listener, proxy, async {
+        let _ = proxy_stopped.await;
+    }));
+
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let mut tool_calls = 0;
+    for capture in &captures {
+        let path = match capture.framing {
+            Framing::Sse => "/v1/chat/completions",
+            Framing::Ndjson => "/api/chat",
+        };
+        let body = serde_json::json!({"model": capture.name, "stream": true}).to_string();
+        let request = Request::post(format!("http://{proxy_addr}{path}"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("x-aalis-session", format!("demo-{}", capture.name))
+            .body(Full::new(Bytes::from(body)))?;
+        let started = Instant::now();
+        let response = client
+            .request(request)
+            .await
+            .with_context(|| format!("the demo request for {} failed", capture.name))?;
+        let status = response.status();
+        let annotated = response.into_body().collect().await?.to_bytes();
+        if options.stream {
+            out.write_all(&annotated)?;
+        }
+        let summary = summarize(&annotated, capture.framing);
+        tool_calls += summary.calls.len();
+        if !options.stream {
+            writeln!(
+                out,
+                "{}  {status}  {} → {} bytes  {} events with progress  {:.1}s",
+                capture.name,
+                capture.bytes.len(),
+                annotated.len(),
+                summary.annotated_events,
+                started.elapsed().as_secs_f64(),
+            )?;
+            for (name, chars) in &summary.calls {
+                writeln!(out, "    tool call {name}: {chars} chars of arguments")?;
+            }
+        }
+        out.flush()?;
+    }
+    let _ = stop_proxy.send(());
+    let _ = stop_mock.send(());
+    let _ = proxy_task.await;
+    let _ = mock_task.await;
+    Ok(tool_calls)
+}
+
+/// What the client got from one request.
+struct Summary {
+    /// `(name, charsAccumulated)` of each assembled call.
+    calls: Vec<(String, usize)>,
+    /// Events or lines that carried a `toolCallProgress`.
+    annotated_events: usize,
+}
+
+/// Reads what the client received with the library itself: the calls it
+/// assembles, and how many events carried progress.
+fn summarize(annotated: &[u8], framing: Framing) -> Summary {
+    let mut annotator = Annotator::new(AnnotatorConfig {
+        output: OutputFormat::Ndjson,
+        framing: Some(framing),
+        ..AnnotatorConfig::default()
+    });
+    let mut lines = Vec::new();
+    annotator.push(annotated, 0, &mut lines);
+    annotator.finish(0, &mut lines);
+    let calls = annotator
+        .tracker()
+        .calls()
+        .flat_map(|(_, calls)| calls.iter().map(|c| (c.name.clone(), c.chars_accumulated)))
+        .collect();
+    let annotated_events = String::from_utf8_lossy(annotated)
+        .matches("\"toolCallProgress\":")
+        .count();
+    Summary {
+        calls,
+        annotated_events,
+    }
+}

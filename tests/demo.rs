@@ -1,0 +1,66 @@
+//! `aalis-proxy demo` (issue 4): the whole path with nothing but the
+//! binary — built-in upstream, proxy, client — exits 0 and shows the tools.
+
+use std::process::Command;
+
+fn demo(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_aalis-proxy"))
+        .arg("demo")
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("demo runs")
+}
+
+/// stderr is not a terminal here, so the spinners are plain lines: each
+/// tool of each bundled capture shows, then ends with ✓; stdout summarizes
+/// what the client received through the proxy.
+#[test]
+fn the_demo_shows_every_tool_and_exits_0() {
+    let output = demo(&["--delay-ms", "1"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    for line in [
+        "    tool call get_weather: 47 chars of arguments",
+        "    tool call get_local_time: 26 chars of arguments",
+        "    tool call get_forecast: 24 chars of arguments",
+        "    tool call get_time: 57 chars of arguments",
+        "6 tool calls streamed through the proxy, each with progress",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == line),
+            "no {line:?} in:\n{stdout}"
+        );
+    }
+    for tool in [
+        "[demo-parallel_tool_calls] get_weather  47 chars",
+        "[demo-parallel_tool_calls] get_local_time  26 chars",
+        "[demo-reasoning_then_tool] get_weather  33 chars",
+        "[demo-thinking_two_tools] get_time  57 chars",
+    ] {
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.starts_with("✓ ") && l.contains(tool)),
+            "no final line for {tool:?} in:\n{stderr}"
+        );
+    }
+}
+
+/// `--stream` writes the annotated streams themselves.
+#[test]
+fn the_demo_can_show_the_annotated_streams() {
+    let output = demo(&["--delay-ms", "0", "--stream", "--progress", "never"]);
+    assert!(output.status.success());
+    assert!(
+        output.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains(r#""toolCallProgress":{"index":1,"name":"get_local_time","#));
+    assert!(stdout.contains("data: [DONE]"));
+    assert!(stdout.contains(r#""done":true"#), "the Ollama capture too");
+}
