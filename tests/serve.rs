@@ -1157,3 +1157,37 @@ fn the_default_listen_addresses_are_loopback() {
         "{help}"
     );
 }
+
+/// `serve --progress=always` with stderr not a terminal: plain lines per
+/// tool, labelled with the session, each ending with ✓ when the stream is
+/// done (issue 4: "per session and index in serve, session shown").
+#[test]
+fn serve_draws_each_sessions_tools_on_stderr() {
+    let mock = start_mock(&["--delay-ms", "5"], &[]);
+    let mut serve = start_serve(mock.port, &["--progress=always"], &[]);
+    let mut response = post(
+        serve.port,
+        CHAT_PATH,
+        PARALLEL_REQUEST,
+        &[("X-Aalis-Session", "chat-7")],
+    );
+    assert_eq!(response.status, 200);
+    response.read_complete();
+    let stderr = serve.wait_for_stderr("✓ [chat-7] get_local_time");
+    for line in [
+        "✓ [chat-7] get_weather  47 chars · ",
+        "✓ [chat-7] get_local_time  26 chars · ",
+    ] {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(line)),
+            "no {line:?} in:\n{stderr}"
+        );
+    }
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("⠿ [chat-7] get_weather  ")),
+        "no line while streaming in:\n{stderr}"
+    );
+    serve.stop();
+}
