@@ -180,6 +180,7 @@ impl AnnotateArgs {
             session_id: self.session.clone(),
             framing: None,
             max_event_bytes: self.max_event_bytes,
+            collect_events: false,
         }
     }
 

@@ -20,7 +20,7 @@ use crate::error::{Location, Warning, excerpt};
 use crate::framing::Framing;
 use crate::framing::ndjson::NdjsonDecoder;
 use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlockKind, SseDecoder};
-use crate::progress::{Applied, ToolCallTracker};
+use crate::progress::{Applied, ProgressEntry, ToolCallTracker};
 use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
 /// How many undecodable frames are reported one by one before the rest are
@@ -42,6 +42,9 @@ pub struct AnnotatorConfig {
     /// Events (SSE) or lines (NDJSON) larger than this are passed on as
     /// they stream, unparsed, and reported once.
     pub max_event_bytes: usize,
+    /// Keep the stream's increments ([`StreamEvent`]) for
+    /// [`Annotator::take_events`] (the proxy's events route needs them).
+    pub collect_events: bool,
 }
 
 impl Default for AnnotatorConfig {
@@ -52,7 +55,91 @@ impl Default for AnnotatorConfig {
             session_id: None,
             framing: None,
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            collect_events: false,
         }
+    }
+}
+
+/// One increment of a stream's state, as the proxy's events route sends it
+/// to subscribers (SPEC.md: one `StreamChunkMessage` per increment, and a
+/// clear).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamEvent {
+    /// A tool-call delta was applied.
+    Progress(ProgressEntry),
+    /// Answer text (non-empty).
+    Content { choice: i64, text: String },
+    /// Reasoning text (non-empty).
+    Reasoning { choice: i64, text: String },
+    /// The in-progress map was cleared, and why.
+    Cleared(ClearReason),
+    /// The provider said the stream is over.
+    Done,
+}
+
+/// Why the in-progress tools were cleared (SPEC.md, "Progress state").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClearReason {
+    /// Text or reasoning resumed.
+    Text,
+    /// `[DONE]` or `done: true`.
+    Done,
+    /// The provider reported an error.
+    Error,
+    /// The stream ended (or failed, or was cancelled).
+    StreamEnd,
+    /// A tool started executing.
+    ToolExecute,
+    /// A new request of the session began.
+    NewRequest,
+}
+
+impl ClearReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClearReason::Text => "text",
+            ClearReason::Done => "done",
+            ClearReason::Error => "error",
+            ClearReason::StreamEnd => "stream_end",
+            ClearReason::ToolExecute => "tool_execute",
+            ClearReason::NewRequest => "new_request",
+        }
+    }
+}
+
+/// What subscribers hear of one applied chunk.
+fn record_event(events: &mut Vec<StreamEvent>, chunk: &Chunk<'_>, applied: &Applied<'_>) {
+    if let Applied::Cleared = applied {
+        let reason = match chunk {
+            Chunk::Text { .. } | Chunk::Reasoning { .. } => ClearReason::Text,
+            Chunk::Error { .. } => ClearReason::Error,
+            Chunk::Done | Chunk::ToolCallDelta(_) | Chunk::Finish { .. } | Chunk::Usage(_) => {
+                ClearReason::Done
+            }
+        };
+        events.push(StreamEvent::Cleared(reason));
+    }
+    match (chunk, applied) {
+        (_, Applied::Progress(p)) => events.push(StreamEvent::Progress(ProgressEntry {
+            choice: p.choice,
+            index: p.index,
+            name: p.name.to_owned(),
+            chars_accumulated: p.chars_accumulated,
+            started_at_ms: p.started_at_ms,
+        })),
+        (Chunk::Text { choice, text }, _) => events.push(StreamEvent::Content {
+            choice: *choice,
+            text: text.to_string(),
+        }),
+        (Chunk::Reasoning { choice, text }, _) => events.push(StreamEvent::Reasoning {
+            choice: *choice,
+            text: text.to_string(),
+        }),
+        (Chunk::Done, _) => events.push(StreamEvent::Done),
+        (
+            Chunk::ToolCallDelta(_) | Chunk::Finish { .. } | Chunk::Usage(_) | Chunk::Error { .. },
+            Applied::Cleared | Applied::Unchanged,
+        ) => {}
     }
 }
 
@@ -117,6 +204,9 @@ struct StreamState {
     ended_warned: bool,
     /// The `done` line(s) were written.
     done_written: bool,
+    /// Increments for subscribers, when asked for
+    /// ([`AnnotatorConfig::collect_events`]).
+    events: Option<Vec<StreamEvent>>,
 }
 
 impl Annotator {
@@ -149,6 +239,7 @@ impl Annotator {
                 ended: false,
                 ended_warned: false,
                 done_written: false,
+                events: config.collect_events.then(Vec::new),
             },
         };
         if let Some(framing) = config.framing {
@@ -199,6 +290,16 @@ impl Annotator {
                 count: state.undecodable - MAX_REPORTED,
             });
         }
+    }
+
+    /// Takes the increments collected since the last call (empty unless
+    /// [`AnnotatorConfig::collect_events`]).
+    pub fn take_events(&mut self) -> Vec<StreamEvent> {
+        self.state
+            .events
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Takes the warnings collected since the last call.
@@ -443,6 +544,7 @@ impl StreamState {
         let tracker = &mut self.tracker;
         let batch = &mut self.batch;
         let lines = &mut self.lines;
+        let mut events = self.events.as_mut();
         let info = providers::decode(provider, data, &mut self.decoder_state, &mut |chunk| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {
@@ -461,7 +563,11 @@ impl StreamState {
                 | Chunk::Finish { .. }
                 | Chunk::Usage(_) => {}
             }
-            match tracker.apply(&chunk, now_ms) {
+            let applied = tracker.apply(&chunk, now_ms);
+            if let Some(events) = events.as_deref_mut() {
+                record_event(events, &chunk, &applied);
+            }
+            match applied {
                 Applied::Progress(p) if render => {
                     batch.push(&p);
                     if lines_out && let Some(json) = batch.last() {

@@ -231,7 +231,8 @@ impl Body for TapBody {
                     annotator.push(&data, unix_ms(), this.out);
                     log_warnings(annotator, this.log);
                     if let Some(session) = this.session.as_mut() {
-                        session.publish(annotator.tracker());
+                        let events = annotator.take_events();
+                        session.publish(annotator.tracker(), events);
                     }
                     if last {
                         finish(this.annotator, this.out, this.log);

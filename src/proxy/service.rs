@@ -294,6 +294,7 @@ impl Proxy {
                     session_id: Some(session_id.clone()),
                     framing: Some(framing),
                     max_event_bytes: config.max_event_bytes,
+                    collect_events: true,
                 });
                 let stream = self.shared.sessions.begin_stream(&session_id);
                 let recording = self.shared.recorder.as_ref().and_then(|recorder| {

@@ -1,13 +1,23 @@
 //! Per-session tool-call progress, shared by every connection of the proxy
-//! (SPEC.md, "Progress state").
+//! (SPEC.md, "Progress state"; issue 5).
 //!
 //! A session is named by the `X-Aalis-Session` request header. Each streamed
-//! response of the session publishes its in-progress tool calls here as they
-//! change; a new streamed request of the session starts a new *generation*
-//! and clears what the previous one left, and an older stream of the same
-//! session can no longer overwrite it. A session whose stream ended with
-//! nothing in progress is forgotten, so memory is bounded by the number of
-//! open streams.
+//! response of the session publishes here, as it goes, its in-progress tool
+//! calls (the snapshot a reconnecting UI resumes from) and its increments
+//! (what live subscribers of `/_aalis/sessions/{id}/events` receive). A new
+//! streamed request of the session starts a new *generation*: it clears
+//! what the previous one left, and the older stream can no longer publish.
+//!
+//! Subscribers get the snapshot and a `broadcast` receiver under one lock,
+//! so they lose nothing after their snapshot and see nothing twice. A
+//! subscriber that falls behind by more than [`SUBSCRIBER_BACKLOG`] frames is
+//! not buffered for: it is told it lagged and starts again from a fresh
+//! snapshot, so a slow browser never slows a stream.
+//!
+//! Memory stays bounded: a session is kept while a stream or a subscriber
+//! uses it; once neither does, it is forgotten at once if it has nothing in
+//! progress, or after `--session-ttl` of idleness otherwise, by a purge task
+//! ([`SessionRegistry::spawn_purger`]) that stops when its guard is dropped.
 //!
 //! The state sits behind a `std::sync::Mutex` that is never held across an
 //! `.await` (mini-redis `db.rs`): every method takes the lock, does a few
@@ -16,14 +26,26 @@
 //! Read [`SessionRegistry`] first.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::broadcast;
 
 use crate::filter::unix_ms;
+use crate::js::push_string;
+use crate::pipeline::{ClearReason, StreamEvent};
 pub use crate::progress::ProgressEntry;
 use crate::progress::ToolCallTracker;
 use crate::render::spinner::{Outcome, ProgressDisplay};
 
-#[derive(Debug, Default)]
+/// Frames a subscriber may fall behind before it is resent a snapshot.
+pub const SUBSCRIBER_BACKLOG: usize = 256;
+
+/// One frame for subscribers: a JSON object, rendered once for all.
+pub type Frame = Arc<str>;
+
+#[derive(Debug)]
 struct Session {
     /// The generation of the stream that owns the session's progress.
     generation: u64,
@@ -31,6 +53,27 @@ struct Session {
     progress: Vec<ProgressEntry>,
     /// The owning stream is still open.
     streaming: bool,
+    /// Last publish, stream start or end, or subscription.
+    last_active: Instant,
+    /// Increments for live subscribers.
+    frames: broadcast::Sender<Frame>,
+}
+
+impl Session {
+    fn new() -> Session {
+        Session {
+            generation: 0,
+            progress: Vec::new(),
+            streaming: false,
+            last_active: Instant::now(),
+            frames: broadcast::channel(SUBSCRIBER_BACKLOG).0,
+        }
+    }
+
+    /// Nothing uses it any more.
+    fn unused(&self) -> bool {
+        !self.streaming && self.frames.receiver_count() == 0
+    }
 }
 
 /// The sessions of one proxy; cheap to clone (one `Arc`).
@@ -59,6 +102,29 @@ pub struct StreamHandle {
     failed: bool,
 }
 
+/// A live subscription to one session.
+#[derive(Debug)]
+pub struct Subscription {
+    /// The `stream_resume` frame to send first.
+    pub resume: Frame,
+    /// The increments after it.
+    pub frames: broadcast::Receiver<Frame>,
+}
+
+/// Stops the purge task when dropped.
+#[derive(Debug)]
+pub struct PurgeGuard {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for PurgeGuard {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
 impl SessionRegistry {
     pub fn new() -> Self {
         Self::default()
@@ -78,10 +144,19 @@ impl SessionRegistry {
         let mut state = self.lock();
         state.next_generation += 1;
         let generation = state.next_generation;
-        let session = state.sessions.entry(session_id.to_owned()).or_default();
+        let session = state
+            .sessions
+            .entry(session_id.to_owned())
+            .or_insert_with(Session::new);
         session.generation = generation;
-        session.progress.clear();
         session.streaming = true;
+        session.last_active = Instant::now();
+        if !session.progress.is_empty() {
+            session.progress.clear();
+            let _ = session
+                .frames
+                .send(clear_frame(session_id, ClearReason::NewRequest));
+        }
         drop(state);
         if let Some(display) = &self.display {
             display.show(session_id, &[], Outcome::Done, unix_ms());
@@ -105,7 +180,103 @@ impl SessionRegistry {
             .unwrap_or_default()
     }
 
-    /// Number of sessions held (open streams and sessions with progress).
+    /// The `stream_resume` frame of a session (an empty list for an unknown
+    /// one).
+    pub fn resume_frame(&self, session_id: &str) -> Frame {
+        let state = self.lock();
+        let progress = state
+            .sessions
+            .get(session_id)
+            .map_or(&[][..], |s| &s.progress[..]);
+        resume_frame(session_id, progress)
+    }
+
+    /// Every session with something in progress, sorted by id.
+    pub fn in_progress(&self) -> Vec<(String, Vec<ProgressEntry>)> {
+        let state = self.lock();
+        let mut out: Vec<_> = state
+            .sessions
+            .iter()
+            .filter(|(_, s)| !s.progress.is_empty())
+            .map(|(id, s)| (id.clone(), s.progress.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Subscribes to a session, known yet or not: its snapshot now, and
+    /// every increment after it.
+    pub fn subscribe(&self, session_id: &str) -> Subscription {
+        let mut state = self.lock();
+        let session = state
+            .sessions
+            .entry(session_id.to_owned())
+            .or_insert_with(Session::new);
+        session.last_active = Instant::now();
+        Subscription {
+            frames: session.frames.subscribe(),
+            resume: resume_frame(session_id, &session.progress),
+        }
+    }
+
+    /// A tool of the session started executing (`tool:execute` with
+    /// `phase: "start"`): its progress is cleared. Returns how many tools
+    /// were in progress.
+    pub fn tool_execution_started(&self, session_id: &str) -> usize {
+        let mut state = self.lock();
+        let Some(session) = state.sessions.get_mut(session_id) else {
+            return 0;
+        };
+        let cleared = session.progress.len();
+        session.progress.clear();
+        session.last_active = Instant::now();
+        let _ = session
+            .frames
+            .send(clear_frame(session_id, ClearReason::ToolExecute));
+        drop(state);
+        if let Some(display) = &self.display {
+            display.show(session_id, &[], Outcome::Done, unix_ms());
+        }
+        cleared
+    }
+
+    /// Forgets sessions nothing uses and that were idle longer than `ttl`.
+    /// Returns how many were forgotten.
+    pub fn purge(&self, ttl: Duration) -> usize {
+        let mut state = self.lock();
+        let before = state.sessions.len();
+        state
+            .sessions
+            .retain(|_, s| !(s.unused() && s.last_active.elapsed() >= ttl));
+        before - state.sessions.len()
+    }
+
+    /// Runs [`purge`](Self::purge) every `ttl / 4` (at least every 100 ms,
+    /// at most every minute) until the guard is dropped. Needs a tokio
+    /// runtime.
+    pub fn spawn_purger(&self, ttl: Duration) -> PurgeGuard {
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let registry = self.clone();
+        let period = (ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(period);
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {
+                        let forgotten = registry.purge(ttl);
+                        if forgotten > 0 {
+                            tracing::debug!("forgot {forgotten} idle sessions");
+                        }
+                    }
+                    _ = &mut stopped => break,
+                }
+            }
+        });
+        PurgeGuard { stop: Some(stop) }
+    }
+
+    /// Number of sessions held (open streams, subscribed sessions, and idle
+    /// ones with progress not yet expired).
     pub fn len(&self) -> usize {
         self.lock().sessions.len()
     }
@@ -126,10 +297,12 @@ impl StreamHandle {
         &self.session_id
     }
 
-    /// Publishes the tracker's in-progress calls if they changed since the
-    /// last call and this stream still owns the session.
-    pub fn publish(&mut self, tracker: &ToolCallTracker) {
-        if tracker.changes() == self.published {
+    /// Publishes what the stream did since the last call: the tracker's
+    /// in-progress calls (when they changed) and `events` for subscribers,
+    /// as long as this stream still owns the session.
+    pub fn publish(&mut self, tracker: &ToolCallTracker, events: Vec<StreamEvent>) {
+        let changed = tracker.changes() != self.published;
+        if !changed && events.is_empty() {
             return;
         }
         self.published = tracker.changes();
@@ -140,8 +313,16 @@ impl StreamHandle {
         if session.generation != self.generation {
             return;
         }
-        tracker.snapshot_into(&mut session.progress);
-        if let Some(display) = &self.registry.display {
+        session.last_active = Instant::now();
+        if changed {
+            tracker.snapshot_into(&mut session.progress);
+        }
+        if session.frames.receiver_count() > 0 {
+            for event in &events {
+                let _ = session.frames.send(event_frame(&self.session_id, event));
+            }
+        }
+        if changed && let Some(display) = &self.registry.display {
             // Drawn outside the registry's lock.
             let entries = session.progress.clone();
             drop(state);
@@ -165,74 +346,114 @@ impl StreamHandle {
 impl Drop for StreamHandle {
     fn drop(&mut self) {
         let mut state = self.registry.lock();
-        let owned = state
-            .sessions
-            .get(&self.session_id)
-            .is_some_and(|s| s.generation == self.generation);
-        if owned {
-            state.sessions.remove(&self.session_id);
-            drop(state);
-            if let Some(display) = &self.registry.display {
-                let outcome = if self.failed {
-                    Outcome::Failed
-                } else {
-                    Outcome::Done
-                };
-                display.show(&self.session_id, &[], outcome, unix_ms());
-            }
+        let Some(session) = state.sessions.get_mut(&self.session_id) else {
+            return;
+        };
+        if session.generation != self.generation {
+            return;
         }
+        session.streaming = false;
+        session.last_active = Instant::now();
+        if !session.progress.is_empty() {
+            session.progress.clear();
+            let _ = session
+                .frames
+                .send(clear_frame(&self.session_id, ClearReason::StreamEnd));
+        }
+        if session.unused() {
+            state.sessions.remove(&self.session_id);
+        }
+        drop(state);
+        if let Some(display) = &self.registry.display {
+            let outcome = if self.failed {
+                Outcome::Failed
+            } else {
+                Outcome::Done
+            };
+            display.show(&self.session_id, &[], outcome, unix_ms());
+        }
+    }
+}
+
+// === frames (the wire format of the events route) ===
+
+/// `{"type":"stream_resume","sessionId":…,"toolCallsProgress":[{index,
+/// name, charsAccumulated, startedAt}],"serverTime":…}`, entries sorted by
+/// index, times in Unix milliseconds; `serverTime` lets a browser correct
+/// for its own clock.
+pub fn resume_frame(session_id: &str, progress: &[ProgressEntry]) -> Frame {
+    let mut out = String::from("{\"type\":\"stream_resume\",\"sessionId\":");
+    push_string(session_id, &mut out);
+    out.push_str(",\"toolCallsProgress\":[");
+    for (i, entry) in progress.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        push_entry(entry, true, &mut out);
+    }
+    let _ = write!(out, "],\"serverTime\":{}}}", unix_ms());
+    Arc::from(out)
+}
+
+/// One increment as a `StreamChunkMessage` (or a clear frame).
+fn event_frame(session_id: &str, event: &StreamEvent) -> Frame {
+    let mut out = String::from("{\"sessionId\":");
+    push_string(session_id, &mut out);
+    match event {
+        StreamEvent::Progress(entry) => {
+            out.push_str(",\"toolCallProgress\":");
+            push_entry(entry, true, &mut out);
+        }
+        StreamEvent::Content { choice, text } => {
+            out.push_str(",\"contentDelta\":");
+            push_string(text, &mut out);
+            push_choice(*choice, &mut out);
+        }
+        StreamEvent::Reasoning { choice, text } => {
+            out.push_str(",\"reasoningDelta\":");
+            push_string(text, &mut out);
+            push_choice(*choice, &mut out);
+        }
+        StreamEvent::Done => out.push_str(",\"done\":true"),
+        StreamEvent::Cleared(reason) => return clear_frame(session_id, *reason),
+    }
+    out.push('}');
+    Arc::from(out)
+}
+
+/// `{"type":"tool_call_progress_clear","sessionId":…,"reason":…}`: every
+/// in-progress tool of the session is gone (the seed's
+/// `onToolCallProgressClear`).
+pub fn clear_frame(session_id: &str, reason: ClearReason) -> Frame {
+    let mut out = String::from("{\"type\":\"tool_call_progress_clear\",\"sessionId\":");
+    push_string(session_id, &mut out);
+    let _ = write!(
+        out,
+        ",\"reason\":\"{}\",\"serverTime\":{}}}",
+        reason.as_str(),
+        unix_ms()
+    );
+    Arc::from(out)
+}
+
+/// `{"index":0,"name":"…","charsAccumulated":12,"startedAt":…}` (+ `choice`
+/// when not 0).
+fn push_entry(entry: &ProgressEntry, started_at: bool, out: &mut String) {
+    let _ = write!(out, "{{\"index\":{},\"name\":", entry.index);
+    push_string(&entry.name, out);
+    let _ = write!(out, ",\"charsAccumulated\":{}", entry.chars_accumulated);
+    if started_at {
+        let _ = write!(out, ",\"startedAt\":{}", entry.started_at_ms);
+    }
+    push_choice(entry.choice, out);
+    out.push('}');
+}
+
+fn push_choice(choice: i64, out: &mut String) {
+    if choice != 0 {
+        let _ = write!(out, ",\"choice\":{choice}");
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta};
-
-    fn tracker_with(calls: &[(i64, &str, &str)], now: u64) -> ToolCallTracker {
-        let mut t = ToolCallTracker::new(true);
-        for &(index, name, args) in calls {
-            let chunk = Chunk::ToolCallDelta(ToolCallDelta {
-                choice: 0,
-                index: Some(index),
-                id: None,
-                name: Some(name.into()),
-                arguments: ArgumentsDelta::Append(args.into()),
-            });
-            t.apply(&chunk, now);
-        }
-        t
-    }
-
-    #[test]
-    fn publish_snapshot_and_end() {
-        let registry = SessionRegistry::new();
-        let mut stream = registry.begin_stream("s1");
-        stream.publish(&tracker_with(&[(1, "b", "xy"), (0, "a", "")], 5));
-        let names: Vec<_> = registry
-            .snapshot("s1")
-            .into_iter()
-            .map(|p| (p.index, p.name, p.chars_accumulated))
-            .collect();
-        assert_eq!(names, vec![(0, "a".into(), 0), (1, "b".into(), 2)]);
-        stream.end();
-        assert!(registry.snapshot("s1").is_empty());
-        assert!(registry.is_empty());
-    }
-
-    #[test]
-    fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
-        let registry = SessionRegistry::new();
-        let mut old = registry.begin_stream("s1");
-        old.publish(&tracker_with(&[(0, "a", "abc")], 1));
-        let mut new = registry.begin_stream("s1");
-        assert!(registry.snapshot("s1").is_empty());
-        old.publish(&tracker_with(&[(0, "stale", "")], 2));
-        assert!(registry.snapshot("s1").is_empty());
-        new.publish(&tracker_with(&[(0, "fresh", "")], 3));
-        drop(old);
-        assert_eq!(registry.snapshot("s1")[0].name, "fresh");
-        drop(new);
-        assert!(registry.is_empty());
-    }
-}
+mod tests;

@@ -1,0 +1,264 @@
+use super::*;
+use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta};
+
+/// A tracker after deltas `(index, name, args)` at time `now` (the clock is
+/// a value: these tests never sleep).
+fn tracker_with(calls: &[(i64, &str, &str)], now: u64) -> ToolCallTracker {
+    let mut t = ToolCallTracker::new(true);
+    for &(index, name, args) in calls {
+        t.apply(&delta(index, name, args), now);
+    }
+    t
+}
+
+fn delta(index: i64, name: &str, args: &str) -> Chunk<'static> {
+    Chunk::ToolCallDelta(ToolCallDelta {
+        choice: 0,
+        index: Some(index),
+        id: None,
+        name: Some(name.to_owned().into()),
+        arguments: ArgumentsDelta::Append(args.to_owned().into()),
+    })
+}
+
+fn progress_event(index: i64, name: &str, chars: usize, started: u64) -> StreamEvent {
+    StreamEvent::Progress(ProgressEntry {
+        choice: 0,
+        index,
+        name: name.into(),
+        chars_accumulated: chars,
+        started_at_ms: started,
+    })
+}
+
+fn received(sub: &mut Subscription) -> Vec<String> {
+    let mut out = Vec::new();
+    while let Ok(frame) = sub.frames.try_recv() {
+        out.push(frame.to_string());
+    }
+    out
+}
+
+/// `serverTime` changes from run to run; everything else is exact.
+fn without_server_time(frame: &str) -> String {
+    match frame.find(",\"serverTime\":") {
+        Some(at) => format!("{}}}", &frame[..at]),
+        None => frame.to_owned(),
+    }
+}
+
+#[test]
+fn publish_snapshot_and_end() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    stream.publish(
+        &tracker_with(&[(1, "b", "xy"), (0, "a", "")], 5),
+        Vec::new(),
+    );
+    let names: Vec<_> = registry
+        .snapshot("s1")
+        .into_iter()
+        .map(|p| (p.index, p.name, p.chars_accumulated, p.started_at_ms))
+        .collect();
+    assert_eq!(names, vec![(0, "a".into(), 0, 5), (1, "b".into(), 2, 5)]);
+    assert_eq!(registry.in_progress().len(), 1);
+    stream.end();
+    assert!(registry.snapshot("s1").is_empty());
+    assert!(registry.is_empty(), "nothing uses the session any more");
+}
+
+#[test]
+fn same_index_keeps_started_at_new_index_gets_its_own() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "a", "x")], 1_000);
+    stream.publish(&tracker, Vec::new());
+    tracker.apply(&delta(0, "a", "yz"), 2_000);
+    tracker.apply(&delta(1, "b", ""), 3_000);
+    stream.publish(&tracker, Vec::new());
+    let started: Vec<_> = registry
+        .snapshot("s1")
+        .iter()
+        .map(|p| (p.index, p.chars_accumulated, p.started_at_ms))
+        .collect();
+    assert_eq!(started, vec![(0, 3, 1_000), (1, 0, 3_000)]);
+}
+
+#[test]
+fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
+    let registry = SessionRegistry::new();
+    let mut sub = registry.subscribe("s1");
+    let mut old = registry.begin_stream("s1");
+    old.publish(&tracker_with(&[(0, "a", "abc")], 1), Vec::new());
+    let mut new = registry.begin_stream("s1");
+    assert!(registry.snapshot("s1").is_empty());
+    old.publish(
+        &tracker_with(&[(0, "stale", "")], 2),
+        vec![progress_event(0, "stale", 0, 2)],
+    );
+    assert!(registry.snapshot("s1").is_empty());
+    new.publish(&tracker_with(&[(0, "fresh", "")], 3), Vec::new());
+    drop(old);
+    assert_eq!(registry.snapshot("s1")[0].name, "fresh");
+    let frames: Vec<_> = received(&mut sub)
+        .iter()
+        .map(|f| without_server_time(f))
+        .collect();
+    assert_eq!(
+        frames,
+        vec![r#"{"type":"tool_call_progress_clear","sessionId":"s1","reason":"new_request"}"#],
+        "the old stream's late progress never reaches subscribers"
+    );
+    drop(new);
+    assert_eq!(registry.len(), 1, "kept while subscribed");
+    drop(sub);
+    assert_eq!(registry.purge(Duration::ZERO), 1, "then expired");
+}
+
+#[test]
+fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything() {
+    let registry = SessionRegistry::new();
+    let mut sub = registry.subscribe("s1");
+    assert_eq!(
+        without_server_time(&sub.resume),
+        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[]}"#
+    );
+    let mut stream = registry.begin_stream("s1");
+    let tracker = tracker_with(&[(0, "get_weather", "{\"c")], 7);
+    stream.publish(
+        &tracker,
+        vec![
+            StreamEvent::Reasoning {
+                choice: 0,
+                text: "hm".into(),
+            },
+            progress_event(0, "get_weather", 3, 7),
+        ],
+    );
+    let mut later = ToolCallTracker::new(true);
+    later.apply(&delta(0, "get_weather", "{\"c"), 7);
+    later.apply(
+        &Chunk::Text {
+            choice: 0,
+            text: "ok".into(),
+        },
+        9,
+    );
+    stream.publish(
+        &later,
+        vec![
+            StreamEvent::Cleared(ClearReason::Text),
+            StreamEvent::Content {
+                choice: 0,
+                text: "ok".into(),
+            },
+            StreamEvent::Done,
+        ],
+    );
+    drop(stream);
+    let frames: Vec<_> = received(&mut sub)
+        .iter()
+        .map(|f| without_server_time(f))
+        .collect();
+    assert_eq!(
+        frames,
+        vec![
+            r#"{"sessionId":"s1","reasoningDelta":"hm"}"#,
+            r#"{"sessionId":"s1","toolCallProgress":{"index":0,"name":"get_weather","charsAccumulated":3,"startedAt":7}}"#,
+            r#"{"type":"tool_call_progress_clear","sessionId":"s1","reason":"text"}"#,
+            r#"{"sessionId":"s1","contentDelta":"ok"}"#,
+            r#"{"sessionId":"s1","done":true}"#,
+        ]
+    );
+    assert_eq!(registry.len(), 1, "kept while subscribed");
+}
+
+#[test]
+fn a_late_subscriber_resumes_mid_call_and_loses_nothing_after() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "a", "12345"), (1, "b", "1")], 100);
+    stream.publish(&tracker, Vec::new());
+    let mut sub = registry.subscribe("s1");
+    assert_eq!(
+        without_server_time(&sub.resume),
+        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":5,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":100}]}"#
+    );
+    tracker.apply(&delta(1, "b", "23"), 200);
+    stream.publish(&tracker, vec![progress_event(1, "b", 3, 100)]);
+    assert_eq!(received(&mut sub).len(), 1);
+}
+
+#[test]
+fn tool_execution_clears_and_tells_subscribers() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    stream.publish(&tracker_with(&[(0, "a", "x"), (1, "b", "")], 1), Vec::new());
+    let mut sub = registry.subscribe("s1");
+    assert_eq!(registry.tool_execution_started("s1"), 2);
+    assert!(registry.snapshot("s1").is_empty());
+    assert_eq!(registry.tool_execution_started("unknown"), 0);
+    let frames: Vec<_> = received(&mut sub)
+        .iter()
+        .map(|f| without_server_time(f))
+        .collect();
+    assert_eq!(
+        frames,
+        vec![r#"{"type":"tool_call_progress_clear","sessionId":"s1","reason":"tool_execute"}"#]
+    );
+}
+
+#[test]
+fn idle_sessions_expire_and_used_ones_do_not() {
+    let registry = SessionRegistry::new();
+    let sub = registry.subscribe("watched");
+    let _stream = registry.begin_stream("streaming");
+    let left = registry.subscribe("left");
+    drop(left);
+    assert_eq!(registry.len(), 3);
+    assert_eq!(
+        registry.purge(Duration::from_secs(3600)),
+        0,
+        "not idle long enough"
+    );
+    assert_eq!(
+        registry.purge(Duration::ZERO),
+        1,
+        "only the session nothing uses"
+    );
+    assert_eq!(registry.len(), 2);
+    drop(sub);
+    assert_eq!(registry.purge(Duration::ZERO), 1);
+}
+
+#[test]
+fn a_slow_subscriber_is_told_it_lagged_instead_of_being_buffered_for() {
+    let registry = SessionRegistry::new();
+    let mut sub = registry.subscribe("s1");
+    let mut stream = registry.begin_stream("s1");
+    let tracker = tracker_with(&[(0, "a", "")], 1);
+    for i in 0..(SUBSCRIBER_BACKLOG + 10) {
+        stream.publish(&tracker, vec![progress_event(0, "a", i, 1)]);
+    }
+    assert!(matches!(
+        sub.frames.try_recv(),
+        Err(broadcast::error::TryRecvError::Lagged(10))
+    ));
+}
+
+#[test]
+fn frames_escape_what_they_carry() {
+    let frame = event_frame(
+        "s\"1",
+        &StreamEvent::Content {
+            choice: 2,
+            text: "a\nb".into(),
+        },
+    );
+    assert_eq!(
+        &*frame,
+        r#"{"sessionId":"s\"1","contentDelta":"a\nb","choice":2}"#
+    );
+    let value: serde_json::Value = serde_json::from_str(&frame).expect("valid JSON");
+    assert_eq!(value["contentDelta"], "a\nb");
+}
