@@ -297,6 +297,20 @@ pub struct ServeArgs {
     )]
     pub progress: ProgressMode,
 
+    /// Forget a session nothing uses after this much idleness (sessions of
+    /// open streams and of live subscribers are kept)
+    ///
+    /// Example: --session-ttl 30m
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
+    pub session_ttl: Duration,
+
+    /// Let clients that are not on loopback use the /_aalis/ routes with
+    /// `Authorization: Bearer TOKEN` (without it they get 403)
+    ///
+    /// Example: --admin-token "$(openssl rand -hex 16)"
+    #[arg(long, value_name = "TOKEN")]
+    pub admin_token: Option<String>,
+
     /// Save every streamed upstream response in DIR as a replayable capture
     ///
     /// Per stream: the body as the upstream sent it (.sse or .ndjson), its
@@ -338,6 +352,8 @@ impl ServeArgs {
             shutdown_grace: self.shutdown_grace,
             max_event_bytes: self.max_event_bytes,
             record_dir: self.record.clone(),
+            session_ttl: self.session_ttl,
+            admin_token: self.admin_token.clone(),
         })
     }
 }

@@ -23,7 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use crate::encode::{InjectMode, OutputFormat};
+use crate::encode::OutputFormat;
 use crate::framing::Framing;
 use crate::mock::{Capture, MockUpstream};
 use crate::pipeline::{Annotator, AnnotatorConfig};
@@ -62,15 +62,11 @@ pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::
         .context("cannot listen for the demo proxy")?;
     let proxy_addr = proxy_listener.local_addr()?;
     let config = ProxyConfig {
-        upstream: Upstream::parse(&format!("http://{mock_addr}"))?,
-        upstream_ca: None,
-        inject: InjectMode::Field,
         connect_timeout: Duration::from_secs(5),
         response_timeout: Duration::from_secs(30),
         idle_timeout: Duration::from_secs(30),
         shutdown_grace: Duration::from_secs(1),
-        max_event_bytes: crate::framing::sse::DEFAULT_MAX_EVENT_BYTES,
-        record_dir: None,
+        ..ProxyConfig::new(Upstream::parse(&format!("http://{mock_addr}"))?)
     };
     let proxy = Proxy::from_config(config, SessionRegistry::with_display(options.display))?;
     let (stop_proxy, proxy_stopped) = oneshot::channel::<()>();

@@ -204,6 +204,8 @@ struct StreamState {
     ended_warned: bool,
     /// The `done` line(s) were written.
     done_written: bool,
+    /// Frames (SSE events with data, NDJSON lines) handled so far.
+    frames: u64,
     /// Increments for subscribers, when asked for
     /// ([`AnnotatorConfig::collect_events`]).
     events: Option<Vec<StreamEvent>>,
@@ -239,6 +241,7 @@ impl Annotator {
                 ended: false,
                 ended_warned: false,
                 done_written: false,
+                frames: 0,
                 events: config.collect_events.then(Vec::new),
             },
         };
@@ -305,6 +308,11 @@ impl Annotator {
     /// Takes the warnings collected since the last call.
     pub fn take_warnings(&mut self) -> Vec<Warning> {
         std::mem::take(&mut self.state.warnings)
+    }
+
+    /// Frames (SSE events with data, NDJSON lines) handled so far.
+    pub fn frames(&self) -> u64 {
+        self.state.frames
     }
 
     /// The stream's progress state.
@@ -478,6 +486,7 @@ impl StreamState {
         out: &mut impl Sink,
     ) {
         self.batch.clear();
+        self.frames += 1;
         let data = match frame.data {
             Some(_) if self.ended => {
                 self.warn_after_end(frame.at);

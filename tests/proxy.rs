@@ -67,6 +67,8 @@ fn proxy_config(upstream: &str) -> ProxyConfig {
         shutdown_grace: Duration::from_secs(3),
         max_event_bytes: aalis_proxy::framing::sse::DEFAULT_MAX_EVENT_BYTES,
         record_dir: None,
+        session_ttl: Duration::from_secs(600),
+        admin_token: None,
     }
 }
 

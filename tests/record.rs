@@ -54,6 +54,8 @@ async fn start_proxy(
         shutdown_grace: Duration::from_secs(1),
         max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
         record_dir,
+        session_ttl: Duration::from_secs(600),
+        admin_token: None,
     };
     let proxy = Proxy::from_config(config, SessionRegistry::new()).expect("proxy");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

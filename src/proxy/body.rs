@@ -17,6 +17,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
@@ -26,6 +28,7 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
+use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::Recording;
 use super::sessions::StreamHandle;
 use super::upstream::BoxError;
@@ -104,6 +107,7 @@ pin_project! {
         bytes_in: u64,
         bytes_out: u64,
         log: RequestLog,
+        metrics: Arc<Metrics>,
     }
 
     impl PinnedDrop for TapBody {
@@ -117,6 +121,17 @@ pin_project! {
                 .as_ref()
                 .map_or(0, |a| a.tracker().calls().map(|(_, calls)| calls.len()).sum::<usize>());
             this.log.write(*this.bytes_in, *this.bytes_out, tool_calls, this.outcome);
+            let metrics = &**this.metrics;
+            match *this.outcome {
+                "idle-timeout" => metrics.upstream_error(UpstreamErrorKind::IdleTimeout),
+                "upstream-error" => metrics.upstream_error(UpstreamErrorKind::Reset),
+                _ => {}
+            }
+            if let Some(annotator) = this.annotator.as_ref() {
+                metrics.streams_open.fetch_sub(1, Ordering::Relaxed);
+                metrics.tool_calls_total.fetch_add(tool_calls as u64, Ordering::Relaxed);
+                metrics.frames_total.fetch_add(annotator.frames(), Ordering::Relaxed);
+            }
             // Ends the session's stream: its progress is cleared.
             if let Some(mut session) = this.session.take()
                 && *this.outcome != "ok"
@@ -129,6 +144,7 @@ pin_project! {
 
 impl TapBody {
     /// A body that annotates a stream.
+    #[allow(clippy::too_many_arguments)]
     pub fn stream(
         inner: Incoming,
         annotator: Annotator,
@@ -136,15 +152,30 @@ impl TapBody {
         recording: Option<Recording>,
         idle_timeout: Duration,
         log: RequestLog,
+        metrics: Arc<Metrics>,
     ) -> TapBody {
-        let mut body = TapBody::new(inner, Some(annotator), Some(session), idle_timeout, log);
+        metrics.streams_open.fetch_add(1, Ordering::Relaxed);
+        metrics.streams_total.fetch_add(1, Ordering::Relaxed);
+        let mut body = TapBody::new(
+            inner,
+            Some(annotator),
+            Some(session),
+            idle_timeout,
+            log,
+            metrics,
+        );
         body.recording = recording;
         body
     }
 
     /// A body that only passes frames through (and counts them).
-    pub fn passthrough(inner: Incoming, idle_timeout: Duration, log: RequestLog) -> TapBody {
-        TapBody::new(inner, None, None, idle_timeout, log)
+    pub fn passthrough(
+        inner: Incoming,
+        idle_timeout: Duration,
+        log: RequestLog,
+        metrics: Arc<Metrics>,
+    ) -> TapBody {
+        TapBody::new(inner, None, None, idle_timeout, log, metrics)
     }
 
     fn new(
@@ -153,8 +184,10 @@ impl TapBody {
         session: Option<StreamHandle>,
         idle_timeout: Duration,
         log: RequestLog,
+        metrics: Arc<Metrics>,
     ) -> TapBody {
         TapBody {
+            metrics,
             inner,
             annotator,
             session,
@@ -214,7 +247,15 @@ impl Body for TapBody {
                         // Trailers pass through untouched.
                         Err(frame) => return Poll::Ready(Some(Ok(frame))),
                     };
+                    if *this.bytes_in == 0 {
+                        this.metrics
+                            .time_to_first_byte
+                            .observe(this.log.started.elapsed());
+                    }
                     *this.bytes_in += data.len() as u64;
+                    this.metrics
+                        .bytes_in_total
+                        .fetch_add(data.len() as u64, Ordering::Relaxed);
                     if let Some(recording) = this.recording.as_mut() {
                         recording.data(&data);
                     }
@@ -226,14 +267,19 @@ impl Body for TapBody {
                     }
                     let Some(annotator) = this.annotator.as_mut() else {
                         *this.bytes_out += data.len() as u64;
+                        this.metrics
+                            .bytes_out_total
+                            .fetch_add(data.len() as u64, Ordering::Relaxed);
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     };
+                    let work = Instant::now();
                     annotator.push(&data, unix_ms(), this.out);
                     log_warnings(annotator, this.log);
                     if let Some(session) = this.session.as_mut() {
                         let events = annotator.take_events();
                         session.publish(annotator.tracker(), events);
                     }
+                    this.metrics.added_latency.observe(work.elapsed());
                     if last {
                         finish(this.annotator, this.out, this.log);
                     }
@@ -255,6 +301,9 @@ impl Body for TapBody {
             if !this.out.is_empty() {
                 let chunk = this.out.split().freeze();
                 *this.bytes_out += chunk.len() as u64;
+                this.metrics
+                    .bytes_out_total
+                    .fetch_add(chunk.len() as u64, Ordering::Relaxed);
                 return Poll::Ready(Some(Ok(Frame::data(chunk))));
             }
         }

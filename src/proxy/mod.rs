@@ -11,7 +11,9 @@
 //!
 //! Read [`run`] first.
 
+pub mod admin;
 pub mod body;
+pub mod metrics;
 pub mod record;
 pub mod server;
 pub mod service;
@@ -49,6 +51,30 @@ pub struct ProxyConfig {
     /// Record every streamed response here (`--record`); the directory
     /// must exist.
     pub record_dir: Option<PathBuf>,
+    /// Sessions nothing uses are forgotten after this much idleness.
+    pub session_ttl: Duration,
+    /// Lets non-loopback clients use `/_aalis/` with `Authorization:
+    /// Bearer <token>`.
+    pub admin_token: Option<String>,
+}
+
+impl ProxyConfig {
+    /// A configuration for `upstream` with the CLI's defaults.
+    pub fn new(upstream: Upstream) -> ProxyConfig {
+        ProxyConfig {
+            upstream,
+            upstream_ca: None,
+            inject: InjectMode::Field,
+            connect_timeout: Duration::from_secs(10),
+            response_timeout: Duration::from_secs(600),
+            idle_timeout: Duration::from_secs(300),
+            shutdown_grace: Duration::from_secs(10),
+            max_event_bytes: crate::framing::sse::DEFAULT_MAX_EVENT_BYTES,
+            record_dir: None,
+            session_ttl: Duration::from_secs(600),
+            admin_token: None,
+        }
+    }
 }
 
 /// Runs the proxy on `listener` until `shutdown` resolves and the open
@@ -67,6 +93,7 @@ pub async fn run(
 /// open streams have drained (or its grace period is over).
 pub async fn serve_proxy(listener: TcpListener, proxy: Proxy, shutdown: impl Future<Output = ()>) {
     let grace = proxy.config().shutdown_grace;
+    let _purger = proxy.sessions().spawn_purger(proxy.config().session_ttl);
     let handler = move |req, peer| {
         let proxy = proxy.clone();
         async move { proxy.handle(req, peer).await }

@@ -21,7 +21,9 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
 use super::ProxyConfig;
+use super::admin;
 use super::body::{RequestLog, TapBody};
+use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::Recorder;
 use super::sessions::SessionRegistry;
 use super::upstream::{
@@ -54,6 +56,7 @@ pub struct Proxy {
 }
 
 struct Shared {
+    metrics: Arc<Metrics>,
     /// `--record`: where streamed responses are saved.
     recorder: Option<Recorder>,
     config: ProxyConfig,
@@ -69,8 +72,6 @@ struct Shared {
 enum Fault {
     /// The client sent something we cannot use.
     BadRequest,
-    /// One of our own routes that does not exist.
-    NotFound,
     /// The upstream could not be reached.
     UpstreamUnreachable,
     /// The upstream did not answer in time.
@@ -83,7 +84,6 @@ impl Fault {
     fn status(self) -> StatusCode {
         match self {
             Fault::BadRequest => StatusCode::BAD_REQUEST,
-            Fault::NotFound => StatusCode::NOT_FOUND,
             Fault::UpstreamUnreachable | Fault::UpstreamError => StatusCode::BAD_GATEWAY,
             Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -92,7 +92,6 @@ impl Fault {
     fn kind(self) -> &'static str {
         match self {
             Fault::BadRequest => "invalid_request_error",
-            Fault::NotFound => "not_found",
             Fault::UpstreamUnreachable => "upstream_unreachable",
             Fault::UpstreamTimeout => "upstream_timeout",
             Fault::UpstreamError => "upstream_error",
@@ -110,6 +109,7 @@ impl Proxy {
             .finish();
         Proxy {
             shared: Arc::new(Shared {
+                metrics: Arc::new(Metrics::default()),
                 recorder: config.record_dir.as_deref().map(Recorder::new),
                 config,
                 client,
@@ -133,18 +133,36 @@ impl Proxy {
         &self.shared.config
     }
 
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
     pub fn sessions(&self) -> &SessionRegistry {
         &self.shared.sessions
     }
 
     /// Handles one request; never fails (errors become responses).
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        // Phase 0: our own routes are never forwarded upstream.
+        if req.uri().path().starts_with(ADMIN_PREFIX) || req.uri().path() == "/_aalis" {
+            return admin::handle(self, req, peer).await;
+        }
         let started = Instant::now();
         let method = req.method().clone();
         let path = req.uri().path().to_owned();
         match self.forward(req, started).await {
             Ok(response) => response,
             Err((fault, message, session_id)) => {
+                match fault {
+                    Fault::UpstreamUnreachable => self
+                        .metrics()
+                        .upstream_error(UpstreamErrorKind::Unreachable),
+                    Fault::UpstreamTimeout => {
+                        self.metrics().upstream_error(UpstreamErrorKind::Timeout)
+                    }
+                    Fault::UpstreamError => self.metrics().upstream_error(UpstreamErrorKind::Error),
+                    Fault::BadRequest => {}
+                }
                 let mut response = error_response(fault, &message);
                 let log = RequestLog {
                     method,
@@ -171,14 +189,6 @@ impl Proxy {
         started: Instant,
     ) -> Result<Response<ProxyBody>, (Fault, String, Option<String>)> {
         let config = &self.shared.config;
-        // Phase 0: our own routes are never forwarded upstream.
-        if req.uri().path().starts_with(ADMIN_PREFIX) {
-            return Err((
-                Fault::NotFound,
-                format!("no route {} (aalis-proxy's own routes)", req.uri().path()),
-                None,
-            ));
-        }
         // Phase 1: our headers.
         let session_id = match req.headers().get(&SESSION_HEADER) {
             Some(value) => valid_session_id(value).map_err(|m| (Fault::BadRequest, m, None))?,
@@ -304,10 +314,21 @@ impl Proxy {
                         .map_err(|err| tracing::warn!("cannot record this stream: {err}"))
                         .ok()
                 });
-                TapBody::stream(body, annotator, stream, recording, config.idle_timeout, log)
+                TapBody::stream(
+                    body,
+                    annotator,
+                    stream,
+                    recording,
+                    config.idle_timeout,
+                    log,
+                    self.shared.metrics.clone(),
+                )
+                .boxed()
+            }
+            None => {
+                TapBody::passthrough(body, config.idle_timeout, log, self.shared.metrics.clone())
                     .boxed()
             }
-            None => TapBody::passthrough(body, config.idle_timeout, log).boxed(),
         };
         if let Ok(value) = HeaderValue::from_str(&session_id) {
             parts.headers.insert(SESSION_HEADER, value);

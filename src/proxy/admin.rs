@@ -1,0 +1,308 @@
+//! The proxy's own routes under `/_aalis/` (SPEC.md, "Commands"; issue 5).
+//! They are never forwarded upstream, and answer loopback clients only,
+//! unless the request carries `Authorization: Bearer <--admin-token>`
+//! (anything else is a `403`).
+//!
+//! | route | what |
+//! | --- | --- |
+//! | `GET /_aalis/` | the status page: a card per in-progress tool, live |
+//! | `GET /_aalis/sessions` | `{"sessions":[{"sessionId","toolCallsProgress"}],"serverTime"}`, sessions with something in progress |
+//! | `GET /_aalis/sessions/{id}` | the `stream_resume` snapshot |
+//! | `GET /_aalis/sessions/{id}/events` | SSE: `stream_resume`, then one frame per increment |
+//! | `POST /_aalis/tool-execute` | Aalis's `tool:execute` payload; `phase: "start"` clears |
+//! | `GET /_aalis/metrics` | Prometheus text |
+//!
+//! The frames are documented where they are made, in
+//! [`super::sessions`].
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use serde::Deserialize;
+use tokio::sync::{broadcast, mpsc};
+
+use super::service::{Proxy, json_error, json_response};
+use super::sessions::{SessionRegistry, Subscription, resume_frame};
+use super::upstream::{BoxError, ProxyBody};
+use crate::filter::unix_ms;
+
+/// The status page: HTML, CSS and JavaScript in one file, in the binary.
+const STATUS_PAGE: &str = include_str!("status.html");
+
+/// Largest `tool-execute` body read.
+const MAX_TOOL_EXECUTE_BYTES: usize = 1024 * 1024;
+
+/// A comment sent on idle event streams so proxies and browsers keep them.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// Answers a request under `/_aalis/`.
+pub async fn handle(
+    proxy: &Proxy,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<ProxyBody> {
+    if !allowed(proxy, &req, peer) {
+        return json_error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "aalis-proxy's own routes answer loopback clients, or a Bearer --admin-token",
+        );
+    }
+    let path = req.uri().path().to_owned();
+    let rest = path.trim_start_matches("/_aalis/");
+    let segments: Vec<&str> = rest.split('/').collect();
+    match (req.method(), segments.as_slice()) {
+        (&Method::GET, [""]) => html(STATUS_PAGE),
+        (&Method::GET, ["sessions"]) => sessions(proxy),
+        (&Method::GET, ["sessions", id]) if !id.is_empty() => {
+            json_text(&proxy.sessions().resume_frame(&decode_segment(id)))
+        }
+        (&Method::GET, ["sessions", id, "events"]) if !id.is_empty() => {
+            events(proxy.sessions().clone(), decode_segment(id))
+        }
+        (&Method::POST, ["tool-execute"]) => tool_execute(proxy, req).await,
+        (&Method::GET, ["metrics"]) => {
+            let mut response = text(proxy.metrics().render());
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            response
+        }
+        _ => json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            &format!(
+                "no route {} {path} (aalis-proxy's own routes)",
+                req.method()
+            ),
+        ),
+    }
+}
+
+/// Loopback peers always; others only with the admin token.
+fn allowed(proxy: &Proxy, req: &Request<Incoming>, peer: SocketAddr) -> bool {
+    if peer.ip().is_loopback() {
+        return true;
+    }
+    let Some(token) = proxy.config().admin_token.as_deref() else {
+        return false;
+    };
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+}
+
+/// Compares without an early exit on the first differing byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// A path segment, percent-decoded (session ids may hold any visible
+/// character).
+fn decode_segment(segment: &str) -> String {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(hi), Some(lo)) = (
+                bytes.get(i + 1).and_then(|b| hex(*b)),
+                bytes.get(i + 2).and_then(|b| hex(*b)),
+            )
+        {
+            out.push((hi * 16 + lo) as u8);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn sessions(proxy: &Proxy) -> Response<ProxyBody> {
+    let sessions: Vec<serde_json::Value> = proxy
+        .sessions()
+        .in_progress()
+        .into_iter()
+        .map(|(id, progress)| {
+            let frame = resume_frame(&id, &progress);
+            let value: serde_json::Value = serde_json::from_str(&frame).unwrap_or_default();
+            serde_json::json!({"sessionId": id, "toolCallsProgress": value["toolCallsProgress"]})
+        })
+        .collect();
+    json_response(&serde_json::json!({"sessions": sessions, "serverTime": unix_ms()}))
+}
+
+/// The `tool:execute` payload of Aalis.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ToolExecute {
+    session_id: String,
+    #[serde(default)]
+    tool_name: Option<String>,
+    phase: String,
+}
+
+async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBody> {
+    let bad =
+        |message: String| json_error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
+    let body = match Limited::new(req.into_body(), MAX_TOOL_EXECUTE_BYTES)
+        .collect()
+        .await
+    {
+        Ok(body) => body.to_bytes(),
+        Err(err) => return bad(format!("cannot read the body: {err}")),
+    };
+    let payload: ToolExecute = match serde_json::from_slice(&body) {
+        Ok(payload) => payload,
+        Err(err) => {
+            return bad(format!(
+                "expected {{\"sessionId\":…,\"toolName\":…,\"args\":…,\"phase\":…}}: {err}"
+            ));
+        }
+    };
+    let cleared = match payload.phase.as_str() {
+        "start" => proxy.sessions().tool_execution_started(&payload.session_id),
+        _ => 0,
+    };
+    tracing::debug!(
+        session = %payload.session_id,
+        tool = payload.tool_name.as_deref().unwrap_or("-"),
+        phase = %payload.phase,
+        cleared,
+        "tool:execute"
+    );
+    json_response(&serde_json::json!({"ok": true, "cleared": cleared}))
+}
+
+/// The events route: a task moves frames from the session's broadcast into
+/// a small channel the response body reads. A subscriber that lags gets a
+/// fresh `stream_resume` instead of what it missed; a client that goes
+/// away drops the body, which ends the task.
+fn events(registry: SessionRegistry, session_id: String) -> Response<ProxyBody> {
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let Subscription { resume, mut frames } = registry.subscribe(&session_id);
+    tokio::spawn(async move {
+        if tx.send(sse(&resume)).await.is_err() {
+            return;
+        }
+        let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
+        keep_alive.tick().await;
+        loop {
+            let frame = tokio::select! {
+                received = frames.recv() => match received {
+                    Ok(frame) => sse(&frame),
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        // Too far behind: start again from the present,
+                        // snapshot and receiver taken together.
+                        tracing::debug!(session = %session_id, missed, "slow subscriber resumed");
+                        let fresh = registry.subscribe(&session_id);
+                        frames = fresh.frames;
+                        sse(&fresh.resume)
+                    }
+                    Err(broadcast::error::RecvError::Closed) => break,
+                },
+                _ = keep_alive.tick() => Bytes::from_static(b": keep-alive\n\n"),
+            };
+            if tx.send(frame).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut response = Response::new(ChannelBody { rx }.boxed());
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}
+
+fn sse(json: &str) -> Bytes {
+    Bytes::from(format!("data: {json}\n\n"))
+}
+
+/// A response body fed by a channel.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|frame| frame.map(|bytes| Ok(Frame::data(bytes))))
+    }
+}
+
+fn text(body: String) -> Response<ProxyBody> {
+    Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed(),
+    )
+}
+
+fn json_text(json: &str) -> Response<ProxyBody> {
+    let mut response = text(json.to_owned());
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn html(page: &'static str) -> Response<ProxyBody> {
+    let mut response = Response::new(
+        Full::new(Bytes::from_static(page.as_bytes()))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_are_percent_decoded() {
+        assert_eq!(decode_segment("chat-42"), "chat-42");
+        assert_eq!(decode_segment("a%20b%2Fc"), "a b/c");
+        assert_eq!(decode_segment("bad%zz"), "bad%zz");
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+    }
+}

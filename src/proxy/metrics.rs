@@ -1,0 +1,214 @@
+//! `GET /_aalis/metrics`: counters and histograms in the Prometheus text
+//! format (version 0.0.4), updated with atomics on the request path and
+//! rendered on demand. No dependency: the format is a few lines of text.
+//!
+//! Read [`Metrics::render`] for the list.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds of the histogram buckets, in seconds.
+const BUCKETS_SECONDS: [f64; 14] = [
+    0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0,
+];
+
+/// Why an upstream request or stream failed, as the metric's `kind` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamErrorKind {
+    Unreachable,
+    Timeout,
+    Error,
+    IdleTimeout,
+    Reset,
+}
+
+impl UpstreamErrorKind {
+    const ALL: [UpstreamErrorKind; 5] = [
+        UpstreamErrorKind::Unreachable,
+        UpstreamErrorKind::Timeout,
+        UpstreamErrorKind::Error,
+        UpstreamErrorKind::IdleTimeout,
+        UpstreamErrorKind::Reset,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            UpstreamErrorKind::Unreachable => "unreachable",
+            UpstreamErrorKind::Timeout => "timeout",
+            UpstreamErrorKind::Error => "error",
+            UpstreamErrorKind::IdleTimeout => "idle_timeout",
+            UpstreamErrorKind::Reset => "reset",
+        }
+    }
+
+    fn slot(self) -> usize {
+        match self {
+            UpstreamErrorKind::Unreachable => 0,
+            UpstreamErrorKind::Timeout => 1,
+            UpstreamErrorKind::Error => 2,
+            UpstreamErrorKind::IdleTimeout => 3,
+            UpstreamErrorKind::Reset => 4,
+        }
+    }
+}
+
+/// A cumulative histogram of durations.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; BUCKETS_SECONDS.len()],
+    count: AtomicU64,
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, duration: Duration) {
+        let seconds = duration.as_secs_f64();
+        for (bucket, bound) in self.buckets.iter().zip(BUCKETS_SECONDS) {
+            if seconds <= bound {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (bucket, bound) in self.buckets.iter().zip(BUCKETS_SECONDS) {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{bound}\"}} {}",
+                bucket.load(Ordering::Relaxed)
+            );
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    }
+}
+
+/// Every metric of one proxy.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub streams_open: AtomicI64,
+    pub streams_total: AtomicU64,
+    pub frames_total: AtomicU64,
+    pub tool_calls_total: AtomicU64,
+    pub bytes_in_total: AtomicU64,
+    pub bytes_out_total: AtomicU64,
+    upstream_errors: [AtomicU64; 5],
+    /// From the request to the first byte of the upstream's body.
+    pub time_to_first_byte: Histogram,
+    /// Time spent annotating one upstream read before it goes out.
+    pub added_latency: Histogram,
+}
+
+impl Metrics {
+    pub fn upstream_error(&self, kind: UpstreamErrorKind) {
+        self.upstream_errors[kind.slot()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let gauge = |out: &mut String, name: &str, help: &str, value: i64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        };
+        let counter = |out: &mut String, name: &str, help: &str, value: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
+        };
+        gauge(
+            &mut out,
+            "aalis_streams_open",
+            "Streamed responses being passed on now.",
+            self.streams_open.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "aalis_streams_total",
+            "Streamed responses passed on.",
+            self.streams_total.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "aalis_stream_frames_total",
+            "SSE events and NDJSON lines passed on in streams.",
+            self.frames_total.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "aalis_tool_calls_total",
+            "Tool calls seen in streams.",
+            self.tool_calls_total.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "aalis_bytes_in_total",
+            "Response body bytes received from the upstream.",
+            self.bytes_in_total.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "aalis_bytes_out_total",
+            "Response body bytes sent to clients.",
+            self.bytes_out_total.load(Ordering::Relaxed),
+        );
+        let name = "aalis_upstream_errors_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Upstream failures by kind.\n# TYPE {name} counter"
+        );
+        for kind in UpstreamErrorKind::ALL {
+            let value = self.upstream_errors[kind.slot()].load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}{{kind=\"{}\"}} {value}", kind.label());
+        }
+        self.time_to_first_byte.render(
+            "aalis_time_to_first_byte_seconds",
+            "From the request to the first byte of the upstream's body.",
+            &mut out,
+        );
+        self.added_latency.render(
+            "aalis_added_latency_seconds",
+            "Time spent annotating one upstream read before passing it on.",
+            &mut out,
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_and_counters_render() {
+        let metrics = Metrics::default();
+        metrics.added_latency.observe(Duration::from_micros(20));
+        metrics.added_latency.observe(Duration::from_millis(2));
+        metrics.upstream_error(UpstreamErrorKind::Timeout);
+        metrics.streams_total.fetch_add(3, Ordering::Relaxed);
+        let text = metrics.render();
+        for line in [
+            "aalis_streams_total 3",
+            "aalis_upstream_errors_total{kind=\"timeout\"} 1",
+            "aalis_upstream_errors_total{kind=\"reset\"} 0",
+            "aalis_added_latency_seconds_bucket{le=\"0.00001\"} 0",
+            "aalis_added_latency_seconds_bucket{le=\"0.00005\"} 1",
+            "aalis_added_latency_seconds_bucket{le=\"0.005\"} 2",
+            "aalis_added_latency_seconds_bucket{le=\"+Inf\"} 2",
+            "aalis_added_latency_seconds_count 2",
+            "aalis_added_latency_seconds_sum 0.00202",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+    }
+}
