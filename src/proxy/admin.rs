@@ -15,7 +15,7 @@
 //! The frames are documented where they are made, in
 //! [`super::sessions`].
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -90,14 +90,23 @@ pub async fn handle(
 
 /// Loopback peers always; others only with the admin token.
 fn allowed(proxy: &Proxy, req: &Request<Incoming>, peer: SocketAddr) -> bool {
-    if peer.ip().is_loopback() {
+    admin_allowed(
+        peer.ip(),
+        req.headers().get(header::AUTHORIZATION),
+        proxy.config().admin_token.as_deref(),
+    )
+}
+
+/// The rule itself: a loopback peer, or `Authorization: Bearer <token>`
+/// when a token is configured.
+fn admin_allowed(peer: IpAddr, authorization: Option<&HeaderValue>, token: Option<&str>) -> bool {
+    if peer.is_loopback() {
         return true;
     }
-    let Some(token) = proxy.config().admin_token.as_deref() else {
+    let Some(token) = token else {
         return false;
     };
-    req.headers()
-        .get(header::AUTHORIZATION)
+    authorization
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
@@ -297,6 +306,29 @@ mod tests {
         assert_eq!(decode_segment("chat-42"), "chat-42");
         assert_eq!(decode_segment("a%20b%2Fc"), "a b/c");
         assert_eq!(decode_segment("bad%zz"), "bad%zz");
+    }
+
+    #[test]
+    fn only_loopback_or_the_admin_token_gets_in() {
+        let remote: IpAddr = "192.0.2.7".parse().expect("ip");
+        let bearer = |t: &str| HeaderValue::from_str(&format!("Bearer {t}")).expect("value");
+        assert!(admin_allowed("127.0.0.1".parse().expect("ip"), None, None));
+        assert!(admin_allowed("::1".parse().expect("ip"), None, Some("t0k")));
+        assert!(!admin_allowed(remote, None, None), "no token configured");
+        assert!(
+            !admin_allowed(remote, Some(&bearer("t0k")), None),
+            "no token configured"
+        );
+        assert!(!admin_allowed(remote, None, Some("t0k")), "no header");
+        assert!(
+            !admin_allowed(remote, Some(&bearer("t0K")), Some("t0k")),
+            "wrong token"
+        );
+        assert!(
+            !admin_allowed(remote, Some(&HeaderValue::from_static("t0k")), Some("t0k")),
+            "not Bearer"
+        );
+        assert!(admin_allowed(remote, Some(&bearer("t0k")), Some("t0k")));
     }
 
     #[test]

@@ -1,0 +1,429 @@
+//! The `/_aalis/` routes over loopback (issue 5): every route, the events
+//! stream with two tools in parallel, a subscriber that joins before the
+//! first request, a late one, and a stalled one that must not slow the
+//! stream; and that none of them reaches the upstream.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use aalis_proxy::mock::{Capture, MockUpstream};
+use aalis_proxy::proxy::service::Proxy;
+use aalis_proxy::proxy::sessions::SessionRegistry;
+use aalis_proxy::proxy::upstream::Upstream;
+use aalis_proxy::proxy::{ProxyConfig, serve_proxy};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+use tokio::net::TcpListener;
+
+const PATIENCE: Duration = Duration::from_secs(10);
+
+struct Running {
+    proxy: String,
+    sessions: SessionRegistry,
+    _stops: Vec<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// mock (replaying the bundled captures `delay` apart) and a proxy in front.
+async fn start(delay: Duration) -> Running {
+    let mock_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind mock");
+    let mock_addr = mock_listener.local_addr().expect("addr");
+    let (stop_mock, mock_stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(
+        MockUpstream::new(Capture::bundled(), delay).run(mock_listener, async {
+            let _ = mock_stopped.await;
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+    let addr = listener.local_addr().expect("addr");
+    let config = ProxyConfig::new(Upstream::parse(&format!("http://{mock_addr}")).expect("url"));
+    let sessions = SessionRegistry::new();
+    let proxy = Proxy::from_config(config, sessions.clone()).expect("proxy");
+    let (stop_proxy, proxy_stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_proxy(listener, proxy, async {
+        let _ = proxy_stopped.await;
+    }));
+    Running {
+        proxy: format!("http://{addr}"),
+        sessions,
+        _stops: vec![stop_mock, stop_proxy],
+    }
+}
+
+fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+async fn send(
+    method: &str,
+    url: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> http::Response<Incoming> {
+    let mut request = http::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .expect("request");
+    tokio::time::timeout(PATIENCE, client().request(request))
+        .await
+        .expect("in time")
+        .expect("response")
+}
+
+async fn json(method: &str, url: &str, body: &str) -> (u16, Value) {
+    let response = send(method, url, body, &[]).await;
+    let status = response.status().as_u16();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, serde_json::from_slice(&bytes).expect("JSON body"))
+}
+
+/// Starts the `parallel_tool_calls` stream in session `session`; the task
+/// reads it to the end and returns its bytes.
+fn chat(base: &str, session: &str) -> tokio::task::JoinHandle<Vec<u8>> {
+    let url = format!("{base}/v1/chat/completions");
+    let session = session.to_owned();
+    tokio::spawn(async move {
+        let response = send(
+            "POST",
+            &url,
+            r#"{"model":"parallel_tool_calls","stream":true}"#,
+            &[("x-aalis-session", &session)],
+        )
+        .await;
+        response
+            .into_body()
+            .collect()
+            .await
+            .expect("stream")
+            .to_bytes()
+            .to_vec()
+    })
+}
+
+/// The frames of an event stream, read as they come.
+struct Frames {
+    body: Incoming,
+    buffer: Vec<u8>,
+}
+
+impl Frames {
+    async fn open(base: &str, session: &str) -> Frames {
+        let response = send(
+            "GET",
+            &format!("{base}/_aalis/sessions/{session}/events"),
+            "",
+            &[],
+        )
+        .await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            response
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("text/event-stream")
+        );
+        Frames {
+            body: response.into_body(),
+            buffer: Vec::new(),
+        }
+    }
+
+    /// The next `data:` frame, as JSON.
+    async fn next(&mut self) -> Value {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(end) = self.buffer.windows(2).position(|w| w == b"\n\n") {
+                let frame: Vec<u8> = self.buffer.drain(..end + 2).collect();
+                let text = String::from_utf8(frame).expect("UTF-8 frame");
+                if let Some(data) = text.strip_prefix("data: ") {
+                    return serde_json::from_str(data.trim_end()).expect("JSON frame");
+                }
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let frame = tokio::time::timeout(left, self.body.frame())
+                .await
+                .expect("a frame in time")
+                .expect("stream open")
+                .expect("frame");
+            if let Ok(data) = frame.into_data() {
+                self.buffer.extend_from_slice(&data);
+            }
+        }
+    }
+
+    /// Frames until (and including) the first one `stop` accepts.
+    async fn until(&mut self, stop: impl Fn(&Value) -> bool) -> Vec<Value> {
+        let mut seen = Vec::new();
+        loop {
+            let frame = self.next().await;
+            let done = stop(&frame);
+            seen.push(frame);
+            if done {
+                return seen;
+            }
+        }
+    }
+}
+
+fn progress(frames: &[Value]) -> Vec<(u64, u64)> {
+    frames
+        .iter()
+        .filter_map(|f| f.get("toolCallProgress"))
+        .map(|p| {
+            (
+                p["index"].as_u64().unwrap_or(99),
+                p["charsAccumulated"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// A subscriber that joins before the session's first request gets an
+/// empty snapshot, then every increment of two tools in parallel, a clear
+/// and done, in order, with counts that only grow per index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
+    let run = start(Duration::from_millis(5)).await;
+    let mut frames = Frames::open(&run.proxy, "early").await;
+    let resume = frames.next().await;
+    assert_eq!(resume["type"], "stream_resume");
+    assert_eq!(resume["toolCallsProgress"], serde_json::json!([]));
+    assert!(resume["serverTime"].as_u64().is_some());
+    let stream = chat(&run.proxy, "early");
+    let seen = frames.until(|f| f["done"] == true).await;
+    let stream = stream.await.expect("stream task");
+    assert!(String::from_utf8_lossy(&stream).contains("data: [DONE]"));
+    let updates = progress(&seen);
+    // 11 deltas in the capture: one frame each, for both indexes.
+    assert_eq!(updates.len(), 11, "{seen:?}");
+    for index in [0, 1] {
+        let counts: Vec<u64> = updates
+            .iter()
+            .filter(|u| u.0 == index)
+            .map(|u| u.1)
+            .collect();
+        assert!(
+            counts.windows(2).all(|w| w[0] <= w[1]),
+            "{index}: {counts:?}"
+        );
+    }
+    assert_eq!(
+        updates.iter().filter(|u| u.0 == 0).last().map(|u| u.1),
+        Some(47)
+    );
+    assert_eq!(
+        updates.iter().filter(|u| u.0 == 1).last().map(|u| u.1),
+        Some(26)
+    );
+    let clear = seen
+        .iter()
+        .position(|f| f["type"] == "tool_call_progress_clear");
+    let done = seen.iter().position(|f| f["done"] == true);
+    assert!(
+        clear.is_some() && clear < done,
+        "a clear, then done: {seen:?}"
+    );
+    assert_eq!(seen[clear.unwrap_or(0)]["reason"], "done");
+}
+
+/// A subscriber that joins mid-call gets both tools back at once, with the
+/// server's startedAt, and loses nothing after its snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_subscriber_resumes_mid_call() {
+    let run = start(Duration::from_millis(60)).await;
+    let stream = chat(&run.proxy, "late");
+    // Wait until both tools are in progress.
+    let deadline = Instant::now() + PATIENCE;
+    while run.sessions.snapshot("late").len() < 2 {
+        assert!(Instant::now() < deadline, "both tools never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut frames = Frames::open(&run.proxy, "late").await;
+    let resume = frames.next().await;
+    assert_eq!(resume["type"], "stream_resume");
+    let tools = resume["toolCallsProgress"].as_array().expect("list");
+    assert_eq!(tools.len(), 2, "{resume}");
+    assert_eq!(
+        (tools[0]["index"].as_u64(), tools[0]["name"].as_str()),
+        (Some(0), Some("get_weather"))
+    );
+    assert_eq!(
+        (tools[1]["index"].as_u64(), tools[1]["name"].as_str()),
+        (Some(1), Some("get_local_time"))
+    );
+    let started = tools[0]["startedAt"].as_u64().expect("startedAt");
+    assert!(started <= resume["serverTime"].as_u64().expect("serverTime"));
+    let resumed_chars = tools[1]["charsAccumulated"].as_u64().expect("chars");
+    // The same view from the snapshot route and the sessions list.
+    let (status, snapshot) = json("GET", &format!("{}/_aalis/sessions/late", run.proxy), "").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        snapshot["toolCallsProgress"][0]["startedAt"].as_u64(),
+        Some(started)
+    );
+    let (_, list) = json("GET", &format!("{}/_aalis/sessions", run.proxy), "").await;
+    assert_eq!(list["sessions"][0]["sessionId"], "late");
+    // Everything after the snapshot arrives: index 1 goes on from there to
+    // its final count, then the clear.
+    let seen = frames.until(|f| f["done"] == true).await;
+    let after: Vec<u64> = progress(&seen)
+        .iter()
+        .filter(|u| u.0 == 1)
+        .map(|u| u.1)
+        .collect();
+    assert!(
+        after.first().is_some_and(|c| *c >= resumed_chars),
+        "{after:?} after {resumed_chars}"
+    );
+    assert_eq!(after.last(), Some(&26));
+    stream.await.expect("stream task");
+    // And the session is forgotten once nothing uses it.
+    drop(frames);
+    let (_, list) = json("GET", &format!("{}/_aalis/sessions", run.proxy), "").await;
+    assert_eq!(list["sessions"], serde_json::json!([]));
+}
+
+/// A subscriber that reads nothing does not slow the stream: the chat
+/// stream completes at the upstream's pace while it stalls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_subscriber_never_slows_the_stream() {
+    let run = start(Duration::ZERO).await;
+    let stalled = send(
+        "GET",
+        &format!("{}/_aalis/sessions/busy/events", run.proxy),
+        "",
+        &[],
+    )
+    .await;
+    assert_eq!(stalled.status(), 200);
+    let started = Instant::now();
+    for _ in 0..20 {
+        let body = chat(&run.proxy, "busy").await.expect("stream");
+        assert!(String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"));
+    }
+    assert!(
+        started.elapsed() < PATIENCE,
+        "20 streams took {:?}",
+        started.elapsed()
+    );
+    drop(stalled);
+}
+
+/// tool-execute with phase start clears the session's tools and tells
+/// subscribers; other phases change nothing; bad JSON is a 400 that says
+/// what is wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_execute_clears_the_session() {
+    let run = start(Duration::from_millis(80)).await;
+    let stream = chat(&run.proxy, "exec");
+    let deadline = Instant::now() + PATIENCE;
+    while run.sessions.snapshot("exec").is_empty() {
+        assert!(Instant::now() < deadline, "no tool ever started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut frames = Frames::open(&run.proxy, "exec").await;
+    assert_eq!(frames.next().await["type"], "stream_resume");
+    let url = format!("{}/_aalis/tool-execute", run.proxy);
+    let (status, answer) = json(
+        "POST",
+        &url,
+        r#"{"sessionId":"exec","toolName":"get_weather","args":{},"phase":"end"}"#,
+    )
+    .await;
+    assert_eq!((status, answer["cleared"].as_u64()), (200, Some(0)));
+    let (status, answer) = json(
+        "POST",
+        &url,
+        r#"{"sessionId":"exec","toolName":"get_weather","args":{"city":"Paris"},"phase":"start"}"#,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(
+        answer["cleared"].as_u64().is_some_and(|n| n >= 1),
+        "{answer}"
+    );
+    let seen = frames
+        .until(|f| f["type"] == "tool_call_progress_clear")
+        .await;
+    assert_eq!(
+        seen.last().map(|f| f["reason"].clone()),
+        Some("tool_execute".into())
+    );
+    for bad in ["{bad", r#"{"toolName":"x","phase":"start"}"#, "[]"] {
+        let (status, answer) = json("POST", &url, bad).await;
+        assert_eq!(status, 400, "{bad}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("sessionId"), "{bad}: {message}");
+        assert!(message.contains("line 1 column"), "{bad}: {message}");
+    }
+    stream.abort();
+}
+
+/// The page, the metrics, a 404, and none of them forwarded upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_and_the_metrics() {
+    let run = start(Duration::ZERO).await;
+    chat(&run.proxy, "m").await.expect("stream");
+    let page = send("GET", &format!("{}/_aalis/", run.proxy), "", &[]).await;
+    assert_eq!(page.status(), 200);
+    assert_eq!(
+        page.headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("text/html; charset=utf-8")
+    );
+    let html = page.into_body().collect().await.expect("page").to_bytes();
+    let html = String::from_utf8_lossy(&html);
+    assert!(html.contains("EventSource") && html.contains("/_aalis/sessions"));
+    assert!(
+        !html.contains("http://") && !html.contains("https://"),
+        "no CDN, nothing remote"
+    );
+
+    let metrics = send("GET", &format!("{}/_aalis/metrics", run.proxy), "", &[]).await;
+    assert_eq!(metrics.status(), 200);
+    let text = metrics
+        .into_body()
+        .collect()
+        .await
+        .expect("metrics")
+        .to_bytes();
+    let text = String::from_utf8_lossy(&text);
+    for line in [
+        "aalis_streams_total 1",
+        "aalis_streams_open 0",
+        "aalis_tool_calls_total 2",
+        "aalis_stream_frames_total 14",
+        "aalis_bytes_in_total 4723",
+        "aalis_bytes_out_total 5550",
+        "aalis_time_to_first_byte_seconds_count 1",
+        "aalis_upstream_errors_total{kind=\"reset\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+    }
+    // Our routes are ours: a 404 from the proxy, not from the mock.
+    let (status, answer) = json("GET", &format!("{}/_aalis/nope", run.proxy), "").await;
+    assert_eq!(status, 404);
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("aalis-proxy's own routes")
+    );
+    let (status, _) = json("GET", &format!("{}/_aalis/sessions/a/b/c", run.proxy), "").await;
+    assert_eq!(status, 404);
+}
