@@ -427,3 +427,35 @@ async fn the_page_and_the_metrics() {
     let (status, _) = json("GET", &format!("{}/_aalis/sessions/a/b/c", run.proxy), "").await;
     assert_eq!(status, 404);
 }
+
+/// Shutting down ends live subscriptions, so a connected status page does
+/// not hold the proxy for the whole grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_subscriptions_at_once() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+    let addr = listener.local_addr().expect("addr");
+    // Nothing listens on the upstream: only our own routes are used.
+    let config = ProxyConfig::new(Upstream::parse("http://127.0.0.1:9").expect("url"));
+    assert_eq!(config.shutdown_grace, Duration::from_secs(10));
+    let proxy = Proxy::from_config(config, SessionRegistry::new()).expect("proxy");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve_proxy(listener, proxy, async {
+        let _ = stopped.await;
+    }));
+    let base = format!("http://{addr}");
+    let mut frames = Frames::open(&base, "watched").await;
+    assert_eq!(frames.next().await["type"], "stream_resume");
+    let asked = Instant::now();
+    let _ = stop.send(());
+    // The subscription ends (the body finishes) and the server returns,
+    // long before the 10 s grace period.
+    let end = tokio::time::timeout(Duration::from_secs(3), frames.body.frame())
+        .await
+        .expect("the events stream ends in time");
+    assert!(end.is_none(), "{end:?}");
+    tokio::time::timeout(Duration::from_secs(3), server)
+        .await
+        .expect("serve returns in time")
+        .expect("serve task");
+    assert!(asked.elapsed() < Duration::from_secs(3));
+}

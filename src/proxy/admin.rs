@@ -210,8 +210,13 @@ fn events(registry: SessionRegistry, session_id: String) -> Response<ProxyBody> 
         }
         let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
         keep_alive.tick().await;
+        let closed = registry.closed();
+        tokio::pin!(closed);
         loop {
             let frame = tokio::select! {
+                // The proxy shuts down: end the stream so the connection
+                // can close (EventSource clients reconnect by themselves).
+                () = &mut closed => break,
                 received = frames.recv() => match received {
                     Ok(frame) => sse(&frame),
                     Err(broadcast::error::RecvError::Lagged(missed)) => {

@@ -94,6 +94,11 @@ pub async fn run(
 pub async fn serve_proxy(listener: TcpListener, proxy: Proxy, shutdown: impl Future<Output = ()>) {
     let grace = proxy.config().shutdown_grace;
     let _purger = proxy.sessions().spawn_purger(proxy.config().session_ttl);
+    let sessions = proxy.sessions().clone();
+    let shutdown = async move {
+        shutdown.await;
+        sessions.close_subscriptions();
+    };
     let handler = move |req, peer| {
         let proxy = proxy.clone();
         async move { proxy.handle(req, peer).await }

@@ -80,6 +80,9 @@ impl Session {
 #[derive(Debug, Clone, Default)]
 pub struct SessionRegistry {
     shared: Arc<Mutex<State>>,
+    /// Turns true when the proxy shuts down: live subscriptions end, so
+    /// their connections can close within the grace period.
+    closing: Arc<tokio::sync::watch::Sender<bool>>,
     /// Spinners on stderr (`serve --progress`), fed as progress is published.
     display: Option<Arc<ProgressDisplay>>,
 }
@@ -273,6 +276,18 @@ impl SessionRegistry {
             }
         });
         PurgeGuard { stop: Some(stop) }
+    }
+
+    /// Ends every live subscription (the proxy is shutting down).
+    pub fn close_subscriptions(&self) {
+        self.closing.send_replace(true);
+    }
+
+    /// Resolves when [`close_subscriptions`](Self::close_subscriptions) is
+    /// called (at once if it already was).
+    pub async fn closed(&self) {
+        let mut closing = self.closing.subscribe();
+        let _ = closing.wait_for(|closed| *closed).await;
     }
 
     /// Number of sessions held (open streams, subscribed sessions, and idle
