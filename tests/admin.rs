@@ -222,11 +222,11 @@ async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
         );
     }
     assert_eq!(
-        updates.iter().filter(|u| u.0 == 0).last().map(|u| u.1),
+        updates.iter().rfind(|u| u.0 == 0).map(|u| u.1),
         Some(47)
     );
     assert_eq!(
-        updates.iter().filter(|u| u.0 == 1).last().map(|u| u.1),
+        updates.iter().rfind(|u| u.0 == 1).map(|u| u.1),
         Some(26)
     );
     let clear = seen
