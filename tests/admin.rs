@@ -221,14 +221,8 @@ async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
             "{index}: {counts:?}"
         );
     }
-    assert_eq!(
-        updates.iter().rfind(|u| u.0 == 0).map(|u| u.1),
-        Some(47)
-    );
-    assert_eq!(
-        updates.iter().rfind(|u| u.0 == 1).map(|u| u.1),
-        Some(26)
-    );
+    assert_eq!(updates.iter().rfind(|u| u.0 == 0).map(|u| u.1), Some(47));
+    assert_eq!(updates.iter().rfind(|u| u.0 == 1).map(|u| u.1), Some(26));
     let clear = seen
         .iter()
         .position(|f| f["type"] == "tool_call_progress_clear");
