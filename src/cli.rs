@@ -317,7 +317,8 @@ pub struct ServeArgs {
     /// timing (.timing, for `annotate --realtime` and `mock`), and the
     /// request body (.request.json; headers are never saved). File names
     /// are `<unix ms>-<session>-<n>`, with the session reduced to safe
-    /// characters. Request bodies are read whole first (at most 8 MiB).
+    /// characters. Request bodies stream on as usual; their first MiB is
+    /// kept.
     ///
     /// Example: --record captures/
     #[arg(long, value_name = "DIR")]
@@ -475,8 +476,18 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             "{text:?} is not a duration (examples: 250ms, 10s, 2m)"
         ));
     }
-    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
+    let duration =
+        Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))?;
+    // Beyond a year a timeout means "never"; larger values would overflow
+    // clock arithmetic.
+    if duration > MAX_DURATION {
+        return Err(format!("{text:?} is longer than a year"));
+    }
+    Ok(duration)
 }
+
+/// The longest duration a flag accepts.
+const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
 
 /// A usage error as one line, for `aalis-proxy: error: …`: clap's message
 /// with its line breaks folded, and where to read more. Clap's own
@@ -573,7 +584,15 @@ mod tests {
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
-        for bad in ["", "-1s", "soon", "NaNs", "1h"] {
+        for bad in [
+            "",
+            "-1s",
+            "soon",
+            "NaNs",
+            "1h",
+            "10000000000000000000",
+            "600000m",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
     }

@@ -36,8 +36,11 @@ fn main() -> ExitCode {
         Command::Serve(args) => match args.proxy_config() {
             Ok(config) => serve(&args, config),
             // A bad --upstream is a usage error, like any bad flag value.
-            Err(err @ UpstreamConfigError::BadUrl { .. })
-            | Err(err @ UpstreamConfigError::BadScheme { .. }) => {
+            Err(
+                err @ (UpstreamConfigError::BadUrl { .. }
+                | UpstreamConfigError::BadScheme { .. }
+                | UpstreamConfigError::Credentials),
+            ) => {
                 return usage_error_text(&err.to_string(), "serve");
             }
             Err(err) => Err(err.into()),

@@ -30,11 +30,15 @@ struct Running {
 
 /// mock (replaying the bundled captures `delay` apart) and a proxy in front.
 async fn start(delay: Duration) -> Running {
+    start_with(Capture::bundled(), delay).await
+}
+
+async fn start_with(captures: Vec<Capture>, delay: Duration) -> Running {
     let mock_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind mock");
     let mock_addr = mock_listener.local_addr().expect("addr");
     let (stop_mock, mock_stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(
-        MockUpstream::new(Capture::bundled(), delay).run(mock_listener, async {
+        MockUpstream::new(captures, delay).run(mock_listener, async {
             let _ = mock_stopped.await;
         }),
     );
@@ -78,7 +82,7 @@ async fn send(
 }
 
 async fn json(method: &str, url: &str, body: &str) -> (u16, Value) {
-    let response = send(method, url, body, &[]).await;
+    let response = send(method, url, body, &[("content-type", "application/json")]).await;
     let status = response.status().as_u16();
     let bytes = response
         .into_body()
@@ -120,13 +124,11 @@ struct Frames {
 
 impl Frames {
     async fn open(base: &str, session: &str) -> Frames {
-        let response = send(
-            "GET",
-            &format!("{base}/_aalis/sessions/{session}/events"),
-            "",
-            &[],
-        )
-        .await;
+        Frames::open_path(base, &format!("/_aalis/sessions/{session}/events")).await
+    }
+
+    async fn open_path(base: &str, path: &str) -> Frames {
+        let response = send("GET", &format!("{base}{path}"), "", &[]).await;
         assert_eq!(response.status(), 200);
         assert_eq!(
             response
@@ -238,7 +240,8 @@ async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
 /// server's startedAt, and loses nothing after its snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_subscriber_resumes_mid_call() {
-    let run = start(Duration::from_millis(60)).await;
+    // Slow enough that both tools stay in progress for about 1.5 s.
+    let run = start(Duration::from_millis(300)).await;
     let stream = chat(&run.proxy, "late");
     // Wait until both tools are in progress.
     let deadline = Instant::now() + PATIENCE;
@@ -285,10 +288,17 @@ async fn a_late_subscriber_resumes_mid_call() {
     );
     assert_eq!(after.last(), Some(&26));
     stream.await.expect("stream task");
-    // And the session is forgotten once nothing uses it.
+    // And the session is forgotten as soon as its subscriber leaves.
+    assert_eq!(run.sessions.len(), 1, "kept while subscribed");
     drop(frames);
-    let (_, list) = json("GET", &format!("{}/_aalis/sessions", run.proxy), "").await;
-    assert_eq!(list["sessions"], serde_json::json!([]));
+    let deadline = Instant::now() + PATIENCE;
+    while !run.sessions.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the session outlived its last subscriber"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// A subscriber that reads nothing does not slow the stream: the chat
@@ -322,7 +332,7 @@ async fn a_stalled_subscriber_never_slows_the_stream() {
 /// what is wrong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_execute_clears_the_session() {
-    let run = start(Duration::from_millis(80)).await;
+    let run = start(Duration::from_millis(250)).await;
     let stream = chat(&run.proxy, "exec");
     let deadline = Instant::now() + PATIENCE;
     while run.sessions.snapshot("exec").is_empty() {
@@ -382,7 +392,7 @@ async fn the_page_and_the_metrics() {
     );
     let html = page.into_body().collect().await.expect("page").to_bytes();
     let html = String::from_utf8_lossy(&html);
-    assert!(html.contains("EventSource") && html.contains("/_aalis/sessions"));
+    assert!(html.contains("EventSource") && html.contains("/_aalis/events"));
     assert!(
         !html.contains("http://") && !html.contains("https://"),
         "no CDN, nothing remote"
@@ -452,4 +462,109 @@ async fn shutdown_ends_subscriptions_at_once() {
         .expect("serve returns in time")
         .expect("serve task");
     assert!(asked.elapsed() < Duration::from_secs(3));
+}
+
+/// The status page's one connection: `/_aalis/events` starts with a
+/// snapshot of every session and carries the frames of all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stream_carries_every_session() {
+    let run = start(Duration::from_millis(5)).await;
+    let mut frames = Frames::open_path(&run.proxy, "/_aalis/events").await;
+    let resume = frames.next().await;
+    assert_eq!(resume["type"], "sessions_resume");
+    assert_eq!(resume["sessions"], serde_json::json!([]));
+    let a = chat(&run.proxy, "first");
+    let b = chat(&run.proxy, "second");
+    let mut done = std::collections::BTreeSet::new();
+    let mut progress_sessions = std::collections::BTreeSet::new();
+    while done.len() < 2 {
+        let frame = frames.next().await;
+        let session = frame["sessionId"].as_str().unwrap_or_default().to_owned();
+        if frame.get("toolCallProgress").is_some() {
+            progress_sessions.insert(session.clone());
+        }
+        if frame["done"] == true {
+            done.insert(session);
+        }
+    }
+    assert_eq!(
+        progress_sessions,
+        ["first", "second"].map(String::from).into()
+    );
+    a.await.expect("first");
+    b.await.expect("second");
+}
+
+/// A subscriber too slow to keep up is not buffered for: when it reads
+/// again it is sent a fresh snapshot (a second `stream_resume`) instead of
+/// the frames it missed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_subscriber_starts_again_from_a_snapshot() {
+    // One tool call in 60,000 one-character deltas: more frames than the
+    // subscriber's backlog plus every socket buffer between us.
+    let mut capture = String::from(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"write_file\",\"arguments\":\"\"}}]}}]}\n\n",
+    );
+    for _ in 0..60_000 {
+        capture.push_str(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"x\"}}]}}]}\n\n",
+        );
+    }
+    capture.push_str("data: [DONE]\n\n");
+    let run = start_with(
+        vec![Capture::new("long_call", capture.as_bytes())],
+        Duration::ZERO,
+    )
+    .await;
+    let mut stalled = Frames::open(&run.proxy, "big").await;
+    assert_eq!(stalled.next().await["type"], "stream_resume");
+    let request = http::Request::post(format!("{}/v1/chat/completions", run.proxy))
+        .header("x-aalis-session", "big")
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"long_call","stream":true}"#,
+        )))
+        .expect("request");
+    let response = tokio::time::timeout(PATIENCE, client().request(request))
+        .await
+        .expect("in time")
+        .expect("response");
+    let body = tokio::time::timeout(Duration::from_secs(60), response.into_body().collect())
+        .await
+        .expect("the stream is not held back by the stalled subscriber")
+        .expect("body")
+        .to_bytes();
+    assert!(body.ends_with(b"data: [DONE]\n\n"));
+    // Now read: somewhere a fresh snapshot replaces what was missed.
+    let seen = stalled
+        .until(|f| f["type"] == "stream_resume" || f["done"] == true)
+        .await;
+    assert_eq!(
+        seen.last().map(|f| f["type"].clone()),
+        Some("stream_resume".into()),
+        "no resync after {} frames",
+        seen.len()
+    );
+}
+
+/// Non-JSON tool-execute posts (what a web page may send cross-site) and
+/// pages that rebound their own name to 127.0.0.1 are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_site_requests_are_refused() {
+    let run = start(Duration::ZERO).await;
+    let response = send(
+        "POST",
+        &format!("{}/_aalis/tool-execute", run.proxy),
+        r#"{"sessionId":"x","phase":"start"}"#,
+        &[("content-type", "text/plain")],
+    )
+    .await;
+    assert_eq!(response.status(), 415);
+    let response = send(
+        "GET",
+        &format!("{}/_aalis/sessions", run.proxy),
+        "",
+        &[("host", "evil.example:8787")],
+    )
+    .await;
+    assert_eq!(response.status(), 403);
 }

@@ -93,7 +93,13 @@ async fn stream(base: &str, model: &str, session: &str) -> (Vec<u8>, Vec<u64>) {
     (bytes, arrivals)
 }
 
+/// The three files of the one recording in `dir`, once all are written
+/// (the closing writes happen on the blocking pool, just after the stream).
 fn recorded_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::fs::read_dir(dir).expect("record dir").count() < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
         .expect("record dir")
         .map(|e| e.expect("entry").path())

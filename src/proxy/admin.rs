@@ -6,9 +6,10 @@
 //! | route | what |
 //! | --- | --- |
 //! | `GET /_aalis/` | the status page: a card per in-progress tool, live |
-//! | `GET /_aalis/sessions` | `{"sessions":[{"sessionId","toolCallsProgress"}],"serverTime"}`, sessions with something in progress |
+//! | `GET /_aalis/sessions` | `{"type":"sessions_resume","sessions":[{"sessionId","toolCallsProgress"}],"serverTime"}`, sessions with something in progress |
 //! | `GET /_aalis/sessions/{id}` | the `stream_resume` snapshot |
 //! | `GET /_aalis/sessions/{id}/events` | SSE: `stream_resume`, then one frame per increment |
+//! | `GET /_aalis/events` | SSE: `sessions_resume`, then every frame of every session (the status page's one connection) |
 //! | `POST /_aalis/tool-execute` | Aalis's `tool:execute` payload; `phase: "start"` clears |
 //! | `GET /_aalis/metrics` | Prometheus text |
 //!
@@ -30,9 +31,8 @@ use serde::Deserialize;
 use tokio::sync::{broadcast, mpsc};
 
 use super::service::{Proxy, json_error, json_response};
-use super::sessions::{SessionRegistry, Subscription, resume_frame};
+use super::sessions::{SessionRegistry, Subscription};
 use super::upstream::{BoxError, ProxyBody};
-use crate::filter::unix_ms;
 
 /// The status page: HTML, CSS and JavaScript in one file, in the binary.
 const STATUS_PAGE: &str = include_str!("status.html");
@@ -61,12 +61,13 @@ pub async fn handle(
     let segments: Vec<&str> = rest.split('/').collect();
     match (req.method(), segments.as_slice()) {
         (&Method::GET, [""]) => html(STATUS_PAGE),
-        (&Method::GET, ["sessions"]) => sessions(proxy),
+        (&Method::GET, ["sessions"]) => json_text(&proxy.sessions().sessions_resume()),
+        (&Method::GET, ["events"]) => events(proxy.sessions().clone(), Watch::All),
         (&Method::GET, ["sessions", id]) if !id.is_empty() => {
             json_text(&proxy.sessions().resume_frame(&decode_segment(id)))
         }
         (&Method::GET, ["sessions", id, "events"]) if !id.is_empty() => {
-            events(proxy.sessions().clone(), decode_segment(id))
+            events(proxy.sessions().clone(), Watch::Session(decode_segment(id)))
         }
         (&Method::POST, ["tool-execute"]) => tool_execute(proxy, req).await,
         (&Method::GET, ["metrics"]) => {
@@ -90,17 +91,30 @@ pub async fn handle(
 
 /// Loopback peers always; others only with the admin token.
 fn allowed(proxy: &Proxy, req: &Request<Incoming>, peer: SocketAddr) -> bool {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| req.uri().host());
     admin_allowed(
         peer.ip(),
+        host,
         req.headers().get(header::AUTHORIZATION),
         proxy.config().admin_token.as_deref(),
     )
 }
 
-/// The rule itself: a loopback peer, or `Authorization: Bearer <token>`
-/// when a token is configured.
-fn admin_allowed(peer: IpAddr, authorization: Option<&HeaderValue>, token: Option<&str>) -> bool {
-    if peer.is_loopback() {
+/// The rule itself: `Authorization: Bearer <token>` when a token is
+/// configured; otherwise a loopback peer (an IPv4 peer on a dual-stack
+/// socket counts) that also asked for a loopback host, so a web page that
+/// rebinds its own name to 127.0.0.1 cannot read the routes.
+fn admin_allowed(
+    peer: IpAddr,
+    host: Option<&str>,
+    authorization: Option<&HeaderValue>,
+    token: Option<&str>,
+) -> bool {
+    if peer.to_canonical().is_loopback() && host.is_none_or(is_loopback_host) {
         return true;
     }
     let Some(token) = token else {
@@ -110,6 +124,19 @@ fn admin_allowed(peer: IpAddr, authorization: Option<&HeaderValue>, token: Optio
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+}
+
+/// `localhost`, `127.x.y.z` or `[::1]`, with or without a port.
+fn is_loopback_host(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        rest.split(']').next().unwrap_or_default()
+    } else {
+        host.rsplit_once(':').map_or(host, |(name, _port)| name)
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<IpAddr>()
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 /// Compares without an early exit on the first differing byte.
@@ -141,20 +168,6 @@ fn decode_segment(segment: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn sessions(proxy: &Proxy) -> Response<ProxyBody> {
-    let sessions: Vec<serde_json::Value> = proxy
-        .sessions()
-        .in_progress()
-        .into_iter()
-        .map(|(id, progress)| {
-            let frame = resume_frame(&id, &progress);
-            let value: serde_json::Value = serde_json::from_str(&frame).unwrap_or_default();
-            serde_json::json!({"sessionId": id, "toolCallsProgress": value["toolCallsProgress"]})
-        })
-        .collect();
-    json_response(&serde_json::json!({"sessions": sessions, "serverTime": unix_ms()}))
-}
-
 /// The `tool:execute` payload of Aalis.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -168,6 +181,25 @@ struct ToolExecute {
 async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBody> {
     let bad =
         |message: String| json_error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
+    // A JSON content type cannot be sent cross-site without a CORS
+    // preflight, which this route never grants: a web page cannot clear a
+    // session behind the user's back.
+    let json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+        });
+    if !json {
+        return json_error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            "send the tool:execute payload with Content-Type: application/json",
+        );
+    }
     let body = match Limited::new(req.into_body(), MAX_TOOL_EXECUTE_BYTES)
         .collect()
         .await
@@ -197,43 +229,66 @@ async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBo
     json_response(&serde_json::json!({"ok": true, "cleared": cleared}))
 }
 
-/// The events route: a task moves frames from the session's broadcast into
-/// a small channel the response body reads. A subscriber that lags gets a
-/// fresh `stream_resume` instead of what it missed; a client that goes
-/// away drops the body, which ends the task.
-fn events(registry: SessionRegistry, session_id: String) -> Response<ProxyBody> {
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let Subscription { resume, mut frames } = registry.subscribe(&session_id);
-    tokio::spawn(async move {
-        if tx.send(sse(&resume)).await.is_err() {
-            return;
+/// What an events stream follows.
+enum Watch {
+    /// One session (`/_aalis/sessions/{id}/events`).
+    Session(String),
+    /// Every session (`/_aalis/events`).
+    All,
+}
+
+impl Watch {
+    fn subscribe(&self, registry: &SessionRegistry) -> Subscription {
+        match self {
+            Watch::Session(id) => registry.subscribe(id),
+            Watch::All => registry.subscribe_all(),
         }
-        let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
-        keep_alive.tick().await;
-        let closed = registry.closed();
-        tokio::pin!(closed);
-        loop {
-            let frame = tokio::select! {
-                // The proxy shuts down: end the stream so the connection
-                // can close (EventSource clients reconnect by themselves).
-                () = &mut closed => break,
-                received = frames.recv() => match received {
-                    Ok(frame) => sse(&frame),
-                    Err(broadcast::error::RecvError::Lagged(missed)) => {
-                        // Too far behind: start again from the present,
-                        // snapshot and receiver taken together.
-                        tracing::debug!(session = %session_id, missed, "slow subscriber resumed");
-                        let fresh = registry.subscribe(&session_id);
-                        frames = fresh.frames;
-                        sse(&fresh.resume)
-                    }
-                    Err(broadcast::error::RecvError::Closed) => break,
-                },
-                _ = keep_alive.tick() => Bytes::from_static(b": keep-alive\n\n"),
-            };
-            if tx.send(frame).await.is_err() {
-                break;
+    }
+}
+
+/// The events routes: a task moves frames from a broadcast into a small
+/// channel the response body reads. A subscriber that lags gets a fresh
+/// snapshot instead of what it missed; a client that goes away closes the
+/// channel, which ends the task at once (and forgets its session if nothing
+/// else uses it); so does the proxy's shutdown.
+fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let Subscription { resume, mut frames } = watch.subscribe(&registry);
+    tokio::spawn(async move {
+        if tx.send(sse(&resume)).await.is_ok() {
+            let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
+            keep_alive.tick().await;
+            let closed = registry.closed();
+            tokio::pin!(closed);
+            loop {
+                let frame = tokio::select! {
+                    // The proxy shuts down: end the stream so the
+                    // connection can close (EventSource reconnects).
+                    () = &mut closed => break,
+                    // The client went away.
+                    () = tx.closed() => break,
+                    received = frames.recv() => match received {
+                        Ok(frame) => sse(&frame),
+                        Err(broadcast::error::RecvError::Lagged(missed)) => {
+                            // Too far behind: start again from the present,
+                            // snapshot and receiver taken together.
+                            tracing::debug!(missed, "slow subscriber resumed from a snapshot");
+                            let fresh = watch.subscribe(&registry);
+                            frames = fresh.frames;
+                            sse(&fresh.resume)
+                        }
+                        Err(broadcast::error::RecvError::Closed) => break,
+                    },
+                    _ = keep_alive.tick() => Bytes::from_static(b": keep-alive\n\n"),
+                };
+                if tx.send(frame).await.is_err() {
+                    break;
+                }
             }
+        }
+        drop(frames);
+        if let Watch::Session(id) = &watch {
+            registry.release(id);
         }
     });
     let mut response = Response::new(ChannelBody { rx }.boxed());
@@ -317,23 +372,53 @@ mod tests {
     fn only_loopback_or_the_admin_token_gets_in() {
         let remote: IpAddr = "192.0.2.7".parse().expect("ip");
         let bearer = |t: &str| HeaderValue::from_str(&format!("Bearer {t}")).expect("value");
-        assert!(admin_allowed("127.0.0.1".parse().expect("ip"), None, None));
-        assert!(admin_allowed("::1".parse().expect("ip"), None, Some("t0k")));
-        assert!(!admin_allowed(remote, None, None), "no token configured");
+        let local: IpAddr = "127.0.0.1".parse().expect("ip");
+        let host = Some("127.0.0.1:8787");
+        assert!(admin_allowed(local, host, None, None));
+        assert!(admin_allowed(
+            "::1".parse().expect("ip"),
+            Some("[::1]:8787"),
+            None,
+            Some("t0k")
+        ));
+        assert!(admin_allowed(local, Some("localhost:8787"), None, None));
+        // 127.0.0.1 reaching a dual-stack listener is still loopback.
+        assert!(admin_allowed(
+            "::ffff:127.0.0.1".parse().expect("ip"),
+            host,
+            None,
+            None
+        ));
+        // A page that rebound its name to 127.0.0.1 does not get in.
+        assert!(!admin_allowed(local, Some("evil.example:8787"), None, None));
         assert!(
-            !admin_allowed(remote, Some(&bearer("t0k")), None),
+            !admin_allowed(remote, host, None, None),
             "no token configured"
         );
-        assert!(!admin_allowed(remote, None, Some("t0k")), "no header");
         assert!(
-            !admin_allowed(remote, Some(&bearer("t0K")), Some("t0k")),
+            !admin_allowed(remote, host, Some(&bearer("t0k")), None),
+            "no token configured"
+        );
+        assert!(!admin_allowed(remote, host, None, Some("t0k")), "no header");
+        assert!(
+            !admin_allowed(remote, host, Some(&bearer("t0K")), Some("t0k")),
             "wrong token"
         );
         assert!(
-            !admin_allowed(remote, Some(&HeaderValue::from_static("t0k")), Some("t0k")),
+            !admin_allowed(
+                remote,
+                host,
+                Some(&HeaderValue::from_static("t0k")),
+                Some("t0k")
+            ),
             "not Bearer"
         );
-        assert!(admin_allowed(remote, Some(&bearer("t0k")), Some("t0k")));
+        assert!(admin_allowed(
+            remote,
+            Some("proxy.example"),
+            Some(&bearer("t0k")),
+            Some("t0k")
+        ));
     }
 
     #[test]

@@ -103,6 +103,8 @@ pin_project! {
         out: BytesMut,
         phase: Phase,
         error: Option<BoxError>,
+        // Trailers waiting behind the last data (see poll_frame).
+        trailers: Option<Frame<Bytes>>,
         outcome: &'static str,
         bytes_in: u64,
         bytes_out: u64,
@@ -197,6 +199,7 @@ impl TapBody {
             out: BytesMut::new(),
             phase: Phase::Streaming,
             error: None,
+            trailers: None,
             outcome: "ok",
             bytes_in: 0,
             bytes_out: 0,
@@ -216,7 +219,7 @@ impl Body for TapBody {
         let mut this = self.project();
         loop {
             match *this.phase {
-                Phase::Done => return Poll::Ready(None),
+                Phase::Done => return Poll::Ready(this.trailers.take().map(Ok)),
                 Phase::Flushing => {
                     *this.phase = Phase::Failing;
                     cx.waker().wake_by_ref();
@@ -238,14 +241,29 @@ impl Body for TapBody {
                     Some(Err(Box::new(IdleTimeout(*this.idle_timeout)) as BoxError))
                 }
             };
-            let deadline = tokio::time::Instant::now() + *this.idle_timeout;
+            let now = tokio::time::Instant::now();
+            // A huge --idle-timeout means "never": no overflow.
+            let deadline = now
+                .checked_add(*this.idle_timeout)
+                .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
             this.idle.as_mut().reset(deadline);
             match event {
                 Some(Ok(frame)) => {
                     let data = match frame.into_data() {
                         Ok(data) => data,
-                        // Trailers pass through untouched.
-                        Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                        // Trailers end the body: what the annotator held
+                        // goes out first, then the trailers, untouched.
+                        Err(frame) => {
+                            *this.phase = Phase::Done;
+                            finish(this.annotator, this.session, this.out, this.log);
+                            if this.out.is_empty() {
+                                return Poll::Ready(Some(Ok(frame)));
+                            }
+                            *this.trailers = Some(frame);
+                            let chunk = this.out.split().freeze();
+                            *this.bytes_out += chunk.len() as u64;
+                            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+                        }
                     };
                     if *this.bytes_in == 0 {
                         this.metrics
@@ -281,7 +299,7 @@ impl Body for TapBody {
                     }
                     this.metrics.added_latency.observe(work.elapsed());
                     if last {
-                        finish(this.annotator, this.out, this.log);
+                        finish(this.annotator, this.session, this.out, this.log);
                     }
                 }
                 Some(Err(err)) => {
@@ -291,11 +309,11 @@ impl Body for TapBody {
                     tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
                     *this.error = Some(err);
                     *this.phase = Phase::Flushing;
-                    finish(this.annotator, this.out, this.log);
+                    finish(this.annotator, this.session, this.out, this.log);
                 }
                 None => {
                     *this.phase = Phase::Done;
-                    finish(this.annotator, this.out, this.log);
+                    finish(this.annotator, this.session, this.out, this.log);
                 }
             }
             if !this.out.is_empty() {
@@ -310,7 +328,7 @@ impl Body for TapBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.phase == Phase::Done && self.out.is_empty()
+        self.phase == Phase::Done && self.out.is_empty() && self.trailers.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -323,10 +341,21 @@ impl Body for TapBody {
 }
 
 /// End of input for the annotator: what it still held goes out.
-fn finish(annotator: &mut Option<Annotator>, out: &mut BytesMut, log: &RequestLog) {
+/// End of input for the annotator: what it still held goes out, and what
+/// its end changed (a last event, the end's clear) reaches subscribers.
+fn finish(
+    annotator: &mut Option<Annotator>,
+    session: &mut Option<StreamHandle>,
+    out: &mut BytesMut,
+    log: &RequestLog,
+) {
     if let Some(annotator) = annotator.as_mut() {
         annotator.finish(unix_ms(), out);
         log_warnings(annotator, log);
+        if let Some(session) = session.as_mut() {
+            let events = annotator.take_events();
+            session.publish(annotator.tracker(), events);
+        }
     }
 }
 

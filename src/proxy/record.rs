@@ -6,19 +6,28 @@
 //! - `.sse` or `.ndjson`: the upstream body, byte for byte, as it came
 //!   (before any injection);
 //! - the same name plus `.timing`: when each piece arrived;
-//! - `.request.json`: the request body. Headers are not recorded, so no
+//! - `.request.json`: the request body (its first MiB), copied as it
+//!   streams to the upstream ([`tee`]). Headers are not recorded, so no
 //!   `Authorization`, key or cookie is ever written.
 //!
 //! The session id comes from a request header: it is reduced to a safe file
 //! name part ([`crate::capture::safe_file_part`]) so it cannot escape `DIR`
-//! or name a hidden file. Writes are buffered; they are small and local, so
-//! they are done in place rather than on a thread of their own.
+//! or name a hidden file. Body writes are buffered and small; the closing
+//! writes (timing, request) go to the blocking pool.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
 use std::time::Instant;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use pin_project_lite::pin_project;
 
 use crate::capture::{Timing, safe_file_part};
 use crate::filter::unix_ms;
@@ -31,14 +40,76 @@ pub struct Recorder {
     counter: AtomicU64,
 }
 
+/// How much of a request body is kept for `.request.json`.
+pub const MAX_RECORDED_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// The copy a [`tee`] keeps of a request body.
+#[derive(Debug, Clone, Default)]
+pub struct RequestCopy(Arc<Mutex<Vec<u8>>>);
+
+pin_project! {
+    /// A request body passed on unchanged while its first
+    /// [`MAX_RECORDED_REQUEST_BYTES`] are copied.
+    pub struct TeeBody {
+        #[pin]
+        inner: Incoming,
+        copy: RequestCopy,
+    }
+}
+
+/// Wraps a request body so that it streams on as before while it is copied.
+pub fn tee(inner: Incoming) -> (TeeBody, RequestCopy) {
+    let copy = RequestCopy::default();
+    (
+        TeeBody {
+            inner,
+            copy: copy.clone(),
+        },
+        copy,
+    )
+}
+
+impl Body for TeeBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.project();
+        let polled = ready!(this.inner.poll_frame(cx));
+        if let Some(Ok(frame)) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            let mut copy = this.copy.0.lock().unwrap_or_else(|e| e.into_inner());
+            let room = MAX_RECORDED_REQUEST_BYTES.saturating_sub(copy.len());
+            copy.extend_from_slice(&data[..room.min(data.len())]);
+        }
+        Poll::Ready(polled)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// One stream being recorded; finished when dropped.
 #[derive(Debug)]
 pub struct Recording {
     body: BufWriter<File>,
     timing_path: PathBuf,
+    request_path: PathBuf,
+    request: RequestCopy,
     timing: Timing,
     started: Instant,
     bytes: u64,
+    /// A write failed (reported once).
+    failed: bool,
 }
 
 impl Recorder {
@@ -51,13 +122,13 @@ impl Recorder {
         }
     }
 
-    /// Starts recording a stream of `session` whose request body was
-    /// `request_body`.
+    /// Starts recording a stream of `session` whose request body is being
+    /// copied into `request`.
     pub fn start(
         &self,
         session: &str,
         framing: Framing,
-        request_body: &[u8],
+        request: RequestCopy,
     ) -> std::io::Result<Recording> {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let stem = format!("{}-{}-{n}", unix_ms(), safe_file_part(session));
@@ -66,14 +137,16 @@ impl Recorder {
             Framing::Ndjson => "ndjson",
         };
         let body_path = self.dir.join(format!("{stem}.{extension}"));
-        std::fs::write(self.dir.join(format!("{stem}.request.json")), request_body)?;
         let body = BufWriter::new(File::create(&body_path)?);
         Ok(Recording {
             body,
             timing_path: Timing::sidecar(&body_path),
+            request_path: self.dir.join(format!("{stem}.request.json")),
+            request,
             timing: Timing::default(),
             started: Instant::now(),
             bytes: 0,
+            failed: false,
         })
     }
 }
@@ -84,7 +157,9 @@ impl Recording {
         if bytes.is_empty() {
             return;
         }
-        if let Err(err) = self.body.write_all(bytes) {
+        if let Err(err) = self.body.write_all(bytes)
+            && !std::mem::replace(&mut self.failed, true)
+        {
             tracing::warn!("recording stopped writing: {err}");
         }
         self.bytes += bytes.len() as u64;
@@ -96,12 +171,26 @@ impl Recording {
 impl Drop for Recording {
     fn drop(&mut self) {
         let flushed = self.body.flush();
-        let timing = std::fs::write(&self.timing_path, self.timing.render());
-        if let Err(err) = flushed.and(timing) {
-            tracing::warn!(
-                "cannot finish the recording {}: {err}",
-                self.timing_path.display()
-            );
+        let timing_path = std::mem::take(&mut self.timing_path);
+        let timing = self.timing.render();
+        let request_path = std::mem::take(&mut self.request_path);
+        let request =
+            std::mem::take(&mut *self.request.0.lock().unwrap_or_else(|e| e.into_inner()));
+        let write = move || {
+            let written = flushed
+                .and(std::fs::write(&timing_path, timing))
+                .and(std::fs::write(&request_path, request));
+            if let Err(err) = written {
+                tracing::warn!(
+                    "cannot finish the recording {}: {err}",
+                    timing_path.display()
+                );
+            }
+        };
+        // Off the async workers when there are some.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(write)),
+            Err(_) => write(),
         }
     }
 }

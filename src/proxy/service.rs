@@ -17,14 +17,14 @@ use clap::ValueEnum;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body::Body as _;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
 use super::ProxyConfig;
 use super::admin;
 use super::body::{RequestLog, TapBody};
 use super::metrics::{Metrics, UpstreamErrorKind};
-use super::record::Recorder;
+use super::record::{self, Recorder};
 use super::sessions::SessionRegistry;
 use super::upstream::{
     BoxError, ProxyBody, UpstreamClient, UpstreamConfigError, build_client, strip_hop_by_hop,
@@ -41,10 +41,6 @@ pub const INJECT_HEADER: HeaderName = HeaderName::from_static("x-aalis-inject");
 
 /// Paths under this prefix are the proxy's own, never the upstream's.
 pub const ADMIN_PREFIX: &str = "/_aalis/";
-
-/// With `--record`, request bodies are read whole (to be saved): at most
-/// this many bytes.
-const MAX_RECORDED_REQUEST_BYTES: usize = 8 * 1024 * 1024;
 
 /// Longest session id accepted.
 const MAX_SESSION_ID_BYTES: usize = 128;
@@ -222,29 +218,12 @@ impl Proxy {
             header::ACCEPT_ENCODING,
             HeaderValue::from_static("identity"),
         );
-        // With --record the request body is kept for the recording, so it
-        // is read whole first; otherwise it streams.
+        // With --record, the request body is copied as it streams on.
         let (body, request_copy) = match &self.shared.recorder {
             None => (body.map_err(BoxError::from).boxed(), None),
             Some(_) => {
-                let whole = Limited::new(body, MAX_RECORDED_REQUEST_BYTES)
-                    .collect()
-                    .await
-                    .map_err(|e| {
-                        fail(
-                            Fault::BadRequest,
-                            format!(
-                                "with --record, a request body must be complete and at most \
-                                 {MAX_RECORDED_REQUEST_BYTES} bytes: {e}"
-                            ),
-                        )
-                    })?
-                    .to_bytes();
-                let copy = whole.clone();
-                (
-                    Full::new(whole).map_err(|never| match never {}).boxed(),
-                    Some(copy),
-                )
+                let (body, copy) = record::tee(body);
+                (body.map_err(BoxError::from).boxed(), Some(copy))
             }
         };
         let upstream_req = Request::from_parts(parts, body);
@@ -308,7 +287,7 @@ impl Proxy {
                 });
                 let stream = self.shared.sessions.begin_stream(&session_id);
                 let recording = self.shared.recorder.as_ref().and_then(|recorder| {
-                    let request = request_copy.as_deref().unwrap_or_default();
+                    let request = request_copy.clone().unwrap_or_default();
                     recorder
                         .start(&session_id, framing, request)
                         .map_err(|err| tracing::warn!("cannot record this stream: {err}"))

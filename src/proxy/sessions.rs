@@ -15,9 +15,10 @@
 //! snapshot, so a slow browser never slows a stream.
 //!
 //! Memory stays bounded: a session is kept while a stream or a subscriber
-//! uses it; once neither does, it is forgotten at once if it has nothing in
-//! progress, or after `--session-ttl` of idleness otherwise, by a purge task
-//! ([`SessionRegistry::spawn_purger`]) that stops when its guard is dropped.
+//! uses it; when the last of them goes it is forgotten at once (a stream's
+//! end clears its progress). `--session-ttl` is the safety net: a purge
+//! task ([`SessionRegistry::spawn_purger`], stopped when its guard is
+//! dropped) forgets any session nothing has used for that long.
 //!
 //! The state sits behind a `std::sync::Mutex` that is never held across an
 //! `.await` (mini-redis `db.rs`): every method takes the lock, does a few
@@ -87,10 +88,61 @@ pub struct SessionRegistry {
     display: Option<Arc<ProgressDisplay>>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     sessions: HashMap<String, Session>,
     next_generation: u64,
+    /// Every frame of every session, for the status page's one stream.
+    all: broadcast::Sender<Frame>,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State {
+            sessions: HashMap::new(),
+            next_generation: 0,
+            all: broadcast::channel(SUBSCRIBER_BACKLOG * 4).0,
+        }
+    }
+}
+
+impl State {
+    /// Sends `frame` to the session's subscribers and to those of every
+    /// session.
+    fn send(&self, session: &Session, frame: Frame) {
+        if self.all.receiver_count() > 0 {
+            let _ = self.all.send(frame.clone());
+        }
+        if session.frames.receiver_count() > 0 {
+            let _ = session.frames.send(frame);
+        }
+    }
+
+    /// The `sessions_resume` frame: every session with something in
+    /// progress.
+    fn all_resume(&self) -> Frame {
+        let mut ids: Vec<&String> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| !s.progress.is_empty())
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort();
+        let mut out = String::from("{\"type\":\"sessions_resume\",\"sessions\":[");
+        for (i, id) in ids.into_iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let progress = self.sessions.get(id).map_or(&[][..], |s| &s.progress[..]);
+            out.push_str("{\"sessionId\":");
+            push_string(id, &mut out);
+            out.push_str(",\"toolCallsProgress\":");
+            push_entries(progress, &mut out);
+            out.push('}');
+        }
+        let _ = write!(out, "],\"serverTime\":{}}}", unix_ms());
+        Arc::from(out)
+    }
 }
 
 /// A stream's claim on its session: publish through it.
@@ -154,11 +206,13 @@ impl SessionRegistry {
         session.generation = generation;
         session.streaming = true;
         session.last_active = Instant::now();
-        if !session.progress.is_empty() {
-            session.progress.clear();
-            let _ = session
-                .frames
-                .send(clear_frame(session_id, ClearReason::NewRequest));
+        let cleared = !session.progress.is_empty();
+        session.progress.clear();
+        if cleared {
+            let frame = clear_frame(session_id, ClearReason::NewRequest);
+            if let Some(session) = state.sessions.get(session_id) {
+                state.send(session, frame);
+            }
         }
         drop(state);
         if let Some(display) = &self.display {
@@ -222,6 +276,38 @@ impl SessionRegistry {
         }
     }
 
+    /// The `sessions_resume` frame: `{"type":"sessions_resume","sessions":
+    /// [{"sessionId","toolCallsProgress"}],"serverTime"}`, every session
+    /// with something in progress, sorted by id.
+    pub fn sessions_resume(&self) -> Frame {
+        self.lock().all_resume()
+    }
+
+    /// Subscribes to every session: a `sessions_resume` frame of all the
+    /// sessions with something in progress, and every frame after it (the
+    /// status page's single stream: a browser allows few connections per
+    /// host, so one per session would not do).
+    pub fn subscribe_all(&self) -> Subscription {
+        let state = self.lock();
+        Subscription {
+            frames: state.all.subscribe(),
+            resume: state.all_resume(),
+        }
+    }
+
+    /// A subscriber of `session_id` left: the session is forgotten now if
+    /// nothing else uses it and it has nothing in progress.
+    pub fn release(&self, session_id: &str) {
+        let mut state = self.lock();
+        if state
+            .sessions
+            .get(session_id)
+            .is_some_and(|s| s.unused() && s.progress.is_empty())
+        {
+            state.sessions.remove(session_id);
+        }
+    }
+
     /// A tool of the session started executing (`tool:execute` with
     /// `phase: "start"`): its progress is cleared. Returns how many tools
     /// were in progress.
@@ -233,9 +319,9 @@ impl SessionRegistry {
         let cleared = session.progress.len();
         session.progress.clear();
         session.last_active = Instant::now();
-        let _ = session
-            .frames
-            .send(clear_frame(session_id, ClearReason::ToolExecute));
+        if let Some(session) = state.sessions.get(session_id) {
+            state.send(session, clear_frame(session_id, ClearReason::ToolExecute));
+        }
         drop(state);
         if let Some(display) = &self.display {
             display.show(session_id, &[], Outcome::Done, unix_ms());
@@ -332,10 +418,11 @@ impl StreamHandle {
         if changed {
             tracker.snapshot_into(&mut session.progress);
         }
-        if session.frames.receiver_count() > 0 {
-            for event in &events {
-                let _ = session.frames.send(event_frame(&self.session_id, event));
-            }
+        let Some(session) = state.sessions.get(&self.session_id) else {
+            return;
+        };
+        for event in &events {
+            state.send(session, event_frame(&self.session_id, event));
         }
         if changed && let Some(display) = &self.registry.display {
             // Drawn outside the registry's lock.
@@ -369,13 +456,19 @@ impl Drop for StreamHandle {
         }
         session.streaming = false;
         session.last_active = Instant::now();
-        if !session.progress.is_empty() {
-            session.progress.clear();
-            let _ = session
-                .frames
-                .send(clear_frame(&self.session_id, ClearReason::StreamEnd));
+        let cleared = !session.progress.is_empty();
+        session.progress.clear();
+        if cleared && let Some(session) = state.sessions.get(&self.session_id) {
+            state.send(
+                session,
+                clear_frame(&self.session_id, ClearReason::StreamEnd),
+            );
         }
-        if session.unused() {
+        if state
+            .sessions
+            .get(&self.session_id)
+            .is_some_and(Session::unused)
+        {
             state.sessions.remove(&self.session_id);
         }
         drop(state);
@@ -399,14 +492,9 @@ impl Drop for StreamHandle {
 pub fn resume_frame(session_id: &str, progress: &[ProgressEntry]) -> Frame {
     let mut out = String::from("{\"type\":\"stream_resume\",\"sessionId\":");
     push_string(session_id, &mut out);
-    out.push_str(",\"toolCallsProgress\":[");
-    for (i, entry) in progress.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        push_entry(entry, true, &mut out);
-    }
-    let _ = write!(out, "],\"serverTime\":{}}}", unix_ms());
+    out.push_str(",\"toolCallsProgress\":");
+    push_entries(progress, &mut out);
+    let _ = write!(out, ",\"serverTime\":{}}}", unix_ms());
     Arc::from(out)
 }
 
@@ -449,6 +537,18 @@ pub fn clear_frame(session_id: &str, reason: ClearReason) -> Frame {
         unix_ms()
     );
     Arc::from(out)
+}
+
+/// `[entry, …]`, as [`push_entry`] writes each.
+pub fn push_entries(entries: &[ProgressEntry], out: &mut String) {
+    out.push('[');
+    for (i, entry) in entries.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        push_entry(entry, true, out);
+    }
+    out.push(']');
 }
 
 /// `{"index":0,"name":"…","charsAccumulated":12,"startedAt":…}` (+ `choice`

@@ -42,6 +42,11 @@ pub enum UpstreamConfigError {
     BadUrl { url: String, reason: String },
     #[error("--upstream {url:?} must be an http:// or https:// URL")]
     BadScheme { url: String },
+    #[error(
+        "--upstream must not contain credentials (user:password@); let the client send \
+         its Authorization header, which is forwarded"
+    )]
+    Credentials,
     #[error("cannot read --upstream-ca {path}: {reason}")]
     BadCa { path: String, reason: String },
     #[error("TLS setup failed: {0}")]
@@ -81,6 +86,11 @@ impl Upstream {
             .authority()
             .cloned()
             .ok_or_else(|| bad("it has no host"))?;
+        if authority.as_str().contains('@') {
+            // They would be printed in logs and error bodies, and never
+            // sent: credentials belong in a header the client sends.
+            return Err(UpstreamConfigError::Credentials);
+        }
         if uri.query().is_some() {
             return Err(bad(
                 "it has a query string; give only scheme, host and path",
@@ -237,6 +247,7 @@ mod tests {
             ("h:80", "must be an http"),
             ("http://h/?a=1", "query string"),
             ("not a url", "is not a URL"),
+            ("http://user:secret@h:1", "must not contain credentials"),
         ] {
             let err = Upstream::parse(url).expect_err(url).to_string();
             assert!(err.contains(wanted), "{url}: {err}");

@@ -22,7 +22,6 @@
 //! Read [`status_line`] first.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::io::Write;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -75,14 +74,44 @@ impl Outcome {
 /// `<icon> <name>  <chars> chars · <elapsed>s`, with the name neutralized
 /// ([`sanitize_name`]) and the elapsed time with one decimal.
 pub fn status_line(icon: &str, name: &str, chars: usize, elapsed: Duration) -> String {
-    format!("{icon} {}{}", message(name, chars), seconds(elapsed))
+    render_line(icon, &shown_name("", name), chars, elapsed)
+}
+
+/// A line from a name already made safe by [`shown_name`].
+fn render_line(icon: &str, shown: &str, chars: usize, elapsed: Duration) -> String {
+    format!("{icon} {}{}", message(shown, chars), seconds(elapsed))
 }
 
 /// The part of a line that changes only with progress: `name  142 chars · `.
-fn message(name: &str, chars: usize) -> String {
+fn message(shown: &str, chars: usize) -> String {
+    format!("{shown}  {chars} chars · ")
+}
+
+/// Longest session label shown before a tool name, in characters.
+const MAX_SESSION_CHARS: usize = 24;
+
+/// The name as shown: sanitized and cut on its own, and in `serve`
+/// prefixed with the session, cut shorter, so a long session id never
+/// hides the tool's name.
+fn shown_name(session: &str, name: &str) -> String {
     let name = sanitize_name(name);
-    let name = if name.is_empty() { "(unnamed)" } else { &name };
-    format!("{name}  {chars} chars · ")
+    let name = if name.is_empty() {
+        "(unnamed)".to_owned()
+    } else {
+        name
+    };
+    if session.is_empty() {
+        return name;
+    }
+    let mut session: String = sanitize_name(session)
+        .chars()
+        .take(MAX_SESSION_CHARS + 1)
+        .collect();
+    if session.chars().count() > MAX_SESSION_CHARS {
+        session = session.chars().take(MAX_SESSION_CHARS).collect();
+        session.push('…');
+    }
+    format!("[{session}] {name}")
 }
 
 fn seconds(elapsed: Duration) -> String {
@@ -244,7 +273,7 @@ impl ProgressDisplay {
 impl Inner {
     fn update(&mut self, key: Key, entry: &ProgressEntry, now_ms: u64) {
         let elapsed = Duration::from_millis(now_ms.saturating_sub(entry.started_at_ms));
-        let label = label(&key.0, &entry.name);
+        let label = shown_name(&key.0, &entry.name);
         if let Some(line) = self.lines.get_mut(&key) {
             if line.name == entry.name && line.chars == entry.chars_accumulated {
                 return;
@@ -258,7 +287,7 @@ impl Inner {
                 && now_ms.saturating_sub(line.last_written_ms) >= PLAIN_INTERVAL_MS
             {
                 line.last_written_ms = now_ms;
-                let _ = writeln!(out, "{}", status_line("⠿", &label, line.chars, elapsed));
+                let _ = writeln!(out, "{}", render_line("⠿", &label, line.chars, elapsed));
             }
             return;
         }
@@ -284,7 +313,7 @@ impl Inner {
                 let _ = writeln!(
                     out,
                     "{}",
-                    status_line("⠿", &label, entry.chars_accumulated, elapsed)
+                    render_line("⠿", &label, entry.chars_accumulated, elapsed)
                 );
                 None
             }
@@ -304,9 +333,9 @@ impl Inner {
 
     fn finish(&mut self, key: &Key, line: Line, outcome: Outcome, now_ms: u64) {
         let elapsed = Duration::from_millis(now_ms.saturating_sub(line.started_at_ms));
-        let text = status_line(
+        let text = render_line(
             outcome.icon(),
-            &label(&key.0, &line.name),
+            &shown_name(&key.0, &line.name),
             line.chars,
             elapsed,
         );
@@ -323,17 +352,6 @@ impl Inner {
             }
             Target::Off => {}
         }
-    }
-}
-
-/// The name as shown: prefixed with the session in `serve`.
-fn label(session: &str, name: &str) -> String {
-    if session.is_empty() {
-        name.to_owned()
-    } else {
-        let mut out = String::new();
-        let _ = write!(out, "[{}] {}", sanitize_name(session), name);
-        out
     }
 }
 

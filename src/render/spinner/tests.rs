@@ -146,3 +146,22 @@ impl std::io::Write for SharedBuffer {
         Ok(())
     }
 }
+
+#[test]
+fn a_long_session_id_never_hides_the_tool_name() {
+    let buffer = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(SharedBuffer(buffer.clone())));
+    let session = "conversation-0123456789abcdef0123456789abcdef0123456789abcdef";
+    display.show(
+        session,
+        &[entry(0, "get_weather", 47, 0)],
+        Outcome::Done,
+        1200,
+    );
+    display.show(session, &[], Outcome::Done, 1200);
+    let text = String::from_utf8(buffer.lock().expect("lock").clone()).expect("UTF-8");
+    insta::assert_snapshot!(text, @r"
+    ⠿ [conversation-0123456789a…] get_weather  47 chars · 1.2s
+    ✓ [conversation-0123456789a…] get_weather  47 chars · 1.2s
+    ");
+}
