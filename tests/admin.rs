@@ -196,7 +196,8 @@ fn progress(frames: &[Value]) -> Vec<(u64, u64)> {
 
 /// A subscriber that joins before the session's first request gets an
 /// empty snapshot, then every increment of two tools in parallel, a clear
-/// and done, in order, with counts that only grow per index.
+/// and done, in order, with counts that only grow per index; and it stays
+/// subscribed across the session's next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
     let run = start(Duration::from_millis(5)).await;
@@ -234,6 +235,11 @@ async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
         "a clear, then done: {seen:?}"
     );
     assert_eq!(seen[clear.unwrap_or(0)]["reason"], "done");
+    // The subscription stays open across the session's next request.
+    let again = chat(&run.proxy, "early");
+    let seen = frames.until(|f| f["done"] == true).await;
+    assert_eq!(progress(&seen).len(), 11, "{seen:?}");
+    again.await.expect("second stream");
 }
 
 /// A subscriber that joins mid-call gets both tools back at once, with the
