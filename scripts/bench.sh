@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The benchmark suite of issue 6: one command, one run, one table of medians
+# and ratios (filter throughput against cat|cat, jq and Python; proxy
+# overhead against a direct connection and nginx; memory per open stream and
+# over a soak; instruction counts; criterion micro-benchmarks). See
+# BENCHMARKS.md for the method and the latest results.
+#
+#   scripts/bench.sh                      # the full suite (~10 min of machine time after the builds)
+#   scripts/bench.sh --soak-seconds 600   # ... with the issue's 10-minute soak
+#   scripts/bench.sh --smoke              # seconds: tiny sizes, C=1/4, proves it works
+#
+# Other options are passed to scripts/bench/run.py: --reps N, --mb N,
+# --only throughput,callgrind,proxy,memory,criterion, --workdir DIR.
+#
+# Loopback only; every loop is bounded in count and time, and the run stops by
+# itself. The full suite installs nginx and jq from Debian's packages when they
+# are missing (as root, with apt-get); --smoke installs nothing and needs only
+# the Rust toolchain and python3 (jq and nginx comparisons are skipped, with a
+# note, when they are missing; AALIS_BENCH_WITHOUT=jq,nginx does the same where
+# they are installed). Generated captures stay in /tmp/aalis-bench.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=full
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) mode=smoke ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) args+=("$1") ;;
+  esac
+  shift
+done
+
+if [ "$mode" = full ]; then
+  missing=()
+  command -v nginx >/dev/null || missing+=(nginx-light)
+  command -v jq >/dev/null || missing+=(jq)
+  if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "bench: installing ${missing[*]} from Debian's packages" >&2
+      apt-get update -qq >/dev/null
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+      echo "bench: ${missing[*]} missing and cannot be installed here; those comparisons are skipped" >&2
+    fi
+  fi
+fi
+
+# 1,000 idle streams need ~2,000 descriptors in the proxy and in nginx.
+hard=$(ulimit -Hn)
+if [ "$hard" = unlimited ] || [ "$hard" -ge 16384 ]; then ulimit -n 16384; else ulimit -n "$hard"; fi
+
+export CARGO_TERM_COLOR=never
+if [ "$mode" = full ]; then
+  # Release builds: what users run.
+  cargo build --locked --release --quiet --bin aalis-proxy --example loadgen
+  bin=target/release
+  limit=45m
+else
+  # The test profile's builds (CI has them from `cargo test` already): the
+  # smoke run proves the suite works; its numbers mean nothing.
+  cargo build --locked --quiet --bin aalis-proxy --example loadgen
+  bin=target/debug
+  limit=10m
+fi
+
+exec timeout --signal=TERM --kill-after=30s "$limit" \
+  python3 scripts/bench/run.py --mode "$mode" \
+  --aalis "$bin/aalis-proxy" --loadgen "$bin/examples/loadgen" ${args[@]+"${args[@]}"}

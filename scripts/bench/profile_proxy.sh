@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Where `aalis-proxy serve` spends an unpaced stream, next to nginx: syscalls
+# per event (strace -c) and CPU samples by symbol (perf record -e cpu-clock,
+# which works where hardware counters do not, as in this VM). The evidence
+# behind the proxy section of BENCHMARKS.md.
+#
+#   scripts/bench/profile_proxy.sh            # C=16 streams of 5,000 events
+#   C=64 EVENTS=2000 scripts/bench/profile_proxy.sh
+#
+# Needs strace and perf (Debian: strace, linux-perf); nginx is optional.
+# Release builds; loopback only; every step bounded by `timeout`; the
+# processes started here are stopped here by their pids.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+work=${WORKDIR:-/tmp/aalis-bench/profile-proxy}
+conc=${C:-16}
+events=${EVENTS:-5000}
+mkdir -p "$work/nginx/tmp"
+chmod 777 "$work/nginx/tmp"
+for tool in strace perf; do
+  command -v "$tool" >/dev/null || { echo "profile_proxy: $tool is missing" >&2; exit 1; }
+done
+
+cargo build --locked --release --quiet --bin aalis-proxy --example loadgen
+bin=target/release
+sample="$work/sample.sse"
+[ -s "$sample" ] || python3 scripts/bench/gen_captures.py --kind tool --mb 2 --seed 8 --out "$sample" 2>/dev/null
+
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do timeout 15 tail --pid="$p" -f /dev/null 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { timeout 10 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null; do sleep 0.05; done"; }
+
+"$bin/examples/loadgen" upstream --events "$sample" --max-seconds 600 >"$work/upstream.out" 2>/dev/null &
+pids+=($!)
+timeout 10 bash -c "until [ -s '$work/upstream.out' ]; do sleep 0.05; done"
+up_port=$(sed 's/.*://' "$work/upstream.out")
+
+aalis_port=$(free_port)
+"$bin/aalis-proxy" serve --upstream "http://127.0.0.1:$up_port" --listen "127.0.0.1:$aalis_port" \
+  >"$work/serve.log" 2>&1 &
+aalis_pid=$!
+pids+=($aalis_pid)
+wait_port "$aalis_port"
+
+drive() {
+  timeout 120 "$bin/examples/loadgen" drive --target "127.0.0.1:$1" --concurrency "$conc" \
+    --events "$events" --delay-us 0 --timeout-seconds 100
+}
+
+# profile NAME PORT PID...: strace counts, then perf samples, over one run each.
+profile() {
+  local name=$1 port=$2
+  shift 2
+  local attach=()
+  for p in "$@"; do attach+=(-p "$p"); done
+  echo "== $name: strace -c over $conc × $events unpaced events"
+  timeout 150 strace -c -f "${attach[@]}" -o "$work/strace.$name.txt" 2>/dev/null &
+  local st=$!
+  sleep 0.5
+  drive "$port" | python3 -c 'import json,sys; r=json.load(sys.stdin); print("events", r["events"], "events/s (under strace)", round(r["events_per_s"]))'
+  sleep 0.3
+  kill -INT "$st" 2>/dev/null || true
+  wait "$st" 2>/dev/null || true
+  head -12 "$work/strace.$name.txt" || true
+  echo "== $name: perf record -e cpu-clock"
+  local pidlist
+  pidlist=$(IFS=,; echo "$*")
+  timeout 150 perf record -q -e cpu-clock -g -p "$pidlist" -o "$work/perf.$name.data" 2>/dev/null &
+  local pr=$!
+  sleep 0.5
+  drive "$port" | python3 -c 'import json,sys; r=json.load(sys.stdin); print("events", r["events"], "events/s (under perf)", round(r["events_per_s"]))'
+  kill -INT "$pr" 2>/dev/null || true
+  wait "$pr" 2>/dev/null || true
+  # (head closing the pipe early is fine: hence the `|| true`.)
+  perf report -i "$work/perf.$name.data" --stdio --no-children --sort dso 2>/dev/null \
+    | grep -E '^ +[0-9.]+%' | head -5 || true
+  perf report -i "$work/perf.$name.data" --stdio --no-children --sort sym -g none 2>/dev/null \
+    | grep -E '^ +[0-9.]+%' | head -25 | cut -c1-150 || true
+}
+
+profile aalis "$aalis_port" "$aalis_pid"
+
+if command -v nginx >/dev/null; then
+  nginx_port=$(free_port)
+  PYTHONDONTWRITEBYTECODE=1 python3 - "$work/nginx" "$up_port" "$nginx_port" <<'EOF'
+import sys
+sys.path.insert(0, "scripts/bench")
+import run
+d, up, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+open(f"{d}/nginx.conf", "w").write(run.NGINX_CONF.format(dir=d, up_port=up, port=port))
+EOF
+  nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" >"$work/nginx/stderr.log" 2>&1 &
+  nginx_pid=$!
+  pids+=($nginx_pid)
+  wait_port "$nginx_port"
+  # shellcheck disable=SC2046
+  profile nginx "$nginx_port" $(pgrep -P "$nginx_pid")
+  kill -QUIT "$nginx_pid"
+fi
