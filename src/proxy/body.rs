@@ -6,6 +6,9 @@
 //! (linkerd2-proxy `http/body-eos`). For a stream it pushes each data frame
 //! through the same [`Annotator`] as `annotate` and yields what comes out;
 //! for anything else it yields the frames untouched and only counts them.
+//! Annotated output is coalesced: while the upstream has more frames ready,
+//! they are gathered (up to 64 KiB) into one write; as soon as it has none,
+//! what was gathered goes out, so no event waits for a later one.
 //! Trailers pass through. It also:
 //! - ends the stream when the upstream is silent longer than the idle
 //!   timeout (an error, so the client sees a cut stream, not a fake end);
@@ -34,6 +37,10 @@ use super::sessions::StreamHandle;
 use super::upstream::BoxError;
 use crate::filter::unix_ms;
 use crate::pipeline::Annotator;
+
+/// A stream's output is gathered up to this many bytes while the upstream
+/// has more ready (see `poll_frame`): fewer writes, no added wait.
+const COALESCE_BYTES: usize = 64 * 1024;
 
 /// The upstream sent nothing for longer than `--idle-timeout`.
 #[derive(Debug, thiserror::Error)]
@@ -234,6 +241,16 @@ impl Body for TapBody {
             let polled = this.inner.as_mut().poll_frame(cx);
             let event = match polled {
                 Poll::Ready(event) => event.map(|r| r.map_err(BoxError::from)),
+                // Nothing more has arrived: what was gathered goes out now,
+                // never waiting for a later event.
+                Poll::Pending if !this.out.is_empty() => {
+                    let chunk = this.out.split().freeze();
+                    *this.bytes_out += chunk.len() as u64;
+                    this.metrics
+                        .bytes_out_total
+                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    return Poll::Ready(Some(Ok(Frame::data(chunk))));
+                }
                 Poll::Pending => {
                     ready!(this.idle.as_mut().poll(cx));
                     // Silent too long: end as if the upstream failed.
@@ -316,7 +333,11 @@ impl Body for TapBody {
                     finish(this.annotator, this.session, this.out, this.log);
                 }
             }
-            if !this.out.is_empty() {
+            // Coalesce: while the upstream has more ready, keep reading
+            // (up to COALESCE_BYTES), so a burst of events goes out in one
+            // write instead of one write per event.
+            let more_may_come = *this.phase == Phase::Streaming && this.out.len() < COALESCE_BYTES;
+            if !this.out.is_empty() && !more_may_come {
                 let chunk = this.out.split().freeze();
                 *this.bytes_out += chunk.len() as u64;
                 this.metrics

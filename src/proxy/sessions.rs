@@ -540,7 +540,7 @@ pub fn clear_frame(session_id: &str, reason: ClearReason) -> Frame {
 }
 
 /// `[entry, …]`, as [`push_entry`] writes each.
-pub fn push_entries(entries: &[ProgressEntry], out: &mut String) {
+fn push_entries(entries: &[ProgressEntry], out: &mut String) {
     out.push('[');
     for (i, entry) in entries.iter().enumerate() {
         if i > 0 {
