@@ -224,14 +224,30 @@ impl ToolCallTracker {
     /// Replaces `out` with the calls being generated now, sorted by choice
     /// then index (reusing its allocations).
     pub fn snapshot_into(&self, out: &mut Vec<ProgressEntry>) {
-        out.clear();
-        out.extend(self.in_progress().map(|p| ProgressEntry {
-            choice: p.choice,
-            index: p.index,
-            name: p.name.to_owned(),
-            chars_accumulated: p.chars_accumulated,
-            started_at_ms: p.started_at_ms,
-        }));
+        let mut len = 0;
+        for p in self.in_progress() {
+            match out.get_mut(len) {
+                // Reuse the entry, its name's allocation included: this runs
+                // on every delta of a proxied stream.
+                Some(entry) => {
+                    entry.choice = p.choice;
+                    entry.index = p.index;
+                    entry.name.clear();
+                    entry.name.push_str(p.name);
+                    entry.chars_accumulated = p.chars_accumulated;
+                    entry.started_at_ms = p.started_at_ms;
+                }
+                None => out.push(ProgressEntry {
+                    choice: p.choice,
+                    index: p.index,
+                    name: p.name.to_owned(),
+                    chars_accumulated: p.chars_accumulated,
+                    started_at_ms: p.started_at_ms,
+                }),
+            }
+            len += 1;
+        }
+        out.truncate(len);
     }
 
     /// Every choice that has tool calls, in choice order, with its calls in

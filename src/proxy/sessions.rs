@@ -421,8 +421,11 @@ impl StreamHandle {
         let Some(session) = state.sessions.get(&self.session_id) else {
             return;
         };
-        for event in &events {
-            state.send(session, event_frame(&self.session_id, event));
+        // Frames are rendered only when someone listens.
+        if state.all.receiver_count() > 0 || session.frames.receiver_count() > 0 {
+            for event in &events {
+                state.send(session, event_frame(&self.session_id, event));
+            }
         }
         if changed && let Some(display) = &self.registry.display {
             // Drawn outside the registry's lock.
