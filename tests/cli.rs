@@ -29,40 +29,9 @@ const RECV_TIMEOUT: Duration = Duration::from_secs(10);
 /// A small SSE tool-call stream used by the process tests.
 const TOOL_CALL_FIXTURE: &str = "openai/single_tool_call.sse";
 
-/// Variables that could change the output: colors (`NO_COLOR`,
-/// `CLICOLOR_FORCE` makes clap color even a pipe), help wrapping (`COLUMNS`,
-/// `LINES`: clap's `wrap_help` reads them), terminal, logging, and proxies
-/// (for the future `serve`).
-const SCRUBBED_ENV: &[&str] = &[
-    "NO_COLOR",
-    "CLICOLOR",
-    "CLICOLOR_FORCE",
-    "TERM",
-    "COLUMNS",
-    "LINES",
-    "RUST_LOG",
-    "RUST_BACKTRACE",
-    "http_proxy",
-    "https_proxy",
-    "all_proxy",
-    "no_proxy",
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "ALL_PROXY",
-    "NO_PROXY",
-];
-
-/// The base command: the `aalis-proxy` binary, run from the package root (so
-/// relative fixture paths work and error messages show them as typed), with
-/// the environment that could change results removed (bat
-/// `tests/utils/command.rs`, xh `get_base_command`).
+/// The base command ([`common::base_command`]).
 fn aalis_proxy() -> Command {
-    let mut cmd = Command::new(assert_cmd::cargo::cargo_bin!("aalis-proxy"));
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
-    for var in SCRUBBED_ENV {
-        cmd.env_remove(var);
-    }
-    cmd
+    common::base_command()
 }
 
 /// `aalis-proxy` with `args`.

@@ -15,6 +15,8 @@
 //! Every child is a [`Running`], whose `Drop` kills it (and shows its stderr
 //! when the test failed), and every wait has a deadline.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
@@ -39,27 +41,6 @@ const CHAT_PATH: &str = "/v1/chat/completions";
 const PARALLEL_REQUEST: &str = r#"{"model":"parallel_tool_calls","stream":true}"#;
 /// The capture the mock serves for [`PARALLEL_REQUEST`] (14 events).
 const PARALLEL_FIXTURE: &str = "openai/parallel_tool_calls.sse";
-
-/// Variables that could change what the binary does or prints (the same as
-/// `tests/cli.rs`): colors, help wrapping, logging, proxies.
-const SCRUBBED_ENV: &[&str] = &[
-    "NO_COLOR",
-    "CLICOLOR",
-    "CLICOLOR_FORCE",
-    "TERM",
-    "COLUMNS",
-    "LINES",
-    "RUST_LOG",
-    "RUST_BACKTRACE",
-    "http_proxy",
-    "https_proxy",
-    "all_proxy",
-    "no_proxy",
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "ALL_PROXY",
-    "NO_PROXY",
-];
 
 /// Signals, without a libc dependency.
 mod sig {
@@ -103,11 +84,7 @@ mod sig {
 /// with the environment that could change results removed and the default
 /// disposition for SIGINT and SIGTERM.
 fn aalis_proxy() -> Command {
-    let mut cmd = Command::new(assert_cmd::cargo::cargo_bin!("aalis-proxy"));
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
-    for var in SCRUBBED_ENV {
-        cmd.env_remove(var);
-    }
+    let mut cmd = common::base_command();
     // SAFETY: the closure only calls signal(), which is async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {

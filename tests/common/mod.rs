@@ -10,6 +10,42 @@ use serde_json::{Value, json};
 use aalis_proxy::encode::{InjectMode, OutputFormat, Sink};
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
 
+/// Variables that could change what the binary does or prints: colors
+/// (`NO_COLOR`; `CLICOLOR_FORCE` makes clap color even a pipe), help
+/// wrapping (`COLUMNS`, `LINES`: clap's `wrap_help` reads them), terminal,
+/// logging, proxies.
+pub const SCRUBBED_ENV: &[&str] = &[
+    "NO_COLOR",
+    "CLICOLOR",
+    "CLICOLOR_FORCE",
+    "TERM",
+    "COLUMNS",
+    "LINES",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+];
+
+/// The base command of CLI tests: the `aalis-proxy` binary, run from the
+/// package root (so relative fixture paths work and messages show them as
+/// typed), without the variables of [`SCRUBBED_ENV`] (bat
+/// `tests/utils/command.rs`, xh `get_base_command`).
+pub fn base_command() -> std::process::Command {
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin!("aalis-proxy"));
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 /// A fixed clock: nothing in the output depends on time.
 pub const NOW_MS: u64 = 1_767_225_600_000;
 
