@@ -96,16 +96,6 @@ pub struct AnnotateArgs {
     #[arg(long, value_name = "ID", required_if_eq("format", "messages"))]
     pub session: Option<String>,
 
-    /// Events (SSE) or lines (NDJSON) larger than this are passed on as they
-    /// stream, unparsed, with one warning; memory stays bounded whatever the
-    /// input
-    ///
-    /// Sizes are a number with an optional unit: B, KiB, MiB, GiB (K, M, G
-    /// too, all powers of 1024).
-    ///
-    /// Example: --max-event-bytes 64MiB
-    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
-    pub max_event_bytes: usize,
     /// Replay the input in real time: with the timing recorded beside it
     /// (FILE.timing, as `serve --record` writes), or one event every --pace
     ///
@@ -122,6 +112,25 @@ pub struct AnnotateArgs {
     /// Example: --pace 200
     #[arg(long, value_name = "MS")]
     pub pace: Option<u64>,
+
+    #[command(flatten)]
+    pub stream: StreamFlags,
+}
+
+/// Flags of every command that reads streams (`annotate`, `serve`).
+#[derive(Debug, Args)]
+pub struct StreamFlags {
+    /// Events (SSE) or lines (NDJSON) larger than this are passed on as they
+    /// stream, unparsed, with one warning; memory stays bounded whatever the
+    /// input
+    ///
+    /// Sizes are a number with an optional unit: B, KiB, MiB, GiB (K, M, G
+    /// too, all powers of 1024).
+    ///
+    /// Example: --max-event-bytes 64MiB
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
+    pub max_event_bytes: usize,
+
     /// Spinners on stderr, one per tool being generated
     ///
     /// `auto` (what --progress alone means) draws them when stderr is a
@@ -179,7 +188,7 @@ impl AnnotateArgs {
             inject: self.inject,
             session_id: self.session.clone(),
             framing: None,
-            max_event_bytes: self.max_event_bytes,
+            max_event_bytes: self.stream.max_event_bytes,
             collect_events: false,
         }
     }
@@ -272,30 +281,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
-    /// Stream events (or NDJSON lines) larger than this are passed on as
-    /// they stream, unparsed, with one warning
-    ///
-    /// Example: --max-event-bytes 64MiB
-    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
-    pub max_event_bytes: usize,
-
-    /// Spinners on stderr, one per tool being generated
-    ///
-    /// `auto` (what --progress alone means) draws them when stderr is a
-    /// terminal; `always` also prints plain lines (at most one per tool per
-    /// second) when it is not, for logs; `never` is the default. stdout is
-    /// never touched. NO_COLOR is honoured.
-    ///
-    /// Example: --progress
-    #[arg(
-        long,
-        value_enum,
-        value_name = "WHEN",
-        num_args = 0..=1,
-        default_value_t = ProgressMode::Never,
-        default_missing_value = "auto"
-    )]
-    pub progress: ProgressMode,
+    #[command(flatten)]
+    pub stream: StreamFlags,
 
     /// Forget a session nothing uses after this much idleness (sessions of
     /// open streams and of live subscribers are kept)
@@ -351,7 +338,7 @@ impl ServeArgs {
             response_timeout: self.response_timeout,
             idle_timeout: self.idle_timeout,
             shutdown_grace: self.shutdown_grace,
-            max_event_bytes: self.max_event_bytes,
+            max_event_bytes: self.stream.max_event_bytes,
             record_dir: self.record.clone(),
             session_ttl: self.session_ttl,
             admin_token: self.admin_token.clone(),

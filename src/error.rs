@@ -97,9 +97,7 @@ pub fn excerpt(bytes: &[u8], max_chars: usize) -> String {
             out.push('…');
             break;
         }
-        let hostile = c.is_control()
-            || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}');
-        if hostile {
+        if crate::render::is_hostile(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);

@@ -131,7 +131,7 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         &mut stdout,
         &mut stderr,
         args.annotator_config(),
-        &display(args.progress),
+        &display(args.stream.progress),
         &mut filter::unix_ms,
     )?;
     Ok(())
@@ -145,7 +145,7 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     }
     // Everything that can fail on configuration (the CA file) fails before
     // the port is taken.
-    let sessions = SessionRegistry::with_display(Arc::new(display(args.progress)));
+    let sessions = SessionRegistry::with_display(Arc::new(display(args.stream.progress)));
     let proxy = Proxy::from_config(config, sessions)?;
     runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;

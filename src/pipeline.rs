@@ -320,15 +320,6 @@ impl Annotator {
         &self.state.tracker
     }
 
-    /// The framing in use, once known.
-    pub fn framing(&self) -> Option<Framing> {
-        match self.framer {
-            Framer::Sniffing(_) => None,
-            Framer::Sse(_) => Some(Framing::Sse),
-            Framer::Ndjson(_) => Some(Framing::Ndjson),
-        }
-    }
-
     fn start(&mut self, framing: Framing) {
         let state = &mut self.state;
         self.framer = match framing {

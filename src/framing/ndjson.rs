@@ -113,11 +113,6 @@ impl NdjsonDecoder {
         self.eof = true;
     }
 
-    /// Stream offset of the first byte not yet handed out.
-    pub fn offset(&self) -> u64 {
-        self.base_offset + self.start as u64
-    }
-
     /// The next complete line, or `None` when more input is needed.
     pub fn next_line(&mut self) -> Option<NdjsonLine<'_>> {
         let start = self.start;

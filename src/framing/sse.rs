@@ -225,16 +225,6 @@ impl SseDecoder {
         self.eof = true;
     }
 
-    /// Number of events dispatched so far.
-    pub fn events(&self) -> u64 {
-        self.events
-    }
-
-    /// Stream offset of the first byte not yet handed out.
-    pub fn offset(&self) -> u64 {
-        self.base_offset + self.start as u64
-    }
-
     /// The next complete block, or `None` when more input is needed (or,
     /// after [`finish`](Self::finish), when everything has been handed out).
     pub fn next_block(&mut self) -> Option<SseBlock<'_>> {

@@ -248,19 +248,6 @@ impl SessionRegistry {
         resume_frame(session_id, progress)
     }
 
-    /// Every session with something in progress, sorted by id.
-    pub fn in_progress(&self) -> Vec<(String, Vec<ProgressEntry>)> {
-        let state = self.lock();
-        let mut out: Vec<_> = state
-            .sessions
-            .iter()
-            .filter(|(_, s)| !s.progress.is_empty())
-            .map(|(id, s)| (id.clone(), s.progress.clone()))
-            .collect();
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        out
-    }
-
     /// Subscribes to a session, known yet or not: its snapshot now, and
     /// every increment after it.
     pub fn subscribe(&self, session_id: &str) -> Subscription {
@@ -394,10 +381,6 @@ impl SessionRegistry {
 }
 
 impl StreamHandle {
-    pub fn session_id(&self) -> &str {
-        &self.session_id
-    }
-
     /// Publishes what the stream did since the last call: the tracker's
     /// in-progress calls (when they changed) and `events` for subscribers,
     /// as long as this stream still owns the session.
@@ -440,14 +423,10 @@ impl StreamHandle {
     pub fn mark_failed(&mut self) {
         self.failed = true;
     }
-
-    /// The stream ended, failed or was cancelled: its progress is cleared
-    /// (SPEC.md: the end or failure of the stream clears it).
-    pub fn end(self) {
-        // The work is in `Drop`, so a stream dropped mid-way ends too.
-    }
 }
 
+/// The stream ended, failed or was cancelled: its progress is cleared
+/// (SPEC.md: the end or failure of the stream clears it).
 impl Drop for StreamHandle {
     fn drop(&mut self) {
         let mut state = self.registry.lock();

@@ -6,3 +6,19 @@
 //!   pure function every line comes from.
 
 pub mod spinner;
+
+/// A character that must not reach a terminal as it is: a control
+/// character (escape sequences start with one), a bidi control that would
+/// reorder the line, or an invisible zero-width one. Model text and stream
+/// excerpts are checked with it before they are printed.
+pub fn is_hostile(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{200B}'..='\u{200F}'
+                | '\u{202A}'..='\u{202E}'
+                | '\u{2060}'..='\u{2069}'
+                | '\u{061C}'
+                | '\u{FEFF}'
+        )
+}

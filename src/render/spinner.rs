@@ -128,12 +128,7 @@ pub fn sanitize_name(name: &str) -> String {
     for c in name.chars() {
         let c = match c {
             '\n' | '\r' | '\t' => ' ',
-            c if c.is_control() => continue,
-            '\u{200B}'..='\u{200F}'
-            | '\u{202A}'..='\u{202E}'
-            | '\u{2060}'..='\u{2069}'
-            | '\u{061C}'
-            | '\u{FEFF}' => continue,
+            c if super::is_hostile(c) => continue,
             c => c,
         };
         if count == MAX_NAME_CHARS {
