@@ -2212,6 +2212,140 @@ async fn session_ids_in_paths_cannot_split_responses_or_events() {
     assert_no_foreign_panic();
 }
 
+/// A fresh directory under the system temp dir, for one test.
+fn scratch_dir(what: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "aalis-faults-{what}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a scratch dir");
+    dir
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A recording never writes through a name that already exists in `DIR`.
+/// While the upstream holds its response headers, symbolic links pointing
+/// outside `DIR` are planted at every name the first recording could get
+/// in a 400 ms window (`<ms>-victim-0.sse`) and at the timing file of the
+/// name after it (`<ms>-victim-1.sse.timing`); the upstream then answers
+/// inside that window. The stream is recorded as `<ms>-victim-1.sse` (and
+/// its `.request.json`), its timing file is not written through the link,
+/// and nothing is created outside `DIR`. The same holds for a file another
+/// `serve --record` process wrote there: it is never overwritten. (Up to
+/// three tries, for a machine so slow that the window passes before the
+/// links are planted.) See: issue 7 ("recorded file names cannot escape
+/// --record DIR").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recording_never_writes_through_an_existing_name() {
+    const WINDOW_MS: u64 = 400;
+    let input = fixture(SINGLE_CALL);
+    for attempt in 1..=3 {
+        let parent = scratch_dir("planted");
+        let dir = parent.join("rec");
+        std::fs::create_dir(&dir).expect("create the record dir");
+        let outside = parent.join("outside");
+
+        let gate = Arc::new(Notify::new());
+        let (sent, upstream_gate) = (input.clone(), gate.clone());
+        let upstream = FakeUpstream::start(move |_| {
+            Reply::stream("text/event-stream", [&sent[..]])
+                .before_headers(Step::Wait(upstream_gate.clone()))
+        })
+        .await;
+        let mut config = proxy_config(&upstream.url(""));
+        config.record_dir = Some(dir.clone());
+        let proxy = Served::start(config).await;
+        let req = post(&proxy.url("/v1/chat/completions"), "victim");
+        let request = tokio::spawn(async move { send(&client(), req).await });
+
+        let from_ms = unix_ms() + 1000;
+        for ms in from_ms..from_ms + WINDOW_MS {
+            for name in [
+                format!("{ms}-victim-0.sse"),
+                format!("{ms}-victim-1.sse.timing"),
+            ] {
+                std::os::unix::fs::symlink(&outside, dir.join(name)).expect("plant a link");
+            }
+        }
+        while unix_ms() < from_ms {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let released_at = unix_ms();
+        gate.notify_one();
+        let response = request.await.expect("request task");
+        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("a clean end");
+        assert_eq!(got, annotate(&input), "recording changed the stream");
+
+        let real = |dir: &std::path::Path| -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(dir)
+                .expect("read dir")
+                .map(|e| e.expect("entry"))
+                .filter(|e| !e.file_type().expect("file type").is_symlink())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        };
+        // The body is there once the stream is over; give the blocking
+        // pool a moment for the request copy, the last file written.
+        assert!(
+            eventually(PATIENCE, || real(&dir)
+                .iter()
+                .any(|n| n.ends_with(".request.json")))
+            .await,
+            "{:?}",
+            real(&dir)
+        );
+        assert!(
+            !outside.exists(),
+            "a recording wrote through a planted link, outside DIR: {} bytes",
+            std::fs::read(&outside).map_or(0, |b| b.len())
+        );
+        assert_eq!(real(&parent), ["rec"]);
+        let names = real(&dir);
+        let body = names
+            .iter()
+            .find(|n| n.ends_with(".sse"))
+            .expect("a recording");
+        assert_eq!(std::fs::read(dir.join(body)).expect("read"), input);
+        let ms: u64 = body
+            .split('-')
+            .next()
+            .and_then(|m| m.parse().ok())
+            .expect("<ms>-");
+        let _ = std::fs::remove_dir_all(&parent);
+        if !(from_ms..from_ms + WINDOW_MS).contains(&ms) {
+            eprintln!(
+                "attempt {attempt}: recorded at {ms}, released at {released_at}, outside the planted window {from_ms}..{}",
+                from_ms + WINDOW_MS
+            );
+            continue;
+        }
+        // The planted name was skipped, and the planted timing link was
+        // not written through.
+        assert_eq!(
+            names,
+            [
+                format!("{ms}-victim-1.request.json"),
+                format!("{ms}-victim-1.sse")
+            ]
+        );
+        assert_no_foreign_panic();
+        return;
+    }
+    panic!("the upstream never answered inside the planted window");
+}
+
 /// What `safe_file_part` must make of a session id, written out here
 /// independently: ASCII letters, digits, `-` and `_` kept, anything else
 /// `_`, at most 64 characters.
@@ -2239,16 +2373,9 @@ fn expected_file_part(id: &str) -> String {
 /// name starts with `.`; each `.sse` is the upstream's bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recorded_file_names_cannot_escape_the_record_dir() {
-    let parent = std::env::temp_dir().join(format!(
-        "aalis-faults-record-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
-    let _ = std::fs::remove_dir_all(&parent);
+    let parent = scratch_dir("record");
     let dir = parent.join("rec");
-    std::fs::create_dir_all(&dir).expect("create the record dir");
+    std::fs::create_dir(&dir).expect("create the record dir");
 
     let input = fixture(SINGLE_CALL);
     let sent = input.clone();
