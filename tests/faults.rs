@@ -1583,6 +1583,7 @@ async fn a_client_that_leaves_at_any_phase_releases_everything() {
             // Let the half head reach the proxy (no assertion rests on it).
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        let left = Instant::now();
         drop(stream);
 
         if leave.reaches_upstream() {
@@ -1592,6 +1593,10 @@ async fn a_client_that_leaves_at_any_phase_releases_everything() {
                     n: upstream_connections
                 }),
                 "{leave:?}: the upstream connection was kept"
+            );
+            eprintln!(
+                "HTTP/1.1 {leave:?}: upstream connection closed {:?} after the client left",
+                left.elapsed()
             );
             upstream_connections += 1;
         } else {
@@ -1653,6 +1658,189 @@ async fn a_client_that_leaves_at_any_phase_releases_everything() {
         );
     }
     assert_no_foreign_panic();
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type H2Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// The same over HTTP/2, where a client that goes away resets its stream
+/// and keeps its connection: at each phase from the request body on (100
+/// of 1,000 body bytes sent; request at the upstream; half a response head
+/// from the upstream; mid-body; mid-event; after `[DONE]`), the client
+/// drops its response (future or body). Each time the proxy closes its
+/// upstream connection, the session is released, `aalis_streams_open` is
+/// back to 0, nothing panics, no upstream error is counted, and the same
+/// HTTP/2 connection then carries a whole stream, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
+    let input = fixture(SINGLE_CALL);
+    let for_script = input.clone();
+    let mut upstream = RawUpstream::start(move |head| {
+        let text = String::from_utf8_lossy(head);
+        let path = text
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned();
+        match LEAVES.iter().find(|l| l.path() == path) {
+            Some(leave) => leave.upstream_steps(&for_script),
+            None => vec![
+                RawStep::Write(chunked_head("text/event-stream")),
+                RawStep::Write(chunk(&for_script)),
+                RawStep::Write(Bytes::from_static(b"0\r\n\r\n")),
+            ],
+        }
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url())).await;
+    let tcp = TcpStream::connect(proxy.addr).await.expect("connect");
+    // Without it a reset frame can wait for a delayed ACK (Nagle).
+    tcp.set_nodelay(true).expect("TCP_NODELAY");
+    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, H2Body>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .expect("HTTP/2 handshake");
+    let conn = tokio::spawn(conn);
+    let request = |path: &str, session: &str, body: H2Body, length: usize| {
+        Request::post(format!("http://{}{path}", proxy.addr))
+            .header("x-aalis-session", session)
+            .header("content-type", "application/json")
+            .header("content-length", length.to_string())
+            .body(body)
+            .expect("request")
+    };
+    let full = |bytes: &'static [u8]| -> H2Body {
+        Full::new(Bytes::from_static(bytes))
+            .map_err(|never| match never {})
+            .boxed()
+    };
+    let mut upstream_connections = 0;
+    for leave in LEAVES {
+        if leave == Leave::DuringHead {
+            continue;
+        }
+        let session = format!("h2-{leave:?}");
+        // A request body that sends 100 bytes of its announced 1,000, or
+        // the whole small one.
+        let (body_tx, body) = if leave == Leave::DuringBody {
+            let (tx, rx) = mpsc::channel::<Bytes>(1);
+            tx.send(Bytes::from_static(&[b' '; 100]))
+                .await
+                .expect("queue the first bytes");
+            let body = ChannelBody(rx).boxed();
+            (Some(tx), (body, 1000))
+        } else {
+            (None, (full(b"{\"stream\":true}"), 15))
+        };
+        let mut left = Instant::now();
+        let pending =
+            Box::pin(sender.send_request(request(&leave.path(), &session, body.0, body.1)));
+        match leave.received(&input) {
+            None => {
+                match upstream.next(PATIENCE).await {
+                    Some(RawEvent::Head { n, .. }) => assert_eq!(n, upstream_connections),
+                    other => panic!("{leave:?}: the upstream saw {other:?}"),
+                }
+                if leave == Leave::UpstreamHeadPending {
+                    // Let the half head reach the proxy (no assertion rests on it).
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                left = Instant::now();
+                drop(pending);
+            }
+            Some(wanted) => {
+                let response = tokio::time::timeout(PATIENCE, pending)
+                    .await
+                    .expect("response in time")
+                    .expect("response");
+                assert!(matches!(
+                    upstream.next(PATIENCE).await,
+                    Some(RawEvent::Head { .. })
+                ));
+                let mut body = response.into_body();
+                let mut got = Vec::new();
+                read_at_least(&mut body, &mut got, wanted.len()).await;
+                assert_eq!(got, wanted, "{leave:?}");
+                left = Instant::now();
+                drop(body);
+            }
+        }
+        drop(body_tx);
+        assert_eq!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Closed {
+                n: upstream_connections
+            }),
+            "{leave:?}: the upstream connection was kept"
+        );
+        eprintln!(
+            "HTTP/2 {leave:?}: upstream connection closed {:?} after the client reset",
+            left.elapsed()
+        );
+        upstream_connections += 1;
+        let sessions = proxy.sessions().clone();
+        assert!(
+            eventually(PATIENCE, || sessions.is_empty()).await,
+            "{leave:?}: {} sessions kept",
+            sessions.len()
+        );
+        assert!(
+            eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await,
+            "{leave:?}: a stream is still counted open"
+        );
+        // The same connection carries a whole stream.
+        let response = tokio::time::timeout(
+            PATIENCE,
+            sender.send_request(request("/whole", "after", full(b"{\"stream\":true}"), 15)),
+        )
+        .await
+        .expect("response in time")
+        .unwrap_or_else(|e| panic!("{leave:?}: the connection is broken: {e}"));
+        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("a clean end");
+        assert!(
+            got == annotate(&input),
+            "{leave:?}: the next stream differs"
+        );
+        assert!(matches!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Head { .. })
+        ));
+        assert!(matches!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Closed { .. })
+        ));
+        upstream_connections += 1;
+    }
+    for kind in ["unreachable", "timeout", "error", "idle_timeout", "reset"] {
+        assert_eq!(
+            proxy.metric(&format!("aalis_upstream_errors_total{{kind=\"{kind}\"}}")),
+            0.0,
+            "a client leaving counted as an upstream {kind}"
+        );
+    }
+    conn.abort();
+    assert_no_foreign_panic();
+}
+
+/// A request body fed by a channel: it pends while the sender lives and
+/// sends nothing, and ends when the sender is dropped.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|bytes| bytes.map(|b| Ok(http_body::Frame::data(b))))
+    }
 }
 
 /// The next `data:` JSON of an SSE body (skipping comments).
