@@ -1734,10 +1734,9 @@ async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
         } else {
             (None, (full(b"{\"stream\":true}"), 15))
         };
-        let mut left = Instant::now();
         let pending =
             Box::pin(sender.send_request(request(&leave.path(), &session, body.0, body.1)));
-        match leave.received(&input) {
+        let left = match leave.received(&input) {
             None => {
                 match upstream.next(PATIENCE).await {
                     Some(RawEvent::Head { n, .. }) => assert_eq!(n, upstream_connections),
@@ -1747,8 +1746,8 @@ async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
                     // Let the half head reach the proxy (no assertion rests on it).
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                left = Instant::now();
                 drop(pending);
+                Instant::now()
             }
             Some(wanted) => {
                 let response = tokio::time::timeout(PATIENCE, pending)
@@ -1763,10 +1762,10 @@ async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
                 let mut got = Vec::new();
                 read_at_least(&mut body, &mut got, wanted.len()).await;
                 assert_eq!(got, wanted, "{leave:?}");
-                left = Instant::now();
                 drop(body);
+                Instant::now()
             }
-        }
+        };
         drop(body_tx);
         assert_eq!(
             upstream.next(PATIENCE).await,
