@@ -22,7 +22,7 @@ use hyper::body::Incoming;
 
 use super::ProxyConfig;
 use super::admin;
-use super::body::{RequestLog, TapBody};
+use super::body::{RequestLog, TapBody, log_safe};
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, Recorder};
 use super::sessions::SessionRegistry;
@@ -149,7 +149,7 @@ impl Proxy {
         }
         let started = Instant::now();
         let method = req.method().clone();
-        let path = req.uri().path().to_owned();
+        let path = log_safe(req.uri().path());
         match self.forward(req, started).await {
             Ok(response) => response,
             Err((fault, message, session_id)) => {
@@ -211,7 +211,7 @@ impl Proxy {
         // Phase 2: the upstream request.
         let (mut parts, body) = req.into_parts();
         let method = parts.method.clone();
-        let path = parts.uri.path().to_owned();
+        let path = log_safe(parts.uri.path());
         parts.uri = config.upstream.uri_for(&parts.uri).map_err(|e| {
             fail(
                 Fault::BadRequest,
