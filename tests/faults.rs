@@ -2533,6 +2533,63 @@ async fn a_recording_never_writes_through_an_existing_name() {
     panic!("the upstream never answered inside the planted window");
 }
 
+/// Nothing a client sends can forge a line of serve's log or put a
+/// terminal control sequence in it: a request path with raw UTF-8 bytes
+/// for a bidi override (U+202E) and the C1 control CSI (U+009B) — which
+/// the HTTP parser accepts — is logged escaped in the request line
+/// (`path=/v1/\u{202e}abc\u{9b}`); a `tool-execute` payload whose
+/// `sessionId` holds a newline, a fake log line and an escape sequence is
+/// logged (at `-v`) on one line, escaped. (Header session ids are visible
+/// ASCII, so they cannot do either.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_text_cannot_forge_log_lines() {
+    let upstream = FakeUpstream::start(|_| Reply::new(404).body("no")).await;
+    let mut serve = ServeProcess::start(&upstream.url(""), &["-v"]).await;
+    let response = RawResponse::parse(
+        &raw_exchange(
+            serve.addr,
+            b"GET /v1/\xe2\x80\xaeabc\xc2\x9b HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n",
+        )
+        .await,
+    );
+    assert_eq!(response.status, 404, "forwarded");
+    assert_eq!(
+        upstream.requests()[0].uri.path().as_bytes(),
+        b"/v1/\xe2\x80\xaeabc\xc2\x9b",
+        "the path reaches the upstream as sent"
+    );
+    let payload = r#"{"sessionId":"x\n2099-01-01T00:00:00Z  INFO forged\u001b[31m","toolName":"t","phase":"start"}"#;
+    let request = format!(
+        "POST /_aalis/tool-execute HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{payload}",
+        payload.len()
+    );
+    let response = RawResponse::parse(&raw_exchange(serve.addr, request.as_bytes()).await);
+    assert_eq!(response.status, 200);
+
+    let log = serve.stop().await;
+    assert!(
+        !log.contains('\u{1b}') && !log.contains('\u{202e}') && !log.contains('\u{9b}'),
+        "a raw control character in the log:\n{log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("2099")),
+        "a forged log line:\n{log}"
+    );
+    let request_line = log
+        .lines()
+        .find(|l| l.contains(" INFO ") && l.contains(" path=/v1/"))
+        .unwrap_or_else(|| panic!("no request line:\n{log}"));
+    assert!(
+        request_line.contains(r" path=/v1/\u{202e}abc\u{9b} "),
+        "{request_line}"
+    );
+    let execute = log
+        .lines()
+        .find(|l| l.contains("tool:execute"))
+        .unwrap_or_else(|| panic!("no tool:execute line:\n{log}"));
+    assert!(execute.contains("forged"), "{execute}");
+}
+
 /// What `safe_file_part` must make of a session id, written out here
 /// independently: ASCII letters, digits, `-` and `_` kept, anything else
 /// `_`, at most 64 characters.
