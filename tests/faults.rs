@@ -576,6 +576,15 @@ fn annotate(input: &[u8]) -> Vec<u8> {
     common::run_whole(&sse_config(), input).output
 }
 
+/// The same for `framing` (NDJSON lines get `field` injection too).
+fn annotate_with(input: &[u8], framing: Framing) -> Vec<u8> {
+    let config = AnnotatorConfig {
+        framing: Some(framing),
+        ..sse_config()
+    };
+    common::run_whole(&config, input).output
+}
+
 /// What the pipeline has written after `input` with the stream still open.
 fn annotate_open(input: &[u8]) -> Vec<u8> {
     let mut annotator = Annotator::new(sse_config());
@@ -616,7 +625,7 @@ fn event_spans(input: &[u8]) -> Vec<std::ops::Range<usize>> {
 /// The output with every injected `toolCallProgress` and
 /// `toolCallsProgress` key cut out again: what `field` injection adds is
 /// `,"toolCallsProgress":[…],"toolCallProgress":{…}` right before the last
-/// `}` of a `data:` line. (Argument text cannot contain the unescaped key.)
+/// `}` of a `data:` line (or of an NDJSON line). (Argument text cannot contain the unescaped key.)
 fn strip_injected(output: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(output.len());
     for line in output.split_inclusive(|&b| b == b'\n') {
@@ -628,7 +637,7 @@ fn strip_injected(output: &[u8]) -> Vec<u8> {
         .filter_map(|key| find(line, key))
         .min();
         match cut {
-            Some(at) if line.starts_with(b"data:") => {
+            Some(at) if line.starts_with(b"data:") || line.starts_with(b"{") => {
                 let close = line
                     .iter()
                     .rposition(|&b| b == b'}')
@@ -650,7 +659,11 @@ type Seen = (i64, String, u64);
 fn progress_of(output: &[u8]) -> Vec<Seen> {
     let mut all = Vec::new();
     for line in output.split(|&b| b == b'\n') {
-        let Some(data) = line.strip_prefix(b"data: ") else {
+        // An SSE `data:` line, or an NDJSON line.
+        let Some(data) = line
+            .strip_prefix(b"data: ")
+            .or_else(|| line.starts_with(b"{").then_some(line))
+        else {
             continue;
         };
         // Only the injected part is parsed: the chunk itself may hold lone
@@ -1067,77 +1080,134 @@ fn invalid_utf8_stream() -> (Vec<u8>, Vec<Seen>, Vec<BadEvent>) {
     (events.concat(), progress, reported)
 }
 
-/// Invalid UTF-8 through the real `serve` binary and through `annotate`:
-/// the stream reaches the client byte for byte (with the injected keys cut
-/// out, exactly the upstream's bytes, 9 places of invalid UTF-8 included),
-/// the stream goes on after each bad event, the progress after them is
-/// right (0, 9, 15, 16 chars: the chunks of the undecodable events are not
-/// applied, as SPEC.md says of data that is not JSON), and each of the 4
-/// undecodable events is reported once, with its event number, its byte
-/// offset and where its UTF-8 breaks — in serve's log and on annotate's
-/// stderr alike; `annotate` writes the same bytes as the proxy sent.
+/// Ollama's NDJSON with invalid UTF-8 on two lines inserted before its tool
+/// line (a `thinking` string with a lone `\xe9`, and a line of raw bytes):
+/// the stream, and `(line number, byte offset, valid_up_to)` of each.
+fn invalid_utf8_ndjson() -> (Vec<u8>, Vec<BadEvent>) {
+    let fixture = fixture("ollama/thinking_two_tools.ndjson");
+    let mut lines: Vec<Vec<u8>> = fixture
+        .split_inclusive(|&b| b == b'\n')
+        .map(<[u8]>::to_vec)
+        .collect();
+    let tool_line = lines
+        .iter()
+        .position(|l| find(l, b"tool_calls").is_some())
+        .expect("a tool line");
+    let thinking = b"{\"model\":\"qwen3:8b\",\"message\":{\"role\":\"assistant\",\"content\":\"\",\"thinking\":\"caf\xe9\"},\"done\":false}\n".to_vec();
+    let valid = find(&thinking, b"\xe9").expect("the bad byte");
+    lines.insert(tool_line, b"\xff\xfe raw\n".to_vec());
+    lines.insert(tool_line, thinking);
+    let mut reported = Vec::new();
+    let mut offset = 0;
+    for (k, line) in lines.iter().enumerate() {
+        if k == tool_line {
+            reported.push((k as u64 + 1, offset, valid));
+        } else if k == tool_line + 1 {
+            reported.push((k as u64 + 1, offset, 0));
+        }
+        offset += line.len();
+    }
+    (lines.concat(), reported)
+}
+
+/// Invalid UTF-8 through the real `serve` binary and through `annotate`,
+/// in an SSE stream (9 places) and in Ollama's NDJSON (2 lines): each
+/// stream reaches the client byte for byte (with the injected keys cut
+/// out, exactly the upstream's bytes), goes on after each bad event, and
+/// the progress after them is right (SSE: 0, 9, 15, 16 chars — the chunks
+/// of the undecodable events are not applied, as SPEC.md says of data that
+/// is not JSON; NDJSON: the two tools as without the bad lines). Each of
+/// the 4 + 2 undecodable frames is reported once, with its event or line
+/// number, its byte offset and where its UTF-8 breaks — in serve's log and
+/// on annotate's stderr alike; `annotate` writes the same bytes as the
+/// proxy sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_utf8_is_passed_on_reported_and_tracking_goes_on() {
-    let (input, progress, reported) = invalid_utf8_stream();
-    assert_eq!(reported.len(), 4);
-    let sent = input.clone();
-    let upstream =
-        FakeUpstream::start(move |_| Reply::stream("text/event-stream", pieces(&sent, 40, 7)))
-            .await;
-    let mut serve = ServeProcess::start(&upstream.url(""), &[]).await;
-    let response = send(
-        &client(),
-        post(&serve.url("/v1/chat/completions"), "utf8-chat"),
-    )
+    let (sse, progress, sse_reported) = invalid_utf8_stream();
+    assert_eq!(sse_reported.len(), 4);
+    let (ndjson, ndjson_reported) = invalid_utf8_ndjson();
+    let ndjson_progress = progress_of(&annotate_with(
+        &fixture("ollama/thinking_two_tools.ndjson"),
+        Framing::Ndjson,
+    ));
+    assert_eq!(ndjson_progress.len(), 2);
+    let (sent_sse, sent_ndjson) = (sse.clone(), ndjson.clone());
+    let upstream = FakeUpstream::start(move |req| {
+        if req.uri.path() == "/api/chat" {
+            Reply::stream("application/x-ndjson", pieces(&sent_ndjson, 40, 8))
+        } else {
+            Reply::stream("text/event-stream", pieces(&sent_sse, 40, 7))
+        }
+    })
     .await;
-    assert_eq!(response.status(), StatusCode::OK);
-    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
-    end.expect("a clean end");
-    assert_eq!(strip_injected(&got), input, "the upstream's bytes, exactly");
-    assert_eq!(got, annotate(&input));
-    assert_eq!(progress_of(&got), progress);
+    let mut serve = ServeProcess::start(&upstream.url(""), &[]).await;
+    let mut outputs = Vec::new();
+    for (path, session, input, framing) in [
+        ("/v1/chat/completions", "utf8-chat", &sse, Framing::Sse),
+        ("/api/chat", "utf8-ollama", &ndjson, Framing::Ndjson),
+    ] {
+        let response = send(&client(), post(&serve.url(path), session)).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("a clean end");
+        assert!(
+            strip_injected(&got) == *input,
+            "{path}: not the upstream's bytes"
+        );
+        assert!(got == annotate_with(input, framing), "{path}");
+        outputs.push(got);
+    }
+    assert_eq!(progress_of(&outputs[0]), progress);
+    assert_eq!(progress_of(&outputs[1]), ndjson_progress);
 
     let log = serve.stop().await;
-    let annotate_run = common::base_command()
-        .args(["annotate", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().expect("stdin").write_all(&input)?;
-            child.wait_with_output()
-        })
-        .expect("run annotate");
-    assert!(annotate_run.status.success());
-    assert_eq!(annotate_run.stdout, got, "annotate and serve differ");
-    let stderr = String::from_utf8_lossy(&annotate_run.stderr).into_owned();
-
-    for (name, text) in [("serve's log", &log), ("annotate's stderr", &stderr)] {
-        let warnings: Vec<&str> = text
-            .lines()
-            .filter(|l| l.contains("is not UTF-8"))
-            .collect();
-        assert_eq!(warnings.len(), reported.len(), "{name}:\n{text}");
-        for ((number, offset, valid), line) in reported.iter().zip(&warnings) {
-            let wanted = format!(
-                "SSE event {number} (byte {offset}): data is not UTF-8 (byte {valid} of the data); passed on unchanged"
-            );
-            assert!(line.contains(&wanted), "{name}: {line:?} lacks {wanted:?}");
+    assert!(!log.contains("panicked"), "{log}");
+    for (input, output, unit, reported) in [
+        (&sse, &outputs[0], "SSE event", &sse_reported),
+        (&ndjson, &outputs[1], "NDJSON line", &ndjson_reported),
+    ] {
+        let annotate_run = common::base_command()
+            .args(["annotate", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write;
+                child.stdin.take().expect("stdin").write_all(input)?;
+                child.wait_with_output()
+            })
+            .expect("run annotate");
+        assert!(annotate_run.status.success());
+        assert!(annotate_run.stdout == *output, "annotate and serve differ");
+        let stderr = String::from_utf8_lossy(&annotate_run.stderr).into_owned();
+        assert_eq!(
+            stderr.lines().count(),
+            reported.len(),
+            "annotate: one line per bad frame:\n{stderr}"
+        );
+        for (name, text) in [("serve's log", &log), ("annotate's stderr", &stderr)] {
+            let warnings: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains("is not UTF-8") && l.contains(unit))
+                .collect();
+            assert_eq!(warnings.len(), reported.len(), "{name}:\n{text}");
+            for ((number, offset, valid), line) in reported.iter().zip(&warnings) {
+                let wanted = format!(
+                    "{unit} {number} (byte {offset}): data is not UTF-8 (byte {valid} of the data); passed on unchanged"
+                );
+                assert!(line.contains(&wanted), "{name}: {line:?} lacks {wanted:?}");
+            }
         }
-        assert!(!text.contains("panicked"), "{name}:\n{text}");
     }
-    assert_eq!(
-        stderr.lines().count(),
-        reported.len(),
-        "annotate: one line per bad event:\n{stderr}"
-    );
-    assert!(
-        log.lines()
-            .any(|l| l.contains("session=utf8-chat") && l.contains("tool_calls=1")),
-        "{log}"
-    );
+    for (session, calls) in [("utf8-chat", 1), ("utf8-ollama", 2)] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains(&format!("session={session} "))
+                    && l.contains(&format!("tool_calls={calls} "))),
+            "{log}"
+        );
+    }
 }
 
 // ===========================================================================
