@@ -177,6 +177,7 @@ async fn run(cli: Cli, report: &Arc<Report>) -> Result<(), Error> {
         )
         .into());
     }
+    self_check()?;
     println!(
         "loadtest: {} streams, {} fragments each, {} slow readers for {} s, a {} MiB line; 127.0.0.1 only",
         cli.streams, cli.fragments, cli.slow_readers, cli.slow_seconds, cli.line_mib
@@ -202,11 +203,15 @@ async fn run(cli: Cli, report: &Arc<Report>) -> Result<(), Error> {
 #[derive(Default)]
 struct Report {
     failures: Mutex<Vec<String>>,
+    /// Gather without printing (the checker's self-test).
+    quiet: bool,
 }
 
 impl Report {
     fn fail(&self, what: String) {
-        println!("  FAIL {what}");
+        if !self.quiet {
+            println!("  FAIL {what}");
+        }
         if let Ok(mut failures) = self.failures.lock() {
             failures.push(what);
         }
@@ -1672,7 +1677,10 @@ fn strip_injected(body: &[u8]) -> Result<(Vec<u8>, Vec<Value>), String> {
         }
         let (last, end) = json_value_at(body, pos + ONE.len())?;
         pos = end;
-        if body.get(pos) != Some(&b'}') {
+        // The brace must close the chunk itself, not an object inside it
+        // (SPEC.md: never inside `delta`): the line ends right after it.
+        let line_ends = matches!(body.get(pos + 1), None | Some(b'\n' | b'\r'));
+        if body.get(pos) != Some(&b'}') || !line_ends {
             return Err(format!(
                 "byte {pos}: the injected member is not right before the chunk's closing brace"
             ));
@@ -2879,4 +2887,152 @@ fn annotate_line(aalis: &Path, bytes: u64) -> Result<AnnotateRun, Error> {
         hwm_kib,
         wall: started.elapsed(),
     })
+}
+
+// === the checker's own test ===
+
+/// What `field` injection makes of a script, done here independently of
+/// the proxy: each progress-carrying event gets its members before the
+/// closing brace of its JSON.
+fn inject_field(script: &Script, upto: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (event, progress) in script.events[..upto].iter().zip(&script.progress) {
+        let Some(brace) = memchr::memrchr(b'}', event).filter(|_| !progress.is_empty()) else {
+            out.extend_from_slice(event);
+            continue;
+        };
+        out.extend_from_slice(&event[..brace]);
+        if progress.len() > 1 {
+            let list: Vec<String> = progress.iter().map(Value::to_string).collect();
+            let _ = write!(out, ",\"toolCallsProgress\":[{}]", list.join(","));
+            let _ = write!(
+                out,
+                ",\"toolCallProgress\":{}",
+                list.last().map_or("", |s| s)
+            );
+        } else {
+            let _ = write!(out, ",\"toolCallProgress\":{}", progress[0]);
+        }
+        out.extend_from_slice(&event[brace..]);
+    }
+    out
+}
+
+/// Shows the checks are not vacuous: a stream as the proxy should send it
+/// passes, and each kind of damage the load test looks for is caught.
+fn self_check() -> Result<(), Error> {
+    let key = 42;
+    let plan = Plan {
+        key,
+        kind: Kind::Normal,
+        fragments: 10,
+        hold: Hold::None,
+        bytes: 0,
+        stall: Duration::ZERO,
+    };
+    let other = script(key + 1, Kind::Normal, 10, 0);
+    let script = script(key, Kind::Normal, 10, 0);
+    let n = script.events.len();
+    let good = inject_field(&script, n);
+    let fetched = || Fetched {
+        head: Some(Head {
+            status: 200,
+            headers: vec![("x-aalis-session".to_owned(), session_of(key))],
+        }),
+        complete: true,
+        error: None,
+        ended: Some(Instant::now()),
+    };
+    let passes = |body: &[u8], fetched: &Fetched| {
+        // Its own report: the failures it prints are the point here.
+        let scratch = Report {
+            quiet: true,
+            ..Report::default()
+        };
+        check_stream(&plan, false, fetched, body, None, &scratch).ok
+    };
+    if !passes(&good, &fetched()) {
+        return Err("checker self-test: a correct stream is rejected".into());
+    }
+    let injected = |script: &Script, i: usize| {
+        inject_field(script, i + 1)[inject_field(script, i).len()..].to_vec()
+    };
+    let mut damaged: Vec<(&str, Vec<u8>, bool)> = Vec::new();
+    let mut flipped = good.clone();
+    flipped[good.len() / 2] ^= 0x20;
+    damaged.push(("a changed byte", flipped, true));
+    let mut dropped = good.clone();
+    dropped.remove(good.len() / 2);
+    damaged.push(("a lost byte", dropped, true));
+    let swapped: Vec<u8> = (0..n)
+        .map(|i| match i {
+            6 => injected(&script, 7),
+            7 => injected(&script, 6),
+            _ => injected(&script, i),
+        })
+        .collect::<Vec<_>>()
+        .concat();
+    damaged.push(("two events swapped", swapped, true));
+    let doubled: Vec<u8> = (0..n)
+        .flat_map(|i| {
+            if i == 6 {
+                vec![injected(&script, i); 2]
+            } else {
+                vec![injected(&script, i)]
+            }
+        })
+        .collect::<Vec<_>>()
+        .concat();
+    damaged.push(("an event twice", doubled, true));
+    let crossed: Vec<u8> = (0..n)
+        .map(|i| {
+            if i == 6 {
+                injected(&other, i)
+            } else {
+                injected(&script, i)
+            }
+        })
+        .collect::<Vec<_>>()
+        .concat();
+    damaged.push(("another stream's event", crossed, true));
+    let renamed = String::from_utf8_lossy(&good)
+        .replacen(
+            "\"name\":\"tool_42_0\",\"charsAccumulated\":0}",
+            "\"name\":\"tool_43_0\",\"charsAccumulated\":0}",
+            1,
+        )
+        .into_bytes();
+    damaged.push(("progress naming another stream's tool", renamed, true));
+    let miscounted = String::from_utf8_lossy(&good)
+        .replacen("\"charsAccumulated\":0}", "\"charsAccumulated\":1}", 1)
+        .into_bytes();
+    damaged.push(("a wrong charsAccumulated", miscounted, true));
+    // Inside `delta` instead of at the top level (event 3 announces call 0).
+    let mut in_delta = good[..inject_field(&script, 3).len()].to_vec();
+    let event = &script.events[3];
+    let delta_end = memmem::find(event, b"]}")
+        .map(|i| i + 1)
+        .ok_or("no delta end")?;
+    in_delta.extend_from_slice(&event[..delta_end]);
+    let _ = write!(in_delta, ",\"toolCallProgress\":{}", script.progress[3][0]);
+    in_delta.extend_from_slice(&event[delta_end..]);
+    in_delta.extend_from_slice(&good[inject_field(&script, 4).len()..]);
+    damaged.push(("progress inside delta", in_delta, true));
+    damaged.push(("a cut stream reported complete", good.clone(), false));
+    let mut caught = 0;
+    for (what, body, complete) in &damaged {
+        let mut f = fetched();
+        if !complete {
+            f.complete = false;
+        }
+        if passes(body, &f) {
+            return Err(format!("checker self-test: {what} is not caught").into());
+        }
+        caught += 1;
+    }
+    println!(
+        "checker self-test: a correct stream passes; {caught} of {} kinds of damage caught",
+        damaged.len()
+    );
+    Ok(())
 }
