@@ -70,6 +70,13 @@ struct Cli {
     /// Tool-call argument fragments per stream.
     #[arg(long, default_value_t = 40)]
     fragments: usize,
+    /// Rounds of the exact phase run again in the same serve (field
+    /// mode), to see what stays behind.
+    #[arg(long, default_value_t = 3)]
+    again: usize,
+    /// Streams of the churn phase, 100 at a time.
+    #[arg(long, default_value_t = 5000)]
+    churn_streams: usize,
     /// Clients of the slow phase.
     #[arg(long, default_value_t = 100)]
     slow_readers: usize,
@@ -87,12 +94,16 @@ struct Cli {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "exact,mock,faults,slow,line"
+        default_value = "exact,churn,mock,faults,slow,line"
     )]
     only: Vec<Phase>,
     /// The whole run stops at this deadline (and fails).
     #[arg(long, default_value_t = 900)]
     max_seconds: u64,
+    /// An extra argument for every `aalis-proxy serve` started (repeat for
+    /// several), e.g. `--serve-arg=--session-ttl=1s`.
+    #[arg(long = "serve-arg", allow_hyphen_values = true)]
+    serve_args: Vec<String>,
     /// Worker threads of this tool (the upstream and every client).
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -101,6 +112,7 @@ struct Cli {
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Phase {
     Exact,
+    Churn,
     Mock,
     Faults,
     Slow,
@@ -168,6 +180,10 @@ async fn run(cli: Cli, report: &Arc<Report>) -> Result<(), Error> {
     }
     // Each stream costs a descriptor here (client side and upstream side)
     // and two in serve, which inherits this limit.
+    if cli.streams > 100_000 {
+        // Stream keys of different rounds are 100,000 apart.
+        return Err("at most 100,000 streams".into());
+    }
     let needed = (2 * cli.streams.max(cli.slow_readers) + 256) as u64;
     let limit = open_files_limit()?;
     if limit < needed {
@@ -186,6 +202,7 @@ async fn run(cli: Cli, report: &Arc<Report>) -> Result<(), Error> {
         let started = Instant::now();
         match phase {
             Phase::Exact => phase_exact(&cli, report).await?,
+            Phase::Churn => phase_churn(&cli, report).await?,
             Phase::Mock => phase_mock(&cli, report).await?,
             Phase::Faults => phase_faults(&cli, report).await?,
             Phase::Slow => phase_slow(&cli, report).await?,
@@ -340,8 +357,14 @@ impl Served {
         let log = cli.workdir.join(format!("{name}.log"));
         let mut log_file = std::fs::File::create(&log)
             .map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+        let extra: &[String] = if args.first().is_some_and(|a| a == "serve") {
+            &cli.serve_args
+        } else {
+            &[]
+        };
         let mut child = Command::new(&cli.aalis)
             .args(args)
+            .args(extra)
             .args(["--listen", "127.0.0.1:0"])
             .env("RUST_LOG", "info")
             .env_remove("NO_COLOR")
@@ -477,6 +500,8 @@ enum Kind {
     Eof,
     /// Sends up to the hold marker, then goes silent past `--idle-timeout`.
     Stall,
+    /// Sends up to the hold marker and waits; its client goes away there.
+    ClientGone,
     /// Answers with a head that is not HTTP.
     BadHead,
     /// Resets the connection before any response.
@@ -488,7 +513,7 @@ enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 11] = [
+    const ALL: [Kind; 12] = [
         Kind::Normal,
         Kind::Garbage,
         Kind::MidEvent,
@@ -496,6 +521,7 @@ impl Kind {
         Kind::BadChunk,
         Kind::Eof,
         Kind::Stall,
+        Kind::ClientGone,
         Kind::BadHead,
         Kind::ResetBeforeHead,
         Kind::Firehose,
@@ -503,10 +529,11 @@ impl Kind {
     ];
 
     /// The faults of the faults phase, in turn.
-    const FAULTS: [Kind; 8] = [
+    const FAULTS: [Kind; 9] = [
         Kind::Reset,
         Kind::Garbage,
         Kind::Stall,
+        Kind::ClientGone,
         Kind::BadChunk,
         Kind::Eof,
         Kind::MidEvent,
@@ -523,6 +550,7 @@ impl Kind {
             Kind::BadChunk => "bad-chunk",
             Kind::Eof => "eof",
             Kind::Stall => "stall",
+            Kind::ClientGone => "client-gone",
             Kind::BadHead => "bad-head",
             Kind::ResetBeforeHead => "reset-before-head",
             Kind::Firehose => "firehose",
@@ -536,7 +564,10 @@ impl Kind {
 
     /// The stream stops at its hold marker (the rest is never sent).
     fn stops_at_hold(self) -> bool {
-        matches!(self, Kind::Reset | Kind::BadChunk | Kind::Eof | Kind::Stall)
+        matches!(
+            self,
+            Kind::Reset | Kind::BadChunk | Kind::Eof | Kind::Stall | Kind::ClientGone
+        )
     }
 }
 
@@ -934,6 +965,9 @@ struct Plan {
     bytes: u64,
     /// Stall: how long to stay silent at most.
     stall: Duration,
+    /// The client names its session (`X-Aalis-Session`); otherwise serve
+    /// generates one.
+    named: bool,
 }
 
 impl Plan {
@@ -975,6 +1009,7 @@ impl Plan {
             },
             bytes: number("bytes")?,
             stall: Duration::from_millis(number("stall_ms")?),
+            named: true,
         })
     }
 }
@@ -1174,7 +1209,7 @@ async fn respond(
                 reader.get_mut().shutdown().await?;
                 return Ok(After::Close);
             }
-            Kind::Stall => {
+            Kind::Stall | Kind::ClientGone => {
                 // Silent until serve gives up on us (its idle timeout) or
                 // the stall's bound; a read returns when serve closes.
                 let started = Instant::now();
@@ -1230,8 +1265,10 @@ impl Request {
         let mut headers = vec![
             ("content-type".to_owned(), "application/json".to_owned()),
             ("accept".to_owned(), "text/event-stream".to_owned()),
-            ("x-aalis-session".to_owned(), session_of(plan.key)),
         ];
+        if plan.named {
+            headers.push(("x-aalis-session".to_owned(), session_of(plan.key)));
+        }
         if let Some(mode) = inject {
             headers.push(("x-aalis-inject".to_owned(), mode.to_owned()));
         }
@@ -1271,6 +1308,11 @@ fn session_of(key: u64) -> String {
 /// Where the decoded body goes.
 trait BodySink: Send {
     fn data(&mut self, bytes: &[u8]);
+
+    /// The client should go away now.
+    fn stop(&self) -> bool {
+        false
+    }
 }
 
 impl BodySink for Vec<u8> {
@@ -1286,9 +1328,15 @@ struct MarkerSink<'a> {
     /// Where to search from next (the marker may straddle two reads).
     searched: usize,
     on_marker: Option<Box<dyn FnOnce() + Send + 'a>>,
+    /// Close the connection once the marker is in.
+    leave_at_marker: bool,
 }
 
 impl BodySink for MarkerSink<'_> {
+    fn stop(&self) -> bool {
+        self.leave_at_marker && self.on_marker.is_none()
+    }
+
     fn data(&mut self, bytes: &[u8]) {
         self.body.extend_from_slice(bytes);
         if self.on_marker.is_some() {
@@ -1623,6 +1671,12 @@ async fn fetch_inner(
             return Err("closed".to_owned());
         }
         parser.feed(&buf[..n], sink)?;
+        if sink.stop() {
+            // Leaving: dropping the socket closes the connection.
+            fetched.head = parser.head.clone();
+            fetched.ended = Some(Instant::now());
+            return Ok(());
+        }
         if parser.state == BodyState::Done {
             fetched.head = parser.head.clone();
             fetched.complete = true;
@@ -1843,10 +1897,20 @@ fn check_stream(
         ));
     }
     let own = session_of(key);
-    if head.header("x-aalis-session") != Some(own.as_str()) {
+    let session = head.header("x-aalis-session");
+    let session_ok = if plan.named {
+        session == Some(own.as_str())
+    } else {
+        session.is_some_and(|s| s.starts_with("s-"))
+    };
+    if !session_ok {
         return fail(format!(
-            "response session header {:?}, expected {own:?}",
-            head.header("x-aalis-session")
+            "response session header {session:?}, expected {}",
+            if plan.named {
+                own.as_str()
+            } else {
+                "a generated one"
+            }
         ));
     }
     let script = script(key, kind, plan.fragments, plan.bytes as usize);
@@ -1860,6 +1924,19 @@ fn check_stream(
             Err(e) => return fail(format!("cannot remove the injected parts: {e}")),
         }
     };
+    if kind == Kind::ClientGone {
+        // It left as soon as it had the marker: perhaps before the marker
+        // event's blank line.
+        let has_marker = memmem::find(&got_body, hold_marker(key).as_bytes()).is_some();
+        if !(has_marker && want_body.starts_with(&got_body)) {
+            return fail(describe_mismatch(&got_body, &want_body, Some(key)));
+        }
+        return Checked {
+            ok: true,
+            body_bytes: body.len() as u64,
+            progress: got_progress.len(),
+        };
+    }
     if got_body != want_body {
         return fail(describe_mismatch(&got_body, &want_body, Some(key)));
     }
@@ -1944,6 +2021,7 @@ async fn script_stream(
         marker: hold_marker(key).into_bytes(),
         searched: 0,
         on_marker: Some(Box::new(move || marker_coord.client_reached_hold(key))),
+        leave_at_marker: plan.kind == Kind::ClientGone,
     };
     let fetched = fetch(&request, &mut sink).await;
     let record = coord.upstream_record(key);
@@ -1968,9 +2046,74 @@ async fn script_stream(
     (plan.kind, checked)
 }
 
-/// N concurrent streams of the given kinds; optionally held at their hold
-/// markers until all N are there, when `at_hold` runs (memory is read).
-#[allow(clippy::too_many_arguments)]
+/// N concurrent streams under way: started by [`Round::start`], optionally
+/// held at their hold markers ([`Round::wait_at_hold`]), then released and
+/// checked ([`Round::finish`]).
+struct Round {
+    tasks: tokio::task::JoinSet<(Kind, Checked)>,
+    /// Streams that wait at their hold marker for the release.
+    held: usize,
+}
+
+impl Round {
+    fn start(
+        proxy: SocketAddr,
+        coord: &Arc<Coord>,
+        plans: Vec<Plan>,
+        inject: Option<&'static str>,
+        idle_timeout: Option<Duration>,
+        report: &Arc<Report>,
+    ) -> Round {
+        let held = plans.iter().filter(|p| p.hold == Hold::Global).count();
+        let mut tasks = tokio::task::JoinSet::new();
+        for plan in plans {
+            tasks.spawn(script_stream(
+                proxy,
+                plan,
+                inject,
+                coord.clone(),
+                idle_timeout,
+                report.clone(),
+            ));
+        }
+        Round { tasks, held }
+    }
+
+    /// Waits (90 s at most) until every held stream's client has its
+    /// hold marker: all of them are open at once.
+    async fn wait_at_hold(&self, coord: &Coord, report: &Report) {
+        let started = Instant::now();
+        while coord.reached.load(Ordering::Relaxed) < self.held
+            && started.elapsed() < Duration::from_secs(90)
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let reached = coord.reached.load(Ordering::Relaxed);
+        report.check(reached >= self.held, || {
+            format!(
+                "only {reached} of {} streams reached the hold point within 90 s",
+                self.held
+            )
+        });
+    }
+
+    /// Releases the held streams and checks every stream as it ends.
+    async fn finish(mut self, coord: &Coord, report: &Report) -> Tally {
+        coord.release.send_replace(true);
+        let mut tally = Tally::default();
+        while let Some(joined) = self.tasks.join_next().await {
+            match joined {
+                Ok((kind, checked)) => {
+                    tally.add(kind, checked.ok, checked.body_bytes, checked.progress)
+                }
+                Err(e) => report.fail(format!("a stream task failed: {e}")),
+            }
+        }
+        tally
+    }
+}
+
+/// A round with nothing to do at the hold point.
 async fn round(
     proxy: SocketAddr,
     coord: &Arc<Coord>,
@@ -1978,46 +2121,123 @@ async fn round(
     inject: Option<&'static str>,
     idle_timeout: Option<Duration>,
     report: &Arc<Report>,
-    at_hold: Option<&mut (dyn FnMut() + Send)>,
 ) -> Tally {
-    let held = plans.iter().filter(|p| p.hold == Hold::Global).count();
-    let mut tasks = tokio::task::JoinSet::new();
+    let round = Round::start(proxy, coord, plans, inject, idle_timeout, report);
+    round.wait_at_hold(coord, report).await;
+    round.finish(coord, report).await
+}
+
+/// Per session id, its calls in progress as (index, name, charsAccumulated).
+type SessionsListed = HashMap<String, Vec<(u64, String, u64)>>;
+
+/// `GET /_aalis/sessions`: the sessions with tool calls in progress.
+async fn sessions_in_progress(serve: &Served) -> Result<SessionsListed, String> {
+    let mut body = Vec::new();
+    let fetched = fetch(&Request::get(serve.addr, "/_aalis/sessions"), &mut body).await;
+    if !fetched.complete {
+        return Err(format!("/_aalis/sessions: {:?}", fetched.error));
+    }
+    let value: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    let sessions = value
+        .get("sessions")
+        .and_then(Value::as_array)
+        .ok_or("/_aalis/sessions has no sessions list")?;
+    let mut out = HashMap::new();
+    for session in sessions {
+        let id = session
+            .get("sessionId")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let tools = session
+            .get("toolCallsProgress")
+            .and_then(Value::as_array)
+            .map(|tools| {
+                tools
+                    .iter()
+                    .map(|t| {
+                        (
+                            t.get("index").and_then(Value::as_u64).unwrap_or(u64::MAX),
+                            t.get("name")
+                                .and_then(Value::as_str)
+                                .unwrap_or("")
+                                .to_owned(),
+                            t.get("charsAccumulated")
+                                .and_then(Value::as_u64)
+                                .unwrap_or(u64::MAX),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.insert(id.to_owned(), tools);
+    }
+    Ok(out)
+}
+
+/// What `/_aalis/sessions` must list for stream `key` at its hold marker:
+/// each call with its name and the characters accumulated so far.
+fn expected_at_hold(plan: &Plan) -> Vec<(u64, String, u64)> {
+    let script = script(plan.key, plan.kind, plan.fragments, plan.bytes as usize);
+    let mut last: Vec<(u64, String, u64)> = Vec::new();
+    for p in script.progress(script.hold + 1) {
+        let index = p.get("index").and_then(Value::as_u64).unwrap_or(u64::MAX);
+        let name = p
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
+        let chars = p
+            .get("charsAccumulated")
+            .and_then(Value::as_u64)
+            .unwrap_or(u64::MAX);
+        match last.iter_mut().find(|(i, _, _)| *i == index) {
+            Some(entry) => *entry = (index, name, chars),
+            None => last.push((index, name, chars)),
+        }
+    }
+    last.sort();
+    last
+}
+
+/// Checks the session registry against the streams: at the hold point,
+/// exactly the held sessions, each with its own calls; after, none.
+fn check_sessions(
+    label: &str,
+    listed: Result<SessionsListed, String>,
+    plans: &[Plan],
+    report: &Report,
+) -> usize {
+    let listed = match listed {
+        Ok(listed) => listed,
+        Err(e) => {
+            report.fail(format!("{label}: {e}"));
+            return 0;
+        }
+    };
+    let mut wrong = 0;
     for plan in plans {
-        tasks.spawn(script_stream(
-            proxy,
-            plan,
-            inject,
-            coord.clone(),
-            idle_timeout,
-            report.clone(),
-        ));
-    }
-    if held > 0 {
-        let started = Instant::now();
-        while coord.reached.load(Ordering::Relaxed) < held
-            && started.elapsed() < Duration::from_secs(90)
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let reached = coord.reached.load(Ordering::Relaxed);
-        report.check(reached >= held, || {
-            format!("only {reached} of {held} streams reached the hold point within 90 s")
-        });
-        if let Some(f) = at_hold {
-            f();
-        }
-        coord.release.send_replace(true);
-    }
-    let mut tally = Tally::default();
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok((kind, checked)) => {
-                tally.add(kind, checked.ok, checked.body_bytes, checked.progress)
+        let id = session_of(plan.key);
+        let mut got = listed.get(&id).cloned().unwrap_or_default();
+        got.sort();
+        let want = expected_at_hold(plan);
+        if got != want {
+            wrong += 1;
+            if wrong <= 5 {
+                report.fail(format!(
+                    "{label}: session {id} lists {got:?}, expected {want:?}"
+                ));
             }
-            Err(e) => report.fail(format!("a stream task failed: {e}")),
         }
     }
-    tally
+    let strangers = listed.len().saturating_sub(plans.len());
+    report.check(wrong == 0 && strangers == 0, || {
+        format!(
+            "{label}: {wrong} sessions listed wrong, {} listed in all for {} streams",
+            listed.len(),
+            plans.len()
+        )
+    });
+    listed.len()
 }
 
 fn plans(
@@ -2035,6 +2255,7 @@ fn plans(
             hold,
             bytes: 0,
             stall: Duration::ZERO,
+            named: true,
         })
         .collect()
 }
@@ -2063,7 +2284,6 @@ async fn warm_serve(
         None,
         None,
         report,
-        None,
     )
     .await;
     report.check(warm.ok == warm.streams, || {
@@ -2100,28 +2320,30 @@ async fn phase_exact(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
         coord.reset();
         let before = serve.mem()?;
         let tcp_before = kernel_tcp_kib();
-        let mut at_hold_mem = None;
-        let mut at_hold_tcp = 0;
         let started = Instant::now();
-        let pid = serve.pid();
-        let mut read_mem = || {
-            at_hold_mem = mem_of(pid).ok();
-            at_hold_tcp = kernel_tcp_kib();
-        };
-        let tally = round(
-            serve.addr,
-            &coord,
-            plans(base, n, cli.fragments, Hold::Global, |_| Kind::Normal),
-            inject,
-            None,
+        let streams = plans(base, n, cli.fragments, Hold::Global, |_| Kind::Normal);
+        let held = Round::start(serve.addr, &coord, streams.clone(), inject, None, report);
+        held.wait_at_hold(&coord, report).await;
+        // All n are open: memory, and what serve says about them.
+        let at_hold = serve.mem()?;
+        let at_hold_tcp = kernel_tcp_kib();
+        let open_at_hold = serve.metric("aalis_streams_open").await;
+        let listed_at_hold = check_sessions(
+            &format!("{label}: /_aalis/sessions at the hold point"),
+            sessions_in_progress(&serve).await,
+            &streams,
             report,
-            Some(&mut read_mem),
-        )
-        .await;
+        );
+        let tally = held.finish(&coord, report).await;
         let wall = started.elapsed();
         let open = serve.metric("aalis_streams_open").await;
         let after = serve.mem()?;
-        let at_hold = at_hold_mem.unwrap_or_default();
+        let listed_after = check_sessions(
+            &format!("{label}: /_aalis/sessions after the round"),
+            sessions_in_progress(&serve).await,
+            &[],
+            report,
+        );
         let per_stream = at_hold.rss_kib.saturating_sub(before.rss_kib) as f64 / n as f64;
         let warnings = serve.warnings.load(Ordering::Relaxed);
         println!("  {label}: {} of {} streams exact", tally.ok, tally.streams);
@@ -2143,6 +2365,38 @@ async fn phase_exact(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
             mib(tcp_before),
             mib(at_hold_tcp)
         );
+        println!(
+            "    at the hold point aalis_streams_open was {open_at_hold:?} and /_aalis/sessions listed {listed_at_hold} sessions, \
+             each with its own two calls and counts; after the round, {listed_after}"
+        );
+        report.check(open_at_hold == Some(n as u64), || {
+            format!("{label}: aalis_streams_open was {open_at_hold:?} with {n} streams open")
+        });
+        if inject.is_none() {
+            // The same again in the same process: what stays behind per
+            // finished stream (sessions are kept for --session-ttl).
+            let mut previous = after;
+            for again in 1..=cli.again {
+                coord.reset();
+                let base = base + again as u64 * 100_000;
+                let wave = plans(base, n, cli.fragments, Hold::Global, |_| Kind::Normal);
+                let tally = round(serve.addr, &coord, wave, inject, None, report).await;
+                let now = serve.mem()?;
+                println!(
+                    "    the same again in the same serve ({again}): {} of {n} exact; RSS {} after it ({:+.1} KiB per stream)",
+                    tally.ok,
+                    mib(now.rss_kib),
+                    (now.rss_kib as f64 - previous.rss_kib as f64) / n as f64
+                );
+                report.check(tally.ok == n, || {
+                    format!(
+                        "{label}, again: {} of {n} streams were not exact",
+                        n - tally.ok
+                    )
+                });
+                previous = now;
+            }
+        }
         report.check(tally.ok == n, || {
             format!("{label}: {} of {n} streams were not exact", n - tally.ok)
         });
@@ -2156,6 +2410,65 @@ async fn phase_exact(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
             )
         });
     }
+    Ok(())
+}
+
+/// What serve may keep per finished stream: its session stays in the
+/// registry until `--session-ttl`; see `phase_churn`.
+const RETAINED_PER_STREAM_BOUND_KIB: f64 = 32.0;
+
+/// Many short streams, 100 at a time, none naming its session (so each
+/// gets a new generated one): what stays behind in serve per finished
+/// stream, as RSS after the churn minus RSS before, over the count.
+async fn phase_churn(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
+    let total = cli.churn_streams;
+    let at_once = 100;
+    println!(
+        "\n== churn: {total} short streams, {at_once} at a time, no X-Aalis-Session (serve generates one each)"
+    );
+    let coord = Coord::new();
+    let upstream = Upstream::start(coord.clone()).await?;
+    let serve = warm_serve(cli, "serve-churn", &upstream, &coord, report).await?;
+    let before = serve.mem()?;
+    let permits = Arc::new(tokio::sync::Semaphore::new(at_once));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for plan in plans(8_000_000, total, 6, Hold::None, |_| Kind::Normal) {
+        let plan = Plan {
+            named: false,
+            ..plan
+        };
+        let permits = permits.clone();
+        let (coord, report) = (coord.clone(), report.clone());
+        let proxy = serve.addr;
+        tasks.spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            script_stream(proxy, plan, None, coord, None, report).await
+        });
+    }
+    let mut ok = 0;
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((_, checked)) => ok += usize::from(checked.ok),
+            Err(e) => report.fail(format!("a churn stream task failed: {e}")),
+        }
+    }
+    let wall = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = serve.mem()?;
+    let per_stream = (after.rss_kib as f64 - before.rss_kib as f64) / total.max(1) as f64;
+    println!(
+        "  {ok} of {total} streams exact in {:.1} s; serve RSS {} before, {} after: {per_stream:+.1} KiB per finished stream (bound {RETAINED_PER_STREAM_BOUND_KIB} KiB)",
+        wall.as_secs_f64(),
+        mib(before.rss_kib),
+        mib(after.rss_kib)
+    );
+    report.check(ok == total, || {
+        format!("churn: {} of {total} streams were not exact", total - ok)
+    });
+    report.check(per_stream <= RETAINED_PER_STREAM_BOUND_KIB, || {
+        format!("churn: serve keeps {per_stream:.1} KiB per finished stream")
+    });
     Ok(())
 }
 
@@ -2360,16 +2673,28 @@ async fn phase_faults(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
                 },
                 bytes: if kind == Kind::Garbage { huge } else { 0 },
                 stall: idle + Duration::from_secs(3),
+                named: true,
             }
         })
         .collect();
-    let stall_keys: Vec<u64> = plans
-        .iter()
-        .filter(|p| p.kind == Kind::Stall)
-        .map(|p| p.key)
-        .collect();
+    let keys_of = |kind: Kind| -> Vec<u64> {
+        plans
+            .iter()
+            .filter(|p| p.kind == kind)
+            .map(|p| p.key)
+            .collect()
+    };
+    let (stall_keys, gone_keys) = (keys_of(Kind::Stall), keys_of(Kind::ClientGone));
     let started = Instant::now();
-    let tally = round(serve.addr, &coord, plans, None, Some(idle), report, None).await;
+    let tally = round(serve.addr, &coord, plans, None, Some(idle), report).await;
+    // Every stream has ended, the faulty ones too: no session may still
+    // show a tool in progress (SPEC.md: failure clears).
+    let lingering = check_sessions(
+        "faults: /_aalis/sessions after the round",
+        sessions_in_progress(&serve).await,
+        &[],
+        report,
+    );
     let wall = started.elapsed();
     let mut kinds: Vec<_> = tally.by_kind.iter().collect();
     kinds.sort();
@@ -2384,40 +2709,42 @@ async fn phase_faults(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
         per_kind.join(", "),
         wall.as_secs_f64()
     );
-    // The upstream notes serve's close a moment after the client's cut.
-    let waited = Instant::now();
-    let mut closes: Vec<Duration> = Vec::new();
-    while waited.elapsed() < Duration::from_secs(5) {
-        closes = stall_keys
-            .iter()
-            .filter_map(|k| coord.upstream_record(*k).closed_after_stall)
-            .collect();
-        if closes.len() == stall_keys.len() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    if let (Some(min), Some(max)) = (closes.iter().min(), closes.iter().max()) {
+    // A stalled upstream must be dropped at serve's idle timeout; one
+    // whose client left, at once (SPEC.md: a client that goes away
+    // cancels its upstream request), not at the idle timeout.
+    let stall_closes = upstream_closes(&coord, &stall_keys).await;
+    let gone_closes = upstream_closes(&coord, &gone_keys).await;
+    for (what, keys, closes) in [
+        ("stalled upstreams", &stall_keys, &stall_closes),
+        ("upstreams whose client left", &gone_keys, &gone_closes),
+    ] {
+        let min = closes.iter().min().map_or(f64::NAN, Duration::as_secs_f64);
+        let max = closes.iter().max().map_or(f64::NAN, Duration::as_secs_f64);
         println!(
-            "  stalled upstreams: serve closed {} of {} after {:.2}–{:.2} s of silence",
+            "  {what}: serve closed {} of {} after {min:.2}–{max:.2} s of upstream silence",
             closes.len(),
-            stall_keys.len(),
-            min.as_secs_f64(),
-            max.as_secs_f64()
+            keys.len()
         );
+        report.check(closes.len() == keys.len(), || {
+            format!(
+                "{what}: serve closed only {} of {} upstream connections",
+                closes.len(),
+                keys.len()
+            )
+        });
     }
-    report.check(closes.len() == stall_keys.len(), || {
+    let late = gone_closes.iter().filter(|d| **d >= idle).count();
+    report.check(late == 0, || {
         format!(
-            "serve closed only {} of {} stalled upstream connections",
-            closes.len(),
-            stall_keys.len()
+            "{late} of {} upstream requests whose client had left were closed only by the idle timeout ({idle:?})",
+            gone_keys.len()
         )
     });
     let errors = serve.metric("aalis_upstream_errors_total").await;
     let open = serve.metric("aalis_streams_open").await;
     let mem = serve.mem()?;
     println!(
-        "  serve: aalis_upstream_errors_total {errors:?}, aalis_streams_open {open:?}, {} warnings logged, RSS {}, VmHWM {}",
+        "  serve: aalis_upstream_errors_total {errors:?}, aalis_streams_open {open:?}, {lingering} sessions in progress, {} warnings logged, RSS {}, VmHWM {}",
         serve.warnings.load(Ordering::Relaxed),
         mib(mem.rss_kib),
         mib(mem.hwm_kib)
@@ -2432,6 +2759,23 @@ async fn phase_faults(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
         format!("faults: aalis_streams_open is {open:?} after the round, expected 0")
     });
     Ok(())
+}
+
+/// How long after it went silent each of these upstream streams saw serve
+/// close the connection; waits up to `--idle-timeout`-independent 8 s for
+/// the records (the upstream notes a close a moment after the client).
+async fn upstream_closes(coord: &Coord, keys: &[u64]) -> Vec<Duration> {
+    let waited = Instant::now();
+    loop {
+        let closes: Vec<Duration> = keys
+            .iter()
+            .filter_map(|k| coord.upstream_record(*k).closed_after_stall)
+            .collect();
+        if closes.len() == keys.len() || waited.elapsed() > Duration::from_secs(8) {
+            return closes;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// A bound on what serve holds for one stream whose client does not read
@@ -2497,6 +2841,7 @@ async fn phase_slow(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
             hold: Hold::None,
             bytes: 0,
             stall: Duration::ZERO,
+            named: true,
         };
         let mut request = Request::chat(serve.addr, &plan, None);
         request.recv_buffer = Some(4096);
@@ -2719,6 +3064,7 @@ async fn phase_line(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
         hold: Hold::None,
         bytes,
         stall: Duration::ZERO,
+        named: true,
     };
     let mut request = Request::chat(serve.addr, &plan, None);
     request.deadline = Duration::from_secs(600);
@@ -2929,6 +3275,7 @@ fn self_check() -> Result<(), Error> {
         hold: Hold::None,
         bytes: 0,
         stall: Duration::ZERO,
+        named: true,
     };
     let other = script(key + 1, Kind::Normal, 10, 0);
     let script = script(key, Kind::Normal, 10, 0);

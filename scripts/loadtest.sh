@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$mode" = smoke ]; then
-  sizes=(--streams 50 --slow-readers 10 --slow-seconds 5 --line-mib 64 --idle-timeout-ms 1000 --max-seconds 150)
+  sizes=(--streams 50 --churn-streams 500 --slow-readers 10 --slow-seconds 5 --line-mib 64 --idle-timeout-ms 1000 --max-seconds 150)
   limit=180
 else
   sizes=(--max-seconds 600)
