@@ -86,6 +86,9 @@ struct Cli {
     /// Size of the line without a newline of the line phase, in MiB.
     #[arg(long, default_value_t = 1024)]
     line_mib: u64,
+    /// Lines of 64 MiB sent through one serve at once, after the big one.
+    #[arg(long, default_value_t = 8)]
+    line_streams: usize,
     /// `--idle-timeout` of the faults phase's serve, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     idle_timeout_ms: u64,
@@ -3117,6 +3120,59 @@ async fn phase_line(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
             "serve logged {} warnings for one oversized event; see {}",
             serve.warnings.load(Ordering::Relaxed),
             serve.log.display()
+        )
+    });
+    drop(serve);
+
+    // Several at once, in a fresh serve: what each costs while it lasts.
+    let k = cli.line_streams;
+    if k == 0 {
+        return Ok(());
+    }
+    let each = 64u64 << 20;
+    let serve = Served::start(
+        cli,
+        "serve-lines",
+        &["serve".into(), "--upstream".into(), upstream.url()],
+    )?;
+    let before = serve.mem()?;
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..k {
+        let plan = Plan {
+            key: 7_100_000 + i as u64,
+            kind: Kind::BigLine,
+            fragments: 0,
+            hold: Hold::None,
+            bytes: each,
+            stall: Duration::ZERO,
+            named: true,
+        };
+        let mut request = Request::chat(serve.addr, &plan, None);
+        request.deadline = Duration::from_secs(300);
+        tasks.spawn(async move {
+            let pattern = Pattern::new();
+            let mut sink = PatternSink::new(&pattern);
+            let fetched = fetch(&request, &mut sink).await;
+            fetched.complete && sink.total == each + 6 && sink.mismatch.is_none()
+        });
+    }
+    let mut exact = 0;
+    while let Some(joined) = tasks.join_next().await {
+        exact += usize::from(joined.unwrap_or(false));
+    }
+    let after = serve.mem()?;
+    let per_line = after.hwm_kib.saturating_sub(before.rss_kib) / k as u64;
+    println!(
+        "  serve, {k} lines of 64 MiB at once: {exact} of {k} byte-exact in {:.1} s; VmHWM {} ({} per line while it lasts)",
+        started.elapsed().as_secs_f64(),
+        mib(after.hwm_kib),
+        mib(per_line)
+    );
+    report.check(exact == k, || {
+        format!(
+            "serve: {} of {k} concurrent lines were not byte-exact",
+            k - exact
         )
     });
     Ok(())

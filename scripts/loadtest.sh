@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The load test of issue 7 (examples/loadtest.rs): concurrent streams through
 # `aalis-proxy serve` with every byte checked, upstream faults, slow readers
-# and a line with no newline, with serve's memory read from /proc. Prints a
+# and lines with no newline, with serve's memory read from /proc. Prints a
 # short report; exits non-zero when a check fails. See TESTING.md.
 #
-#   scripts/loadtest.sh            # full: 1,000 streams, 100 slow readers for 20 s, a 1 GiB line (~1 min after the build)
-#   scripts/loadtest.sh --smoke    # small: 50 streams, 10 slow readers for 5 s, a 64 MiB line (~15 s after the build)
+#   scripts/loadtest.sh            # full: 1,000 streams, 100 slow readers for 20 s, a 1 GiB line (~45 s after the build)
+#   scripts/loadtest.sh --smoke    # small: 50 streams, 10 slow readers for 5 s, a 64 MiB line (~10 s after the build)
 #   scripts/loadtest.sh --debug    # with the test profile's builds (CI has them from `cargo test`) instead of release ones
 #
-# Other options go to the tool: --only exact,mock,faults,slow,line,
+# Other options go to the tool: --only exact,churn,mock,faults,slow,line,
 # --streams N, --slow-readers N, --slow-seconds S, --line-mib N,
-# --workdir DIR (serve's logs; default /tmp/aalis-loadtest), --help.
+# --serve-arg=--FLAG=VALUE (for every serve), --workdir DIR (logs; default
+# /tmp/aalis-loadtest), --help.
 #
 # Loopback only; every wait in the tool has a deadline, the tool stops itself
 # after --max-seconds, and timeout(1) stops it and its children after a
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$mode" = smoke ]; then
-  sizes=(--streams 50 --churn-streams 500 --slow-readers 10 --slow-seconds 5 --line-mib 64 --idle-timeout-ms 1000 --max-seconds 150)
+  sizes=(--streams 50 --churn-streams 500 --slow-readers 10 --slow-seconds 5 --line-mib 64 --line-streams 2 --idle-timeout-ms 1000 --max-seconds 150)
   limit=180
 else
   sizes=(--max-seconds 600)
