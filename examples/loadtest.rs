@@ -5,27 +5,35 @@
 //!
 //! It starts the real binary (`serve`, and `mock` for one phase) as child
 //! processes on loopback ports, plays the upstream and every client itself,
-//! and runs five phases:
+//! and runs six phases:
 //!
 //! - `exact`: N concurrent streams through `serve`, each with content derived
 //!   from its own stream key (tool names, argument text, a hold marker), held
-//!   open together at a hold point so memory is read with all N open. Field
-//!   injection: the body with every injected member removed must equal what
-//!   the upstream sent, and the removed progress must be exactly the
-//!   progress of that stream's own tool calls. Then N more with
-//!   `X-Aalis-Inject: none`: byte for byte.
+//!   open together at a hold point so memory and `/_aalis/sessions` are read
+//!   with all N open. Field injection: the body with every injected member
+//!   removed ([`strip_injected`]) must equal what the upstream sent, and the
+//!   removed progress must be exactly the progress of that stream's own tool
+//!   calls. Then the same again in the same process (`--again`), and N more
+//!   with `X-Aalis-Inject: none`: byte for byte.
+//! - `churn`: many short streams without `X-Aalis-Session`: what serve keeps
+//!   per finished stream.
 //! - `mock`: N concurrent streams from `aalis-proxy mock` replaying every
 //!   capture under `fixtures/` through `serve`; each, stripped, must equal
 //!   its capture file.
-//! - `faults`: N concurrent streams of which one in five is faulty (reset,
-//!   bad chunked framing, EOF mid-body, stall past `--idle-timeout`,
-//!   garbage events, a cut event, a garbage or reset response head); the
-//!   healthy ones must be exact, the faulty ones must end as SPEC.md says.
+//! - `faults`: N concurrent streams of which one in five is faulty ([`Kind`]:
+//!   reset, bad chunked framing, EOF mid-body, stall past `--idle-timeout`,
+//!   a client that leaves, garbage events, a cut event, a garbage or reset
+//!   response head); the healthy ones must be exact, the faulty ones must
+//!   end as SPEC.md says.
 //! - `slow`: slow readers (one byte per 10 ms, a 4 KiB receive buffer) on
 //!   upstreams that send as fast as they can; `serve`'s RSS is sampled and
-//!   must stay under a stated bound.
+//!   must stay under a stated bound ([`SLOW_STREAM_BOUND_KIB`]).
 //! - `line`: one 1 GiB line with no newline through `annotate` and through
-//!   `serve`; output checked byte for byte, peak RSS (VmHWM) under 100 MiB.
+//!   `serve`, then several 64 MiB ones at once; output checked byte for
+//!   byte, peak RSS (VmHWM) of the single line under 100 MiB.
+//!
+//! Before all that, [`self_check`] shows the checks catch what they look
+//! for. Read [`check_stream`] first.
 //!
 //! Everything listens and connects on 127.0.0.1; every wait has a deadline
 //! and the whole run has one. HTTP is written by hand (as in
