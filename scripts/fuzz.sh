@@ -12,11 +12,17 @@
 # Options:
 #   --seconds N        fuzzing time per target (default 15)
 #   --sanitizer S      address | none (default: address when the toolchain
-#                      can build it, else none)
+#                      can build it, else none). The crate has no `unsafe`;
+#                      without ASan a target runs several times more inputs
+#                      per second (TESTING.md), which CI's short run wants.
+#   --toolchain T      nightly | stable (default: nightly when installed;
+#                      stable builds with RUSTC_BOOTSTRAP=1)
 #   --jobs N           parallel cargo build jobs (default: cargo's)
 #
-# Installs cargo-fuzz (cargo install --locked) when it is missing. Uses the
-# nightly toolchain when there is one, else stable with RUSTC_BOOTSTRAP=1.
+# Replay a corpus without fuzzing (e.g. under ASan after a run without it):
+#   scripts/fuzz.sh --sanitizer address -- -runs=0
+#
+# Installs cargo-fuzz (cargo install --locked) when it is missing.
 # Seeds go to fuzz/corpus/<target>/seed-* (scripts/fuzz/seeds.py), next to
 # what earlier runs found; tests/fuzz-regressions/<target>/ is read too.
 # One process per target (no -jobs/-workers), one target at a time; each run
@@ -28,14 +34,16 @@ cd "$(dirname "$0")/.."
 all_targets=(sse_framing ndjson_framing openai_decode ollama_decode inject_field annotate)
 seconds=15
 sanitizer=auto
+toolchain_name=auto
 targets=()
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds="$2"; shift ;;
     --sanitizer) sanitizer="$2"; shift ;;
+    --toolchain) toolchain_name="$2"; shift ;;
     --jobs) export CARGO_BUILD_JOBS="$2"; shift ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1") ;;
@@ -51,7 +59,13 @@ for t in "${targets[@]}"; do
 done
 
 # cargo-fuzz needs nightly flags (-Z); stable takes them with RUSTC_BOOTSTRAP.
-if rustup run nightly rustc --version >/dev/null 2>&1; then
+if [ "$toolchain_name" = auto ]; then
+  toolchain_name=stable
+  if command -v rustup >/dev/null && rustup run nightly rustc --version >/dev/null 2>&1; then
+    toolchain_name=nightly
+  fi
+fi
+if [ "$toolchain_name" = nightly ]; then
   toolchain=(+nightly)
   rustc_cmd=(rustup run nightly rustc)
 else
@@ -85,9 +99,11 @@ build_start=$SECONDS
 # cargo-fuzz's default profile: optimized, with debug assertions and
 # overflow checks. All targets in one build: they share everything but
 # their one-line main.
-cargo "${toolchain[@]}" fuzz build --sanitizer "$sanitizer"
+# One target directory per sanitizer, so switching does not rebuild.
+target_dir=fuzz/target/sanitizer-$sanitizer
+cargo "${toolchain[@]}" fuzz build --sanitizer "$sanitizer" --target-dir "$target_dir"
 echo "built in $((SECONDS - build_start)) s"
-bin_dir=fuzz/target/$host/release
+bin_dir=$target_dir/$host/release
 
 echo "== seed corpora from fixtures/"
 python3 scripts/fuzz/seeds.py .
