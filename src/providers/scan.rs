@@ -1,0 +1,436 @@
+//! A validating JSON cursor for the decoders' fast path.
+//!
+//! A chunk is a few hundred bytes of which progress needs a few dozen. The
+//! cursor walks a frame's bytes once, checks every byte against JSON's
+//! grammar (RFC 8259, as `serde_json` does: strings without raw control
+//! characters, escapes of the allowed forms, numbers of the grammar's shape,
+//! only whitespace after the value) and hands the decoder the raw text of
+//! the values it asks for, skipping the rest without building anything.
+//!
+//! The cursor is stricter than the grammar in a few corners it leaves to
+//! the serde path: a key with an escape, a key seen twice, a value of an
+//! unexpected type, nesting deeper than [`MAX_DEPTH`]. Each of those is a
+//! [`Bail`], and the decoder then parses the frame again with `serde_json`,
+//! which gives the answer (or the error message) it always gave. So the
+//! fast path changes speed, never results: where it answers, the serde path
+//! answers the same (`tests/props.rs` and the unit tests below compare the
+//! two).
+
+/// The fast path gives up; the caller decodes the frame with serde.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Bail;
+
+/// Nesting the cursor follows before it gives up (serde's limit is 128).
+pub(crate) const MAX_DEPTH: u32 = 64;
+
+/// The byte range of a raw JSON value in the frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Span {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Span {
+    pub fn of(self, data: &str) -> &str {
+        data.get(self.start..self.end).unwrap_or("")
+    }
+}
+
+/// A position in a frame's bytes.
+pub(crate) struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    depth: u32,
+}
+
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+
+/// Bytes of `v` that are `"`, `\` or below 0x20 have their high bit set in
+/// the result, and the lowest set one is exact (higher ones may be false
+/// alarms from borrows, which the caller checks byte by byte anyway).
+#[inline]
+fn string_stops(v: u64) -> u64 {
+    let quote = v ^ (LO * u64::from(b'"'));
+    let backslash = v ^ (LO * u64::from(b'\\'));
+    let zero_quote = quote.wrapping_sub(LO) & !quote;
+    let zero_backslash = backslash.wrapping_sub(LO) & !backslash;
+    let control = v.wrapping_sub(LO * 0x20) & !v;
+    (zero_quote | zero_backslash | control) & HI
+}
+
+impl<'a> Cursor<'a> {
+    pub fn new(data: &'a str) -> Self {
+        Cursor {
+            bytes: data.as_bytes(),
+            pos: 0,
+            depth: 0,
+        }
+    }
+
+    #[inline]
+    fn skip_ws(&mut self) {
+        while let Some(&b) = self.bytes.get(self.pos) {
+            if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                self.pos += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// The next byte that is not whitespace, not consumed.
+    #[inline]
+    pub fn peek(&mut self) -> Option<u8> {
+        self.skip_ws();
+        self.bytes.get(self.pos).copied()
+    }
+
+    #[inline]
+    fn expect(&mut self, byte: u8) -> Result<(), Bail> {
+        if self.peek() == Some(byte) {
+            self.pos += 1;
+            Ok(())
+        } else {
+            Err(Bail)
+        }
+    }
+
+    /// Only whitespace may follow the top-level value.
+    pub fn end(&mut self) -> Result<(), Bail> {
+        if self.peek().is_none() {
+            Ok(())
+        } else {
+            Err(Bail)
+        }
+    }
+
+    /// Walks an object, calling `field` with each key (its raw text without
+    /// quotes; keys with escapes bail) with the cursor on the value, which
+    /// `field` must consume.
+    pub fn object(
+        &mut self,
+        mut field: impl FnMut(&mut Self, &'a [u8]) -> Result<(), Bail>,
+    ) -> Result<(), Bail> {
+        self.expect(b'{')?;
+        self.enter()?;
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            self.depth -= 1;
+            return Ok(());
+        }
+        loop {
+            if self.peek() != Some(b'"') {
+                return Err(Bail);
+            }
+            let key = self.string()?;
+            let inner = self.bytes.get(key.start + 1..key.end - 1).ok_or(Bail)?;
+            if memchr::memchr(b'\\', inner).is_some() {
+                return Err(Bail);
+            }
+            self.expect(b':')?;
+            field(self, inner)?;
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    self.depth -= 1;
+                    return Ok(());
+                }
+                _ => return Err(Bail),
+            }
+        }
+    }
+
+    /// Walks an array, calling `element` with the cursor on each element,
+    /// which `element` must consume.
+    pub fn array(
+        &mut self,
+        mut element: impl FnMut(&mut Self) -> Result<(), Bail>,
+    ) -> Result<(), Bail> {
+        self.expect(b'[')?;
+        self.enter()?;
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            self.depth -= 1;
+            return Ok(());
+        }
+        loop {
+            element(self)?;
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    self.depth -= 1;
+                    return Ok(());
+                }
+                _ => return Err(Bail),
+            }
+        }
+    }
+
+    fn enter(&mut self) -> Result<(), Bail> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            Err(Bail)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Any value, validated; its span.
+    pub fn value(&mut self) -> Result<Span, Bail> {
+        let start = match self.peek() {
+            Some(_) => self.pos,
+            None => return Err(Bail),
+        };
+        match self.bytes[start] {
+            b'"' => return self.string(),
+            b'{' => self.object(|c, _| c.value().map(drop))?,
+            b'[' => self.array(|c| c.value().map(drop))?,
+            b't' => self.literal(b"true")?,
+            b'f' => self.literal(b"false")?,
+            b'n' => self.literal(b"null")?,
+            b'-' | b'0'..=b'9' => self.number()?,
+            _ => return Err(Bail),
+        }
+        Ok(Span {
+            start,
+            end: self.pos,
+        })
+    }
+
+    /// A value that is `null` (`None`) or anything else (its span): what
+    /// serde gives an `Option<&RawValue>` field.
+    pub fn optional(&mut self) -> Result<Option<Span>, Bail> {
+        let span = self.value()?;
+        Ok((&self.bytes[span.start..span.end] != b"null").then_some(span))
+    }
+
+    /// `null` or a string (its span, quotes included); anything else bails.
+    pub fn optional_string(&mut self) -> Result<Option<Span>, Bail> {
+        match self.peek() {
+            Some(b'"') => self.string().map(Some),
+            Some(b'n') => self.literal(b"null").map(|()| None),
+            _ => Err(Bail),
+        }
+    }
+
+    /// Whether the next value is `null`, consuming it if so.
+    pub fn null(&mut self) -> Result<bool, Bail> {
+        if self.peek() == Some(b'n') {
+            self.literal(b"null")?;
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Result<(), Bail> {
+        if self.bytes.get(self.pos..self.pos + word.len()) == Some(word) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            Err(Bail)
+        }
+    }
+
+    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
+    fn number(&mut self) -> Result<(), Bail> {
+        let b = self.bytes;
+        let mut i = self.pos;
+        if b.get(i) == Some(&b'-') {
+            i += 1;
+        }
+        match b.get(i) {
+            Some(b'0') => i += 1,
+            Some(b'1'..=b'9') => {
+                while b.get(i).is_some_and(u8::is_ascii_digit) {
+                    i += 1;
+                }
+            }
+            _ => return Err(Bail),
+        }
+        if b.get(i) == Some(&b'.') {
+            i += 1;
+            let digits = i;
+            while b.get(i).is_some_and(u8::is_ascii_digit) {
+                i += 1;
+            }
+            if i == digits {
+                return Err(Bail);
+            }
+        }
+        if matches!(b.get(i), Some(b'e' | b'E')) {
+            i += 1;
+            if matches!(b.get(i), Some(b'+' | b'-')) {
+                i += 1;
+            }
+            let digits = i;
+            while b.get(i).is_some_and(u8::is_ascii_digit) {
+                i += 1;
+            }
+            if i == digits {
+                return Err(Bail);
+            }
+        }
+        self.pos = i;
+        Ok(())
+    }
+
+    /// A string at the cursor, validated; its span, quotes included.
+    pub fn string(&mut self) -> Result<Span, Bail> {
+        let b = self.bytes;
+        let start = self.pos;
+        if b.get(start) != Some(&b'"') {
+            return Err(Bail);
+        }
+        let mut i = start + 1;
+        loop {
+            // Eight bytes at a time up to the first stop candidate.
+            while let Some(word) = b.get(i..i + 8) {
+                let mut buf = [0u8; 8];
+                buf.copy_from_slice(word);
+                let stops = string_stops(u64::from_le_bytes(buf));
+                if stops != 0 {
+                    i += (stops.trailing_zeros() / 8) as usize;
+                    break;
+                }
+                i += 8;
+            }
+            match b.get(i) {
+                Some(b'"') => {
+                    self.pos = i + 1;
+                    return Ok(Span {
+                        start,
+                        end: self.pos,
+                    });
+                }
+                Some(b'\\') => {
+                    i += 1;
+                    match b.get(i) {
+                        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => i += 1,
+                        Some(b'u') => {
+                            let hex = b.get(i + 1..i + 5).ok_or(Bail)?;
+                            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                                return Err(Bail);
+                            }
+                            i += 5;
+                        }
+                        _ => return Err(Bail),
+                    }
+                }
+                Some(0..=0x1f) | None => return Err(Bail),
+                Some(_) => i += 1,
+            }
+        }
+    }
+}
+
+/// Marks a struct's known field as seen; a second one bails, as serde's
+/// derive rejects a duplicate field.
+#[inline]
+pub(crate) fn first_time(seen: &mut u32, bit: u32) -> Result<(), Bail> {
+    if *seen & bit != 0 {
+        return Err(Bail);
+    }
+    *seen |= bit;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid(json: &str) -> bool {
+        let mut c = Cursor::new(json);
+        c.value().is_ok() && c.end().is_ok()
+    }
+
+    #[test]
+    fn accepts_exactly_what_serde_json_accepts() {
+        let cases = [
+            "0",
+            "-0",
+            "1.5e+3",
+            "-12.25E-2",
+            "01",
+            "1.",
+            ".5",
+            "1e",
+            "-",
+            "+1",
+            "true",
+            "tru",
+            "nul",
+            "null ",
+            " \t\r\n{} ",
+            "{\"a\":1,}",
+            "[1,]",
+            "[1 2]",
+            "{\"a\" 1}",
+            "{1:2}",
+            "\"a\\u00e9\\ud83d\"",
+            "\"\\x\"",
+            "\"\\u12g4\"",
+            "\"tab\there\"",
+            "\"a\u{7f}\"",
+            "\"unterminated",
+            "\"esc at end\\",
+            "[\"a\",{\"b\":[null,false,{}]}]",
+            "{\"a\":1} x",
+            "{\"a\":\"12345678901234567890\\\"\",\"b\":\"1234567\\\\\"}",
+            "",
+            " ",
+            "[] []",
+        ];
+        for json in cases {
+            let serde = serde_json::from_str::<serde::de::IgnoredAny>(json).is_ok();
+            assert_eq!(valid(json), serde, "{json:?}");
+        }
+    }
+
+    #[test]
+    fn control_characters_in_strings_are_found_at_every_offset() {
+        for len in 0..20 {
+            for at in 0..len {
+                let mut s = "x".repeat(len);
+                s.replace_range(at..at + 1, "\u{1}");
+                assert!(!valid(&format!("\"{s}\"")), "{len} {at}");
+                s.replace_range(at..at + 1, "\"");
+                assert!(!valid(&format!("\"{s}\"")), "{len} {at}");
+                s.replace_range(at..at + 1, "é");
+                assert!(valid(&format!("\"{s}\"")), "{len} {at}");
+            }
+        }
+    }
+
+    #[test]
+    fn spans_are_raw_text() {
+        let data = r#" {"a" : [1, "x\"y"] , "b":null}"#;
+        let mut c = Cursor::new(data);
+        let mut seen = Vec::new();
+        c.object(|c, key| {
+            let span = c.optional()?;
+            seen.push((
+                String::from_utf8_lossy(key).into_owned(),
+                span.map(|s| s.of(data).to_owned()),
+            ));
+            Ok(())
+        })
+        .expect("valid");
+        assert_eq!(
+            seen,
+            vec![
+                ("a".to_owned(), Some(r#"[1, "x\"y"]"#.to_owned())),
+                ("b".to_owned(), None)
+            ]
+        );
+    }
+
+    #[test]
+    fn deep_nesting_bails_instead_of_recursing() {
+        let deep = "[".repeat(100_000);
+        assert_eq!(Cursor::new(&deep).value(), Err(Bail));
+    }
+}
