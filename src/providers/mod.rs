@@ -300,11 +300,12 @@ mod tests {
     // === the fast path answers as the serde path does ===
 
     /// Decodes `data` both ways and requires the same chunks and info, or
-    /// an error from both.
-    fn same_as_serde(provider: Provider, data: &str) {
+    /// an error from both. The fast path keeps `state` from frame to frame
+    /// (its memo of the last frame's start), as in a stream.
+    fn same_as_serde(provider: Provider, data: &str, state: &mut DecoderState) {
         let mut fast = Vec::new();
-        let mut state = DecoderState::default();
-        let fast_info = decode(provider, data.as_bytes(), &mut state, &mut |c| fast.push(c));
+        state.ollama_calls = 0;
+        let fast_info = decode(provider, data.as_bytes(), state, &mut |c| fast.push(c));
         let mut slow = Vec::new();
         let mut state = DecoderState::default();
         let slow_info = match provider {
@@ -356,26 +357,28 @@ mod tests {
             "\"\"", "{}", "[]", "1.5", "1e400", "\\ud83d",
         ];
         let mut checked = 0usize;
+        let mut state = DecoderState::default();
         for (provider, data) in &frames {
-            same_as_serde(*provider, data);
+            same_as_serde(*provider, data, &mut state);
             for at in (0..data.len()).filter(|&i| data.is_char_boundary(i)) {
-                same_as_serde(*provider, &data[..at]);
+                same_as_serde(*provider, &data[..at], &mut state);
                 let next = data[at..].chars().next().map_or(0, char::len_utf8);
-                // Three of the replacements per position, rotating, keeps
+                // Two of the replacements per position, rotating, keeps
                 // the test to seconds in a debug build.
-                for k in 0..3 {
+                same_as_serde(*provider, data, &mut state);
+                for k in 0..2 {
                     let with = replacements[(at + k * 7) % replacements.len()];
                     let mut mutated = String::with_capacity(data.len() + 8);
                     mutated.push_str(&data[..at]);
                     mutated.push_str(with);
                     mutated.push_str(&data[at + next..]);
-                    same_as_serde(*provider, &mutated);
+                    same_as_serde(*provider, &mutated, &mut state);
                     // Inserted rather than replaced.
                     mutated.clear();
                     mutated.push_str(&data[..at]);
                     mutated.push_str(with);
                     mutated.push_str(&data[at..]);
-                    same_as_serde(*provider, &mutated);
+                    same_as_serde(*provider, &mutated, &mut state);
                     checked += 2;
                 }
             }
@@ -415,8 +418,10 @@ mod tests {
             "[1]",
             "",
         ];
+        let mut state = DecoderState::default();
         for data in openai {
-            same_as_serde(Provider::OpenAiChat, data);
+            same_as_serde(Provider::OpenAiChat, data, &mut DecoderState::default());
+            same_as_serde(Provider::OpenAiChat, data, &mut state);
         }
         let ollama = [
             r#"{"message":{"content":"a"},"done":"yes"}"#,
@@ -430,7 +435,7 @@ mod tests {
             r#"{"message":[]}"#,
         ];
         for data in ollama {
-            same_as_serde(Provider::OllamaChat, data);
+            same_as_serde(Provider::OllamaChat, data, &mut DecoderState::default());
         }
     }
 }

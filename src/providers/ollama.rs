@@ -178,13 +178,15 @@ fn scan(data: &str) -> Result<LineSpans, Bail> {
     let mut line = LineSpans::default();
     let mut seen = 0;
     let mut c = Cursor::new(data);
-    c.object(|c, key| {
+    let mut walk = c.object()?;
+    while let Some(key) = c.key(&mut walk)? {
         match key {
             b"message" => {
                 first_time(&mut seen, 1)?;
                 if !c.null()? {
                     let mut seen = 0;
-                    c.object(|c, key| {
+                    let mut message = c.object()?;
+                    while let Some(key) = c.key(&mut message)? {
                         match key {
                             b"content" => {
                                 first_time(&mut seen, 1)?;
@@ -204,8 +206,7 @@ fn scan(data: &str) -> Result<LineSpans, Bail> {
                                 c.value()?;
                             }
                         }
-                        Ok(())
-                    })?;
+                    }
                 }
             }
             b"done" => {
@@ -240,8 +241,7 @@ fn scan(data: &str) -> Result<LineSpans, Bail> {
                 c.value()?;
             }
         }
-        Ok(())
-    })?;
+    }
     c.end()?;
     Ok(line)
 }

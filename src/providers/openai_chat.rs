@@ -17,7 +17,7 @@ use std::borrow::Cow;
 
 use serde::de::{self, Deserializer};
 
-use super::scan::{Bail, Cursor, Span, first_time};
+use super::scan::{Bail, Cursor, Span, Walk, first_time};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
@@ -314,9 +314,20 @@ pub(crate) fn error_message(error: &str) -> String {
 pub(crate) struct Spans {
     choices: Vec<ChoiceSpans>,
     calls: Vec<CallSpans>,
+    /// The bytes the last valid frame had before its `choices`…
+    memo_bytes: Vec<u8>,
+    /// … and where the walk stood after them.
+    memo: Option<Memo>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Copy)]
+struct Memo {
+    walk: Walk,
+    top: TopSpans,
+    seen: u32,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
 struct TopSpans {
     error: Option<Span>,
     id: Option<Span>,
@@ -361,34 +372,58 @@ impl Spans {
     fn scan(&mut self, data: &str) -> Result<TopSpans, Bail> {
         self.choices.clear();
         self.calls.clear();
-        let mut top = TopSpans::default();
-        let mut seen = 0;
         let mut c = Cursor::new(data);
-        c.object(|c, key| {
+        // Chunks of one stream start alike (`id`, `object`, `created`,
+        // `model`…): when this frame starts with the bytes the last one had
+        // before its `choices`, the walk resumes there, as it would have
+        // stood after reading them again.
+        let resumed = self
+            .memo
+            .filter(|_| data.as_bytes().starts_with(&self.memo_bytes));
+        let (mut walk, mut top, mut seen) = match resumed {
+            Some(memo) => (
+                c.resume(self.memo_bytes.len(), memo.walk),
+                memo.top,
+                memo.seen,
+            ),
+            None => (c.object()?, TopSpans::default(), 0),
+        };
+        let mut memo_at = None;
+        loop {
+            let before = (c.pos(), walk, top, seen);
+            let Some(key) = c.key(&mut walk)? else {
+                break;
+            };
             match key {
                 b"choices" => {
                     first_time(&mut seen, 1)?;
+                    if memo_at.is_none() {
+                        memo_at = Some(before);
+                    }
                     if !c.null()? {
-                        c.array(|c| self.scan_choice(c))?;
+                        let mut choices = c.array()?;
+                        while c.element(&mut choices)? {
+                            self.scan_choice(&mut c)?;
+                        }
                     }
                 }
                 b"usage" => {
                     first_time(&mut seen, 2)?;
-                    top.usage = scan_usage(c)?;
+                    top.usage = scan_usage(&mut c)?;
                 }
                 b"x_groq" => {
                     first_time(&mut seen, 4)?;
                     if !c.null()? {
                         let mut seen = 0;
-                        c.object(|c, key| {
+                        let mut groq = c.object()?;
+                        while let Some(key) = c.key(&mut groq)? {
                             if key == b"usage" {
                                 first_time(&mut seen, 1)?;
-                                top.groq_usage = scan_usage(c)?;
+                                top.groq_usage = scan_usage(&mut c)?;
                             } else {
                                 c.value()?;
                             }
-                            Ok(())
-                        })?;
+                        }
                     }
                 }
                 b"error" => {
@@ -419,9 +454,17 @@ impl Spans {
                     c.value()?;
                 }
             }
-            Ok(())
-        })?;
+        }
         c.end()?;
+        // Only a valid frame teaches the memo.
+        if let Some((pos, walk, top, seen)) = memo_at
+            && resumed.is_none()
+        {
+            self.memo_bytes.clear();
+            self.memo_bytes
+                .extend_from_slice(data.as_bytes().get(..pos).unwrap_or_default());
+            self.memo = Some(Memo { walk, top, seen });
+        }
         Ok(top)
     }
 
@@ -429,7 +472,8 @@ impl Spans {
         let mut choice = ChoiceSpans::default();
         let mut seen = 0;
         let calls_start = self.calls.len();
-        c.object(|c, key| {
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
             match key {
                 b"index" => {
                     first_time(&mut seen, 1)?;
@@ -450,8 +494,7 @@ impl Spans {
                     c.value()?;
                 }
             }
-            Ok(())
-        })?;
+        }
         choice.calls = (calls_start, self.calls.len());
         self.choices.push(choice);
         Ok(())
@@ -459,7 +502,8 @@ impl Spans {
 
     fn scan_delta(&mut self, c: &mut Cursor<'_>, choice: &mut ChoiceSpans) -> Result<(), Bail> {
         let mut seen = 0;
-        c.object(|c, key| {
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
             match key {
                 b"content" => {
                     first_time(&mut seen, 1)?;
@@ -483,21 +527,25 @@ impl Spans {
                 b"tool_calls" => {
                     first_time(&mut seen, 8)?;
                     if !c.null()? {
-                        c.array(|c| self.scan_call(c))?;
+                        let mut calls = c.array()?;
+                        while c.element(&mut calls)? {
+                            self.scan_call(c)?;
+                        }
                     }
                 }
                 _ => {
                     c.value()?;
                 }
             }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
     fn scan_call(&mut self, c: &mut Cursor<'_>) -> Result<(), Bail> {
         let mut call = CallSpans::default();
         let mut seen = 0;
-        c.object(|c, key| {
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
             match key {
                 b"index" => {
                     first_time(&mut seen, 1)?;
@@ -511,7 +559,8 @@ impl Spans {
                     first_time(&mut seen, 4)?;
                     if !c.null()? {
                         let mut seen = 0;
-                        c.object(|c, key| {
+                        let mut function = c.object()?;
+                        while let Some(key) = c.key(&mut function)? {
                             match key {
                                 b"name" => {
                                     first_time(&mut seen, 1)?;
@@ -526,16 +575,14 @@ impl Spans {
                                     c.value()?;
                                 }
                             }
-                            Ok(())
-                        })?;
+                        }
                     }
                 }
                 _ => {
                     c.value()?;
                 }
             }
-            Ok(())
-        })?;
+        }
         self.calls.push(call);
         Ok(())
     }
@@ -612,7 +659,8 @@ fn scan_usage(c: &mut Cursor<'_>) -> Result<Option<UsageSpans>, Bail> {
     }
     let mut usage = UsageSpans::default();
     let mut seen = 0;
-    c.object(|c, key| {
+    let mut walk = c.object()?;
+    while let Some(key) = c.key(&mut walk)? {
         match key {
             b"prompt_tokens" => {
                 first_time(&mut seen, 1)?;
@@ -630,8 +678,7 @@ fn scan_usage(c: &mut Cursor<'_>) -> Result<Option<UsageSpans>, Bail> {
                 c.value()?;
             }
         }
-        Ok(())
-    })?;
+    }
     Ok(Some(usage))
 }
 

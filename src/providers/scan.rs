@@ -59,6 +59,12 @@ fn string_stops(v: u64) -> u64 {
     (zero_quote | zero_backslash | control) & HI
 }
 
+/// Where a walk through an object or array is.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Walk {
+    first: bool,
+}
+
 impl<'a> Cursor<'a> {
     pub fn new(data: &'a str) -> Self {
         Cursor {
@@ -66,6 +72,19 @@ impl<'a> Cursor<'a> {
             pos: 0,
             depth: 0,
         }
+    }
+
+    /// The byte offset of the cursor.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// Continues a walk at `pos` inside the top-level object, where an
+    /// earlier cursor over the same bytes stood with `walk`.
+    pub fn resume(&mut self, pos: usize, walk: Walk) -> Walk {
+        self.pos = pos;
+        self.depth = 1;
+        walk
     }
 
     #[inline]
@@ -82,93 +101,99 @@ impl<'a> Cursor<'a> {
     /// The next byte that is not whitespace, not consumed.
     #[inline]
     pub fn peek(&mut self) -> Option<u8> {
+        if let Some(&b) = self.bytes.get(self.pos)
+            && b > b' '
+        {
+            return Some(b);
+        }
         self.skip_ws();
         self.bytes.get(self.pos).copied()
     }
 
-    #[inline]
-    fn expect(&mut self, byte: u8) -> Result<(), Bail> {
-        if self.peek() == Some(byte) {
-            self.pos += 1;
-            Ok(())
-        } else {
-            Err(Bail)
-        }
-    }
-
     /// Only whitespace may follow the top-level value.
     pub fn end(&mut self) -> Result<(), Bail> {
-        if self.peek().is_none() {
-            Ok(())
-        } else {
-            Err(Bail)
-        }
+        if self.peek().is_none() { Ok(()) } else { Err(Bail) }
     }
 
-    /// Walks an object, calling `field` with each key (its raw text without
-    /// quotes; keys with escapes bail) with the cursor on the value, which
-    /// `field` must consume.
-    pub fn object(
-        &mut self,
-        mut field: impl FnMut(&mut Self, &'a [u8]) -> Result<(), Bail>,
-    ) -> Result<(), Bail> {
-        self.expect(b'{')?;
+    /// Enters an object at the cursor: then call [`Cursor::key`] until it
+    /// says `None`, consuming each value in between.
+    #[inline]
+    pub fn object(&mut self) -> Result<Walk, Bail> {
+        if self.peek() != Some(b'{') {
+            return Err(Bail);
+        }
+        self.pos += 1;
         self.enter()?;
-        if self.peek() == Some(b'}') {
-            self.pos += 1;
-            self.depth -= 1;
-            return Ok(());
-        }
-        loop {
-            if self.peek() != Some(b'"') {
-                return Err(Bail);
-            }
-            let key = self.string()?;
-            let inner = self.bytes.get(key.start + 1..key.end - 1).ok_or(Bail)?;
-            if memchr::memchr(b'\\', inner).is_some() {
-                return Err(Bail);
-            }
-            self.expect(b':')?;
-            field(self, inner)?;
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(b'}') => {
-                    self.pos += 1;
-                    self.depth -= 1;
-                    return Ok(());
-                }
-                _ => return Err(Bail),
-            }
-        }
+        Ok(Walk { first: true })
     }
 
-    /// Walks an array, calling `element` with the cursor on each element,
-    /// which `element` must consume.
-    pub fn array(
-        &mut self,
-        mut element: impl FnMut(&mut Self) -> Result<(), Bail>,
-    ) -> Result<(), Bail> {
-        self.expect(b'[')?;
+    /// The next key of the object (its raw text without quotes; keys with
+    /// escapes bail) with the cursor on its value, or `None` at the end.
+    #[inline]
+    pub fn key(&mut self, walk: &mut Walk) -> Result<Option<&'a [u8]>, Bail> {
+        match self.peek() {
+            Some(b'}') => {
+                self.pos += 1;
+                self.depth -= 1;
+                return Ok(None);
+            }
+            Some(b',') if !walk.first => self.pos += 1,
+            Some(b'"') if walk.first => {}
+            _ => return Err(Bail),
+        }
+        walk.first = false;
+        if self.peek() != Some(b'"') {
+            return Err(Bail);
+        }
+        let (key, escaped) = self.string_inner()?;
+        if escaped {
+            return Err(Bail);
+        }
+        if self.peek() != Some(b':') {
+            return Err(Bail);
+        }
+        self.pos += 1;
+        let key = self
+            .bytes
+            .get(key.start + 1..key.end - 1)
+            .ok_or(Bail)?;
+        Ok(Some(key))
+    }
+
+    /// Enters an array at the cursor: then call [`Cursor::element`] until
+    /// it says false, consuming each element in between.
+    #[inline]
+    pub fn array(&mut self) -> Result<Walk, Bail> {
+        if self.peek() != Some(b'[') {
+            return Err(Bail);
+        }
+        self.pos += 1;
         self.enter()?;
-        if self.peek() == Some(b']') {
-            self.pos += 1;
-            self.depth -= 1;
-            return Ok(());
-        }
-        loop {
-            element(self)?;
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(b']') => {
-                    self.pos += 1;
-                    self.depth -= 1;
-                    return Ok(());
-                }
-                _ => return Err(Bail),
+        Ok(Walk { first: true })
+    }
+
+    /// Whether another element follows, with the cursor on it.
+    #[inline]
+    pub fn element(&mut self, walk: &mut Walk) -> Result<bool, Bail> {
+        match self.peek() {
+            Some(b']') => {
+                self.pos += 1;
+                self.depth -= 1;
+                Ok(false)
             }
+            Some(b',') if !walk.first => {
+                self.pos += 1;
+                Ok(true)
+            }
+            Some(_) if walk.first => {
+                walk.first = false;
+                Ok(true)
+            }
+            _ => Err(Bail),
         }
     }
 
+    #[inline]
     fn enter(&mut self) -> Result<(), Bail> {
         self.depth += 1;
         if self.depth > MAX_DEPTH {
@@ -180,14 +205,24 @@ impl<'a> Cursor<'a> {
 
     /// Any value, validated; its span.
     pub fn value(&mut self) -> Result<Span, Bail> {
-        let start = match self.peek() {
-            Some(_) => self.pos,
-            None => return Err(Bail),
+        let Some(first) = self.peek() else {
+            return Err(Bail);
         };
-        match self.bytes[start] {
+        let start = self.pos;
+        match first {
             b'"' => return self.string(),
-            b'{' => self.object(|c, _| c.value().map(drop))?,
-            b'[' => self.array(|c| c.value().map(drop))?,
+            b'{' => {
+                let mut walk = self.object()?;
+                while self.key(&mut walk)?.is_some() {
+                    self.value()?;
+                }
+            }
+            b'[' => {
+                let mut walk = self.array()?;
+                while self.element(&mut walk)? {
+                    self.value()?;
+                }
+            }
             b't' => self.literal(b"true")?,
             b'f' => self.literal(b"false")?,
             b'n' => self.literal(b"null")?,
@@ -202,12 +237,16 @@ impl<'a> Cursor<'a> {
 
     /// A value that is `null` (`None`) or anything else (its span): what
     /// serde gives an `Option<&RawValue>` field.
+    #[inline]
     pub fn optional(&mut self) -> Result<Option<Span>, Bail> {
-        let span = self.value()?;
-        Ok((&self.bytes[span.start..span.end] != b"null").then_some(span))
+        if self.null()? {
+            return Ok(None);
+        }
+        self.value().map(Some)
     }
 
     /// `null` or a string (its span, quotes included); anything else bails.
+    #[inline]
     pub fn optional_string(&mut self) -> Result<Option<Span>, Bail> {
         match self.peek() {
             Some(b'"') => self.string().map(Some),
@@ -217,6 +256,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// Whether the next value is `null`, consuming it if so.
+    #[inline]
     pub fn null(&mut self) -> Result<bool, Bail> {
         if self.peek() == Some(b'n') {
             self.literal(b"null")?;
@@ -226,6 +266,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    #[inline]
     fn literal(&mut self, word: &[u8]) -> Result<(), Bail> {
         if self.bytes.get(self.pos..self.pos + word.len()) == Some(word) {
             self.pos += word.len();
@@ -279,12 +320,19 @@ impl<'a> Cursor<'a> {
     }
 
     /// A string at the cursor, validated; its span, quotes included.
+    #[inline]
     pub fn string(&mut self) -> Result<Span, Bail> {
+        self.string_inner().map(|(span, _)| span)
+    }
+
+    /// A string's span, and whether it has escapes.
+    fn string_inner(&mut self) -> Result<(Span, bool), Bail> {
         let b = self.bytes;
         let start = self.pos;
         if b.get(start) != Some(&b'"') {
             return Err(Bail);
         }
+        let mut escaped = false;
         let mut i = start + 1;
         loop {
             // Eight bytes at a time up to the first stop candidate.
@@ -301,12 +349,16 @@ impl<'a> Cursor<'a> {
             match b.get(i) {
                 Some(b'"') => {
                     self.pos = i + 1;
-                    return Ok(Span {
-                        start,
-                        end: self.pos,
-                    });
+                    return Ok((
+                        Span {
+                            start,
+                            end: self.pos,
+                        },
+                        escaped,
+                    ));
                 }
                 Some(b'\\') => {
+                    escaped = true;
                     i += 1;
                     match b.get(i) {
                         Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => i += 1,
@@ -410,15 +462,14 @@ mod tests {
         let data = r#" {"a" : [1, "x\"y"] , "b":null}"#;
         let mut c = Cursor::new(data);
         let mut seen = Vec::new();
-        c.object(|c, key| {
-            let span = c.optional()?;
+        let mut walk = c.object().expect("object");
+        while let Some(key) = c.key(&mut walk).expect("valid") {
+            let span = c.optional().expect("valid");
             seen.push((
                 String::from_utf8_lossy(key).into_owned(),
                 span.map(|s| s.of(data).to_owned()),
             ));
-            Ok(())
-        })
-        .expect("valid");
+        }
         assert_eq!(
             seen,
             vec![
