@@ -456,9 +456,10 @@ impl Spans {
             }
         }
         c.end()?;
-        // Only a valid frame teaches the memo.
+        // Only a valid frame teaches the memo; a resumed one only when its
+        // `choices` start further on.
         if let Some((pos, walk, top, seen)) = memo_at
-            && resumed.is_none()
+            && (resumed.is_none() || pos != self.memo_bytes.len())
         {
             self.memo_bytes.clear();
             self.memo_bytes

@@ -112,7 +112,11 @@ impl<'a> Cursor<'a> {
 
     /// Only whitespace may follow the top-level value.
     pub fn end(&mut self) -> Result<(), Bail> {
-        if self.peek().is_none() { Ok(()) } else { Err(Bail) }
+        if self.peek().is_none() {
+            Ok(())
+        } else {
+            Err(Bail)
+        }
     }
 
     /// Enters an object at the cursor: then call [`Cursor::key`] until it
@@ -153,10 +157,7 @@ impl<'a> Cursor<'a> {
             return Err(Bail);
         }
         self.pos += 1;
-        let key = self
-            .bytes
-            .get(key.start + 1..key.end - 1)
-            .ok_or(Bail)?;
+        let key = self.bytes.get(key.start + 1..key.end - 1).ok_or(Bail)?;
         Ok(Some(key))
     }
 
