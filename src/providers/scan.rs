@@ -153,12 +153,18 @@ impl<'a> Cursor<'a> {
         if escaped {
             return Err(Bail);
         }
-        if self.peek() != Some(b':') {
+        // Most keys are followed by their colon at once.
+        if self.bytes.get(self.pos) == Some(&b':') {
+            self.pos += 1;
+        } else if self.peek() == Some(b':') {
+            self.pos += 1;
+        } else {
             return Err(Bail);
         }
-        self.pos += 1;
-        let key = self.bytes.get(key.start + 1..key.end - 1).ok_or(Bail)?;
-        Ok(Some(key))
+        self.bytes
+            .get(key.start + 1..key.end - 1)
+            .map(Some)
+            .ok_or(Bail)
     }
 
     /// Enters an array at the cursor: then call [`Cursor::element`] until
@@ -327,16 +333,46 @@ impl<'a> Cursor<'a> {
     }
 
     /// A string's span, and whether it has escapes.
+    #[inline(always)]
     fn string_inner(&mut self) -> Result<(Span, bool), Bail> {
         let b = self.bytes;
         let start = self.pos;
         if b.get(start) != Some(&b'"') {
             return Err(Bail);
         }
-        let mut escaped = false;
         let mut i = start + 1;
+        // Eight bytes at a time up to the first stop candidate: in chunks,
+        // strings are short and mostly without escapes.
+        while i + 8 <= b.len() {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&b[i..i + 8]);
+            let stops = string_stops(u64::from_le_bytes(word));
+            if stops != 0 {
+                i += (stops.trailing_zeros() / 8) as usize;
+                if b[i] == b'"' {
+                    self.pos = i + 1;
+                    return Ok((
+                        Span {
+                            start,
+                            end: self.pos,
+                        },
+                        false,
+                    ));
+                }
+                break;
+            }
+            i += 8;
+        }
+        self.string_rest(start, i)
+    }
+
+    /// The rest of a string from `i`: escapes, control characters, the
+    /// last bytes of the frame.
+    #[inline(never)]
+    fn string_rest(&mut self, start: usize, mut i: usize) -> Result<(Span, bool), Bail> {
+        let b = self.bytes;
+        let mut escaped = false;
         loop {
-            // Eight bytes at a time up to the first stop candidate.
             while let Some(word) = b.get(i..i + 8) {
                 let mut buf = [0u8; 8];
                 buf.copy_from_slice(word);
