@@ -99,8 +99,9 @@ pub struct DecoderState {
     /// Ollama: the index the next tool call gets unless it brings a higher
     /// free one.
     pub ollama_calls: i64,
-    /// Reused by the fast path: no allocation per frame in steady state.
+    /// Reused by the fast paths: no allocation per frame in steady state.
     pub(crate) spans: openai_chat::Spans,
+    pub(crate) lines: ollama::Lines,
 }
 
 // === shared borrowed views ===

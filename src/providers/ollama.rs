@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
-use super::scan::{Bail, Cursor, Span, first_time};
+use super::scan::{Bail, Cursor, Span, Template, first_time, moved};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
@@ -76,7 +76,7 @@ pub fn decode<'a>(
     state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
-    match scan(data) {
+    match state.lines.scan(data) {
         Ok(line) => Ok(line.emit(data, emit)),
         Err(Bail) => decode_serde(data, state, emit),
     }
@@ -161,8 +161,37 @@ fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallD
 // validating cursor; a line with tool calls, or anything unusual, bails to
 // serde, which also numbers the calls.
 
-/// Where one line's values are.
+/// The fast path's memory of the last line; see [`Template`].
 #[derive(Debug, Default)]
+pub(crate) struct Lines {
+    template: Template,
+    learned: LineSpans,
+    holes: Vec<Span>,
+}
+
+impl Lines {
+    fn scan(&mut self, data: &str) -> Result<LineSpans, Bail> {
+        if self.template.matches(data, &mut self.holes)
+            && let Ok(line) = self.learned.moved(&self.template, &self.holes)
+        {
+            return Ok(line);
+        }
+        let mut c = Cursor::new(data, std::mem::take(&mut self.holes));
+        let line = walk(&mut c);
+        self.holes = c.into_holes();
+        let line = line?;
+        self.template.learn(data, &self.holes);
+        // Only a line whose every span is a hole can be moved.
+        match line.moved(&self.template, &self.holes) {
+            Ok(_) => self.learned = line,
+            Err(Bail) => self.template.forget(),
+        }
+        Ok(line)
+    }
+}
+
+/// Where one line's values are.
+#[derive(Debug, Default, Clone, Copy)]
 struct LineSpans {
     content: Option<Span>,
     thinking: Option<Span>,
@@ -174,10 +203,10 @@ struct LineSpans {
     annotated: bool,
 }
 
-fn scan(data: &str) -> Result<LineSpans, Bail> {
+/// Walks a whole line.
+fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
     let mut line = LineSpans::default();
     let mut seen = 0;
-    let mut c = Cursor::new(data);
     let mut walk = c.object()?;
     while let Some(key) = c.key(&mut walk)? {
         match key {
@@ -211,10 +240,17 @@ fn scan(data: &str) -> Result<LineSpans, Bail> {
             }
             b"done" => {
                 first_time(&mut seen, 2)?;
-                line.done = match c.optional()?.map(|s| s.of(data)) {
-                    Some("true") => true,
-                    Some("false") | None => false,
-                    Some(_) => return Err(Bail),
+                // `true`, `false` and `null` are part of a template's bytes.
+                line.done = match c.peek() {
+                    Some(b't') => {
+                        c.value()?;
+                        true
+                    }
+                    Some(b'f' | b'n') => {
+                        c.value()?;
+                        false
+                    }
+                    _ => return Err(Bail),
                 };
             }
             b"done_reason" => {
@@ -247,6 +283,19 @@ fn scan(data: &str) -> Result<LineSpans, Bail> {
 }
 
 impl LineSpans {
+    /// This line's spans moved to a line of the same shape.
+    fn moved(&self, t: &Template, holes: &[Span]) -> Result<LineSpans, Bail> {
+        Ok(LineSpans {
+            content: moved(t, holes, self.content)?,
+            thinking: moved(t, holes, self.thinking)?,
+            done_reason: moved(t, holes, self.done_reason)?,
+            prompt_eval_count: moved(t, holes, self.prompt_eval_count)?,
+            eval_count: moved(t, holes, self.eval_count)?,
+            error: moved(t, holes, self.error)?,
+            ..*self
+        })
+    }
+
     /// The chunks of a scanned line, in the serde path's order.
     fn emit<'a>(&self, data: &'a str, emit: &mut dyn FnMut(Chunk<'a>)) -> FrameInfo<'a> {
         let raw = |span: Option<Span>| span.map(|s| s.of(data));

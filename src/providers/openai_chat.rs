@@ -17,7 +17,7 @@ use std::borrow::Cow;
 
 use serde::de::{self, Deserializer};
 
-use super::scan::{Bail, Cursor, Span, Walk, first_time};
+use super::scan::{Bail, Cursor, Span, Template, first_time, moved};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
@@ -314,17 +314,14 @@ pub(crate) fn error_message(error: &str) -> String {
 pub(crate) struct Spans {
     choices: Vec<ChoiceSpans>,
     calls: Vec<CallSpans>,
-    /// The bytes the last valid frame had before its `choices`…
-    memo_bytes: Vec<u8>,
-    /// … and where the walk stood after them.
-    memo: Option<Memo>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Memo {
-    walk: Walk,
-    top: TopSpans,
-    seen: u32,
+    /// The last valid frame's shape…
+    template: Template,
+    /// … its spans, in its bytes…
+    learned_top: TopSpans,
+    learned_choices: Vec<ChoiceSpans>,
+    learned_calls: Vec<CallSpans>,
+    /// … and the holes of the frame at hand.
+    holes: Vec<Span>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -346,7 +343,7 @@ struct UsageSpans {
     total: Option<Span>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 struct ChoiceSpans {
     index: Option<Span>,
     finish_reason: Option<Span>,
@@ -359,7 +356,7 @@ struct ChoiceSpans {
     calls: (usize, usize),
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 struct CallSpans {
     index: Option<Span>,
     id: Option<Span>,
@@ -370,46 +367,115 @@ struct CallSpans {
 
 impl Spans {
     fn scan(&mut self, data: &str) -> Result<TopSpans, Bail> {
+        if self.template.matches(data, &mut self.holes)
+            && let Ok(top) = self.from_template()
+        {
+            return Ok(top);
+        }
         self.choices.clear();
         self.calls.clear();
-        let mut c = Cursor::new(data);
-        // Chunks of one stream start alike (`id`, `object`, `created`,
-        // `model`…): when this frame starts with the bytes the last one had
-        // before its `choices`, the walk resumes there, as it would have
-        // stood after reading them again.
-        let resumed = self
-            .memo
-            .filter(|_| data.as_bytes().starts_with(&self.memo_bytes));
-        let (mut walk, mut top, mut seen) = match resumed {
-            Some(memo) => (
-                c.resume(self.memo_bytes.len(), memo.walk),
-                memo.top,
-                memo.seen,
-            ),
-            None => (c.object()?, TopSpans::default(), 0),
+        let mut c = Cursor::new(data, std::mem::take(&mut self.holes));
+        let top = self.walk(&mut c);
+        self.holes = c.into_holes();
+        let top = top?;
+        self.learn(data, &top);
+        Ok(top)
+    }
+
+    /// The frame at hand has the learned shape: the learned spans, moved.
+    fn from_template(&mut self) -> Result<TopSpans, Bail> {
+        let (t, h) = (&self.template, self.holes.as_slice());
+        let l = &self.learned_top;
+        let top = TopSpans {
+            error: moved(t, h, l.error)?,
+            id: moved(t, h, l.id)?,
+            object: moved(t, h, l.object)?,
+            created: moved(t, h, l.created)?,
+            model: moved(t, h, l.model)?,
+            annotated: l.annotated,
+            usage: l.usage.map(|u| u.moved(t, h)).transpose()?,
+            groq_usage: l.groq_usage.map(|u| u.moved(t, h)).transpose()?,
         };
-        let mut memo_at = None;
-        loop {
-            let before = (c.pos(), walk, top, seen);
-            let Some(key) = c.key(&mut walk)? else {
-                break;
-            };
+        self.choices.clear();
+        for choice in &self.learned_choices {
+            self.choices.push(ChoiceSpans {
+                index: moved(t, h, choice.index)?,
+                finish_reason: moved(t, h, choice.finish_reason)?,
+                reasoning_content: moved(t, h, choice.reasoning_content)?,
+                reasoning: moved(t, h, choice.reasoning)?,
+                content: moved(t, h, choice.content)?,
+                ..*choice
+            });
+        }
+        self.calls.clear();
+        for call in &self.learned_calls {
+            self.calls.push(CallSpans {
+                index: moved(t, h, call.index)?,
+                id: moved(t, h, call.id)?,
+                name: moved(t, h, call.name)?,
+                arguments: moved(t, h, call.arguments)?,
+            });
+        }
+        Ok(top)
+    }
+
+    /// Keeps a valid frame's shape when every span the decoder took is a
+    /// hole (a string or a number); otherwise the next frame is walked.
+    fn learn(&mut self, data: &str, top: &TopSpans) {
+        self.template.learn(data, &self.holes);
+        let t = &self.template;
+        let hole = |span: Option<Span>| span.is_none_or(|s| t.rank(s).is_some());
+        let usage = |u: Option<UsageSpans>| {
+            u.is_none_or(|u| hole(u.prompt) && hole(u.completion) && hole(u.total))
+        };
+        let all_holes = [top.error, top.id, top.object, top.created, top.model]
+            .into_iter()
+            .all(hole)
+            && usage(top.usage)
+            && usage(top.groq_usage)
+            && self.choices.iter().all(|c| {
+                [
+                    c.index,
+                    c.finish_reason,
+                    c.reasoning_content,
+                    c.reasoning,
+                    c.content,
+                ]
+                .into_iter()
+                .all(hole)
+            })
+            && self
+                .calls
+                .iter()
+                .all(|c| [c.index, c.id, c.name, c.arguments].into_iter().all(hole));
+        if all_holes {
+            self.learned_top = *top;
+            self.learned_choices.clone_from(&self.choices);
+            self.learned_calls.clone_from(&self.calls);
+        } else {
+            self.template.forget();
+        }
+    }
+
+    /// Walks a whole frame.
+    fn walk(&mut self, c: &mut Cursor<'_>) -> Result<TopSpans, Bail> {
+        let mut top = TopSpans::default();
+        let mut seen = 0;
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
             match key {
                 b"choices" => {
                     first_time(&mut seen, 1)?;
-                    if memo_at.is_none() {
-                        memo_at = Some(before);
-                    }
                     if !c.null()? {
                         let mut choices = c.array()?;
                         while c.element(&mut choices)? {
-                            self.scan_choice(&mut c)?;
+                            self.scan_choice(c)?;
                         }
                     }
                 }
                 b"usage" => {
                     first_time(&mut seen, 2)?;
-                    top.usage = scan_usage(&mut c)?;
+                    top.usage = scan_usage(c)?;
                 }
                 b"x_groq" => {
                     first_time(&mut seen, 4)?;
@@ -419,7 +485,7 @@ impl Spans {
                         while let Some(key) = c.key(&mut groq)? {
                             if key == b"usage" {
                                 first_time(&mut seen, 1)?;
-                                top.groq_usage = scan_usage(&mut c)?;
+                                top.groq_usage = scan_usage(c)?;
                             } else {
                                 c.value()?;
                             }
@@ -456,16 +522,6 @@ impl Spans {
             }
         }
         c.end()?;
-        // Only a valid frame teaches the memo; a resumed one only when its
-        // `choices` start further on.
-        if let Some((pos, walk, top, seen)) = memo_at
-            && (resumed.is_none() || pos != self.memo_bytes.len())
-        {
-            self.memo_bytes.clear();
-            self.memo_bytes
-                .extend_from_slice(data.as_bytes().get(..pos).unwrap_or_default());
-            self.memo = Some(Memo { walk, top, seen });
-        }
         Ok(top)
     }
 
@@ -650,6 +706,16 @@ impl Spans {
             )));
         }
         info
+    }
+}
+
+impl UsageSpans {
+    fn moved(self, t: &Template, holes: &[Span]) -> Result<UsageSpans, Bail> {
+        Ok(UsageSpans {
+            prompt: moved(t, holes, self.prompt)?,
+            completion: moved(t, holes, self.completion)?,
+            total: moved(t, holes, self.total)?,
+        })
     }
 }
 

@@ -41,6 +41,9 @@ pub(crate) struct Cursor<'a> {
     bytes: &'a [u8],
     pos: usize,
     depth: u32,
+    /// The spans of the string and number values walked so far (not keys):
+    /// the holes of a [`Template`].
+    holes: Vec<Span>,
 }
 
 const LO: u64 = 0x0101_0101_0101_0101;
@@ -66,25 +69,20 @@ pub(crate) struct Walk {
 }
 
 impl<'a> Cursor<'a> {
-    pub fn new(data: &'a str) -> Self {
+    /// A cursor at the start of `data`, noting value spans in `holes`
+    /// (cleared; a buffer to reuse, given back by [`Cursor::into_holes`]).
+    pub fn new(data: &'a str, mut holes: Vec<Span>) -> Self {
+        holes.clear();
         Cursor {
             bytes: data.as_bytes(),
             pos: 0,
             depth: 0,
+            holes,
         }
     }
 
-    /// The byte offset of the cursor.
-    pub fn pos(&self) -> usize {
-        self.pos
-    }
-
-    /// Continues a walk at `pos` inside the top-level object, where an
-    /// earlier cursor over the same bytes stood with `walk`.
-    pub fn resume(&mut self, pos: usize, walk: Walk) -> Walk {
-        self.pos = pos;
-        self.depth = 1;
-        walk
+    pub fn into_holes(self) -> Vec<Span> {
+        self.holes
     }
 
     #[inline]
@@ -233,7 +231,15 @@ impl<'a> Cursor<'a> {
             b't' => self.literal(b"true")?,
             b'f' => self.literal(b"false")?,
             b'n' => self.literal(b"null")?,
-            b'-' | b'0'..=b'9' => self.number()?,
+            b'-' | b'0'..=b'9' => {
+                self.number()?;
+                let span = Span {
+                    start,
+                    end: self.pos,
+                };
+                self.holes.push(span);
+                return Ok(span);
+            }
             _ => return Err(Bail),
         }
         Ok(Span {
@@ -283,6 +289,17 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    /// A number at the cursor (no whitespace before it), noted as a hole.
+    fn number_hole(&mut self) -> Result<(), Bail> {
+        let start = self.pos;
+        self.number()?;
+        self.holes.push(Span {
+            start,
+            end: self.pos,
+        });
+        Ok(())
+    }
+
     /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
     fn number(&mut self) -> Result<(), Bail> {
         let b = self.bytes;
@@ -329,7 +346,9 @@ impl<'a> Cursor<'a> {
     /// A string at the cursor, validated; its span, quotes included.
     #[inline]
     pub fn string(&mut self) -> Result<Span, Bail> {
-        self.string_inner().map(|(span, _)| span)
+        let (span, _) = self.string_inner()?;
+        self.holes.push(span);
+        Ok(span)
     }
 
     /// A string's span, and whether it has escapes.
@@ -416,6 +435,103 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// The shape of the last valid frame of a stream, to check the next one
+/// against in one pass.
+///
+/// Chunks of one stream differ mostly in their string and number values:
+/// same keys, same order, same punctuation. The template keeps the last
+/// valid frame's bytes and the spans of its string and number values (its
+/// holes). A frame that has the same bytes outside the holes and a valid
+/// string (or number) in each hole has the same structure as that valid
+/// frame, so it is valid too, and every value the decoder wants sits in the
+/// hole of the same rank. Any other frame is walked in full (and teaches
+/// the template).
+#[derive(Debug, Default)]
+pub(crate) struct Template {
+    bytes: Vec<u8>,
+    holes: Vec<Span>,
+    ready: bool,
+}
+
+impl Template {
+    /// Whether `data` has this shape; if so, `out` holds its holes.
+    pub fn matches(&self, data: &str, out: &mut Vec<Span>) -> bool {
+        out.clear();
+        if !self.ready {
+            return false;
+        }
+        let mut c = Cursor::new(data, std::mem::take(out));
+        let fits = self.fill(&mut c);
+        *out = c.into_holes();
+        fits
+    }
+
+    fn fill(&self, c: &mut Cursor<'_>) -> bool {
+        let mut from = 0;
+        for hole in &self.holes {
+            let (Some(literal), Some(&first)) =
+                (self.bytes.get(from..hole.start), self.bytes.get(hole.start))
+            else {
+                return false;
+            };
+            if c.bytes.get(c.pos..c.pos + literal.len()) != Some(literal) {
+                return false;
+            }
+            c.pos += literal.len();
+            // A string where a string was, a number where a number was.
+            let scanned = if first == b'"' {
+                c.string().map(drop)
+            } else {
+                c.number_hole()
+            };
+            if scanned.is_err() {
+                return false;
+            }
+            from = hole.end;
+        }
+        c.bytes.get(c.pos..) == self.bytes.get(from..)
+    }
+
+    /// Takes a valid frame's shape.
+    pub fn learn(&mut self, data: &str, holes: &[Span]) {
+        self.bytes.clear();
+        self.bytes.extend_from_slice(data.as_bytes());
+        self.holes.clear();
+        self.holes.extend_from_slice(holes);
+        self.ready = true;
+    }
+
+    /// Forgets the shape (a frame whose values are not all holes).
+    pub fn forget(&mut self) {
+        self.ready = false;
+    }
+
+    /// The rank of the hole a learned span is, if it is one.
+    pub fn rank(&self, span: Span) -> Option<usize> {
+        let k = self
+            .holes
+            .binary_search_by_key(&span.start, |h| h.start)
+            .ok()?;
+        (self.holes.get(k)?.end == span.end).then_some(k)
+    }
+}
+
+/// Moves a span of the learned frame to the matched one.
+#[inline]
+pub(crate) fn moved(
+    template: &Template,
+    holes: &[Span],
+    span: Option<Span>,
+) -> Result<Option<Span>, Bail> {
+    match span {
+        None => Ok(None),
+        Some(span) => {
+            let k = template.rank(span).ok_or(Bail)?;
+            holes.get(k).copied().map(Some).ok_or(Bail)
+        }
+    }
+}
+
 /// Marks a struct's known field as seen; a second one bails, as serde's
 /// derive rejects a duplicate field.
 #[inline]
@@ -432,7 +548,7 @@ mod tests {
     use super::*;
 
     fn valid(json: &str) -> bool {
-        let mut c = Cursor::new(json);
+        let mut c = Cursor::new(json, Vec::new());
         c.value().is_ok() && c.end().is_ok()
     }
 
@@ -497,7 +613,7 @@ mod tests {
     #[test]
     fn spans_are_raw_text() {
         let data = r#" {"a" : [1, "x\"y"] , "b":null}"#;
-        let mut c = Cursor::new(data);
+        let mut c = Cursor::new(data, Vec::new());
         let mut seen = Vec::new();
         let mut walk = c.object().expect("object");
         while let Some(key) = c.key(&mut walk).expect("valid") {
@@ -519,6 +635,6 @@ mod tests {
     #[test]
     fn deep_nesting_bails_instead_of_recursing() {
         let deep = "[".repeat(100_000);
-        assert_eq!(Cursor::new(&deep).value(), Err(Bail));
+        assert_eq!(Cursor::new(&deep, Vec::new()).value(), Err(Bail));
     }
 }
