@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
-use super::scan::{Bail, Cursor, Span, Template, first_time, moved};
+use super::scan::{Bail, Cursor, Span, Template, first_time, from_rank};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
@@ -172,7 +172,7 @@ pub(crate) struct Lines {
 impl Lines {
     fn scan(&mut self, data: &str) -> Result<LineSpans, Bail> {
         if self.template.matches(data, &mut self.holes)
-            && let Ok(line) = self.learned.moved(&self.template, &self.holes)
+            && let Ok(line) = self.learned.map(&mut |span| from_rank(&self.holes, span))
         {
             return Ok(line);
         }
@@ -182,8 +182,8 @@ impl Lines {
         let line = line?;
         self.template.learn(data, &self.holes);
         // Only a line whose every span is a hole can be moved.
-        match line.moved(&self.template, &self.holes) {
-            Ok(_) => self.learned = line,
+        match line.map(&mut |span| self.template.to_rank(span)) {
+            Ok(ranks) => self.learned = ranks,
             Err(Bail) => self.template.forget(),
         }
         Ok(line)
@@ -283,15 +283,18 @@ fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
 }
 
 impl LineSpans {
-    /// This line's spans moved to a line of the same shape.
-    fn moved(&self, t: &Template, holes: &[Span]) -> Result<LineSpans, Bail> {
+    /// This line with each span mapped by `f` (to a hole rank and back).
+    fn map(
+        &self,
+        f: &mut dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail>,
+    ) -> Result<LineSpans, Bail> {
         Ok(LineSpans {
-            content: moved(t, holes, self.content)?,
-            thinking: moved(t, holes, self.thinking)?,
-            done_reason: moved(t, holes, self.done_reason)?,
-            prompt_eval_count: moved(t, holes, self.prompt_eval_count)?,
-            eval_count: moved(t, holes, self.eval_count)?,
-            error: moved(t, holes, self.error)?,
+            content: f(self.content)?,
+            thinking: f(self.thinking)?,
+            done_reason: f(self.done_reason)?,
+            prompt_eval_count: f(self.prompt_eval_count)?,
+            eval_count: f(self.eval_count)?,
+            error: f(self.error)?,
             ..*self
         })
     }

@@ -17,7 +17,7 @@ use std::borrow::Cow;
 
 use serde::de::{self, Deserializer};
 
-use super::scan::{Bail, Cursor, Span, Template, first_time, moved};
+use super::scan::{Bail, Cursor, Span, Template, first_time, from_rank};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
@@ -153,7 +153,7 @@ pub fn decode<'a>(
     state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
-    if data.trim() == "[DONE]" {
+    if !data.starts_with('{') && data.trim() == "[DONE]" {
         emit(Chunk::Done);
         return Ok(FrameInfo::default());
     }
@@ -368,7 +368,7 @@ struct CallSpans {
 impl Spans {
     fn scan(&mut self, data: &str) -> Result<TopSpans, Bail> {
         if self.template.matches(data, &mut self.holes)
-            && let Ok(top) = self.from_template()
+            && let Ok(top) = self.moved_from_template()
         {
             return Ok(top);
         }
@@ -382,77 +382,43 @@ impl Spans {
         Ok(top)
     }
 
-    /// The frame at hand has the learned shape: the learned spans, moved.
-    fn from_template(&mut self) -> Result<TopSpans, Bail> {
-        let (t, h) = (&self.template, self.holes.as_slice());
-        let l = &self.learned_top;
-        let top = TopSpans {
-            error: moved(t, h, l.error)?,
-            id: moved(t, h, l.id)?,
-            object: moved(t, h, l.object)?,
-            created: moved(t, h, l.created)?,
-            model: moved(t, h, l.model)?,
-            annotated: l.annotated,
-            usage: l.usage.map(|u| u.moved(t, h)).transpose()?,
-            groq_usage: l.groq_usage.map(|u| u.moved(t, h)).transpose()?,
-        };
+    /// The frame at hand has the learned shape: the learned spans, moved
+    /// to its holes.
+    fn moved_from_template(&mut self) -> Result<TopSpans, Bail> {
+        let holes = self.holes.as_slice();
+        let mut moved = |span| from_rank(holes, span);
+        let top = self.learned_top.map(&mut moved)?;
         self.choices.clear();
         for choice in &self.learned_choices {
-            self.choices.push(ChoiceSpans {
-                index: moved(t, h, choice.index)?,
-                finish_reason: moved(t, h, choice.finish_reason)?,
-                reasoning_content: moved(t, h, choice.reasoning_content)?,
-                reasoning: moved(t, h, choice.reasoning)?,
-                content: moved(t, h, choice.content)?,
-                ..*choice
-            });
+            self.choices.push(choice.map(&mut moved)?);
         }
         self.calls.clear();
         for call in &self.learned_calls {
-            self.calls.push(CallSpans {
-                index: moved(t, h, call.index)?,
-                id: moved(t, h, call.id)?,
-                name: moved(t, h, call.name)?,
-                arguments: moved(t, h, call.arguments)?,
-            });
+            self.calls.push(call.map(&mut moved)?);
         }
         Ok(top)
     }
 
-    /// Keeps a valid frame's shape when every span the decoder took is a
-    /// hole (a string or a number); otherwise the next frame is walked.
+    /// Keeps a valid frame's shape, its spans as hole ranks, when every
+    /// span the decoder took is a hole (a string or a number); otherwise
+    /// the next frame is walked in full.
     fn learn(&mut self, data: &str, top: &TopSpans) {
         self.template.learn(data, &self.holes);
         let t = &self.template;
-        let hole = |span: Option<Span>| span.is_none_or(|s| t.rank(s).is_some());
-        let usage = |u: Option<UsageSpans>| {
-            u.is_none_or(|u| hole(u.prompt) && hole(u.completion) && hole(u.total))
+        let mut rank = |span| t.to_rank(span);
+        let mut learn = || -> Result<(), Bail> {
+            self.learned_top = top.map(&mut rank)?;
+            self.learned_choices.clear();
+            for choice in &self.choices {
+                self.learned_choices.push(choice.map(&mut rank)?);
+            }
+            self.learned_calls.clear();
+            for call in &self.calls {
+                self.learned_calls.push(call.map(&mut rank)?);
+            }
+            Ok(())
         };
-        let all_holes = [top.error, top.id, top.object, top.created, top.model]
-            .into_iter()
-            .all(hole)
-            && usage(top.usage)
-            && usage(top.groq_usage)
-            && self.choices.iter().all(|c| {
-                [
-                    c.index,
-                    c.finish_reason,
-                    c.reasoning_content,
-                    c.reasoning,
-                    c.content,
-                ]
-                .into_iter()
-                .all(hole)
-            })
-            && self
-                .calls
-                .iter()
-                .all(|c| [c.index, c.id, c.name, c.arguments].into_iter().all(hole));
-        if all_holes {
-            self.learned_top = *top;
-            self.learned_choices.clone_from(&self.choices);
-            self.learned_calls.clone_from(&self.calls);
-        } else {
+        if learn().is_err() {
             self.template.forget();
         }
     }
@@ -709,12 +675,54 @@ impl Spans {
     }
 }
 
+/// A function from span to span that may give up: to a hole rank and back.
+type SpanMap<'f> = dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail> + 'f;
+
+impl TopSpans {
+    fn map(&self, f: &mut SpanMap<'_>) -> Result<TopSpans, Bail> {
+        Ok(TopSpans {
+            error: f(self.error)?,
+            id: f(self.id)?,
+            object: f(self.object)?,
+            created: f(self.created)?,
+            model: f(self.model)?,
+            annotated: self.annotated,
+            usage: self.usage.map(|u| u.map(f)).transpose()?,
+            groq_usage: self.groq_usage.map(|u| u.map(f)).transpose()?,
+        })
+    }
+}
+
 impl UsageSpans {
-    fn moved(self, t: &Template, holes: &[Span]) -> Result<UsageSpans, Bail> {
+    fn map(self, f: &mut SpanMap<'_>) -> Result<UsageSpans, Bail> {
         Ok(UsageSpans {
-            prompt: moved(t, holes, self.prompt)?,
-            completion: moved(t, holes, self.completion)?,
-            total: moved(t, holes, self.total)?,
+            prompt: f(self.prompt)?,
+            completion: f(self.completion)?,
+            total: f(self.total)?,
+        })
+    }
+}
+
+impl ChoiceSpans {
+    fn map(&self, f: &mut SpanMap<'_>) -> Result<ChoiceSpans, Bail> {
+        Ok(ChoiceSpans {
+            index: f(self.index)?,
+            finish_reason: f(self.finish_reason)?,
+            reasoning_content: f(self.reasoning_content)?,
+            reasoning: f(self.reasoning)?,
+            content: f(self.content)?,
+            ..*self
+        })
+    }
+}
+
+impl CallSpans {
+    fn map(&self, f: &mut SpanMap<'_>) -> Result<CallSpans, Bail> {
+        Ok(CallSpans {
+            index: f(self.index)?,
+            id: f(self.id)?,
+            name: f(self.name)?,
+            arguments: f(self.arguments)?,
         })
     }
 }

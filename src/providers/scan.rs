@@ -151,14 +151,10 @@ impl<'a> Cursor<'a> {
         if escaped {
             return Err(Bail);
         }
-        // Most keys are followed by their colon at once.
-        if self.bytes.get(self.pos) == Some(&b':') {
-            self.pos += 1;
-        } else if self.peek() == Some(b':') {
-            self.pos += 1;
-        } else {
+        if self.peek() != Some(b':') {
             return Err(Bail);
         }
+        self.pos += 1;
         self.bytes
             .get(key.start + 1..key.end - 1)
             .map(Some)
@@ -506,29 +502,34 @@ impl Template {
         self.ready = false;
     }
 
-    /// The rank of the hole a learned span is, if it is one.
-    pub fn rank(&self, span: Span) -> Option<usize> {
+    /// A span of the learned frame as the rank of its hole (kept as
+    /// `start..start + 1`); a span that is not a hole gives up.
+    pub fn to_rank(&self, span: Option<Span>) -> Result<Option<Span>, Bail> {
+        let Some(span) = span else {
+            return Ok(None);
+        };
         let k = self
             .holes
             .binary_search_by_key(&span.start, |h| h.start)
-            .ok()?;
-        (self.holes.get(k)?.end == span.end).then_some(k)
+            .map_err(|_| Bail)?;
+        if self.holes.get(k).is_some_and(|h| h.end == span.end) {
+            Ok(Some(Span {
+                start: k,
+                end: k + 1,
+            }))
+        } else {
+            Err(Bail)
+        }
     }
 }
 
-/// Moves a span of the learned frame to the matched one.
+/// A hole rank (from [`Template::to_rank`]) as the span of that hole in a
+/// matched frame.
 #[inline]
-pub(crate) fn moved(
-    template: &Template,
-    holes: &[Span],
-    span: Option<Span>,
-) -> Result<Option<Span>, Bail> {
-    match span {
+pub(crate) fn from_rank(holes: &[Span], rank: Option<Span>) -> Result<Option<Span>, Bail> {
+    match rank {
         None => Ok(None),
-        Some(span) => {
-            let k = template.rank(span).ok_or(Bail)?;
-            holes.get(k).copied().map(Some).ok_or(Bail)
-        }
+        Some(rank) => holes.get(rank.start).copied().map(Some).ok_or(Bail),
     }
 }
 
