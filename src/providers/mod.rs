@@ -142,18 +142,21 @@ pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
         return Some(Cow::Borrowed(inner));
     }
     let mut out = String::with_capacity(inner.len());
-    let mut chars = inner.chars();
+    let mut rest = inner;
     let mut pending_high: Option<u16> = None;
-    while let Some(c) = chars.next() {
-        if c != '\\' {
+    // Runs without escapes are copied whole; each escape is decoded.
+    while let Some(at) = memchr::memchr(b'\\', rest.as_bytes()) {
+        let (run, escape) = rest.split_at(at);
+        if !run.is_empty() {
             flush_high(&mut pending_high, &mut out);
-            out.push(c);
-            continue;
+            out.push_str(run);
         }
+        let mut chars = escape.get(1..)?.chars();
         let escaped = match chars.next()? {
             'u' => {
-                let hex: String = chars.by_ref().take(4).collect();
-                let unit = u16::from_str_radix(&hex, 16).ok()?;
+                let hex = escape.get(2..6)?;
+                let unit = u16::from_str_radix(hex, 16).ok()?;
+                rest = escape.get(6..)?;
                 match (pending_high.take(), unit) {
                     (Some(high), 0xDC00..=0xDFFF) => {
                         let code = 0x10000
@@ -188,8 +191,13 @@ pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
             't' => '\t',
             _ => return None,
         };
+        rest = escape.get(2..)?;
         flush_high(&mut pending_high, &mut out);
         out.push(escaped);
+    }
+    if !rest.is_empty() {
+        flush_high(&mut pending_high, &mut out);
+        out.push_str(rest);
     }
     flush_high(&mut pending_high, &mut out);
     Some(Cow::Owned(out))
