@@ -166,6 +166,14 @@ pub struct SseDecoder {
     has_data: bool,
     event_type: Vec<u8>,
     last_event_id: Vec<u8>,
+    /// `last_event_id` as it was before the current event's first `id`
+    /// line (swapped in, so no allocation per event), for when that event
+    /// turns out oversized: an oversized event is not parsed, its `id`
+    /// included, whether its `id` line came before the limit or after.
+    id_before_event: Vec<u8>,
+    /// The current event has set `last_event_id` (`id_before_event` holds
+    /// the value to restore).
+    id_changed: bool,
     /// Index in `buf` of the last non-whitespace data byte, if any.
     data_last_byte: Option<usize>,
     events: u64,
@@ -203,6 +211,8 @@ impl SseDecoder {
             has_data: false,
             event_type: Vec::new(),
             last_event_id: Vec::new(),
+            id_before_event: Vec::new(),
+            id_changed: false,
             data_last_byte: None,
             events: 0,
         }
@@ -322,11 +332,17 @@ impl SseDecoder {
             cr_pending: std::mem::take(&mut self.skip_lf),
             closing_cr: false,
         });
-        // What was gathered of its fields will not be used.
+        // What was gathered of its fields will not be used; an `id` it
+        // set is undone, as it would never have been read had the event's
+        // first bytes arrived alone (the result must not depend on how the
+        // input was cut; found by the `sse_framing` fuzz target, issue 7).
         self.data = Vec::new();
         self.data_line = None;
         self.has_data = false;
         self.data_last_byte = None;
+        if std::mem::take(&mut self.id_changed) {
+            std::mem::swap(&mut self.last_event_id, &mut self.id_before_event);
+        }
     }
 
     /// Hands out what arrived of an oversized event, up to and including its
@@ -452,6 +468,9 @@ impl SseDecoder {
                 self.event_type.extend_from_slice(value);
             }
             b"id" if !value.contains(&0) => {
+                if !std::mem::replace(&mut self.id_changed, true) {
+                    std::mem::swap(&mut self.last_event_id, &mut self.id_before_event);
+                }
                 self.last_event_id.clear();
                 self.last_event_id.extend_from_slice(value);
             }
@@ -463,6 +482,9 @@ impl SseDecoder {
     /// Hands out `buf[start..scan]` as a block ended by a blank line.
     fn dispatch(&mut self, line_ending: LineEnding, line_ending_open: bool) -> SseBlock<'_> {
         let start = self.start;
+        // The block is whole: an `id` it set stays (WHATWG: the last event
+        // ID buffer persists, with or without data).
+        self.id_changed = false;
         let kind = if self.has_data {
             self.events += 1;
             let closing_brace = self

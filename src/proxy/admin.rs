@@ -30,6 +30,7 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use tokio::sync::{broadcast, mpsc};
 
+use super::body::log_safe;
 use super::service::{Proxy, json_error, json_response};
 use super::sessions::{SessionRegistry, Subscription};
 use super::upstream::{BoxError, ProxyBody};
@@ -220,9 +221,10 @@ async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBo
         _ => 0,
     };
     tracing::debug!(
-        session = %payload.session_id,
-        tool = payload.tool_name.as_deref().unwrap_or("-"),
-        phase = %payload.phase,
+        // Any JSON string: escaped, so it cannot forge a log line.
+        session = %log_safe(&payload.session_id),
+        tool = %log_safe(payload.tool_name.as_deref().unwrap_or("-")),
+        phase = %log_safe(&payload.phase),
         cleared,
         "tool:execute"
     );

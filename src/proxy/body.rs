@@ -47,10 +47,23 @@ const COALESCE_BYTES: usize = 64 * 1024;
 #[error("upstream silent for more than {0:?} mid-stream")]
 pub struct IdleTimeout(pub Duration);
 
+/// Longest piece of client text (a path, a session id) put in a log line.
+const MAX_LOGGED_CHARS: usize = 1024;
+
+/// Client text made safe for a log line: control (newlines, escape
+/// sequences, C1), bidi and zero-width characters escaped, at most
+/// 1,024 characters; ordinary text unchanged. A request
+/// path may hold any UTF-8 the HTTP parser lets through, and a log line
+/// must not be forged or recolored by it. See: issue 7.
+pub fn log_safe(text: &str) -> String {
+    crate::error::excerpt(text.as_bytes(), MAX_LOGGED_CHARS)
+}
+
 /// What is logged about a request when its response body ends.
 #[derive(Debug)]
 pub struct RequestLog {
     pub method: http::Method,
+    /// The request path, through [`log_safe`].
     pub path: String,
     pub status: http::StatusCode,
     pub session_id: String,

@@ -2,7 +2,9 @@
 //! capture `annotate` and `mock` replay (see [`crate::capture`]).
 //!
 //! For each stream three files, named `<unix ms>-<session>-<n>` so they
-//! sort by time and never collide:
+//! sort by time and never collide (a name that exists already, such as
+//! another process's recording or a link, is never written through: the
+//! next `n` is taken):
 //! - `.sse` or `.ndjson`: the upstream body, byte for byte, as it came
 //!   (before any injection);
 //! - the same name plus `.timing`: when each piece arrived;
@@ -16,7 +18,7 @@
 //! writes (timing, request) go to the blocking pool.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -130,14 +132,27 @@ impl Recorder {
         framing: Framing,
         request: RequestCopy,
     ) -> std::io::Result<Recording> {
-        let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let stem = format!("{}-{}-{n}", unix_ms(), safe_file_part(session));
         let extension = match framing {
             Framing::Sse => "sse",
             Framing::Ndjson => "ndjson",
         };
-        let body_path = self.dir.join(format!("{stem}.{extension}"));
-        let body = BufWriter::new(File::create(&body_path)?);
+        let part = safe_file_part(session);
+        // Only a name nothing has yet: an existing file (another process
+        // recording into DIR) is never overwritten, and a link planted in
+        // DIR is never followed out of it (`create_new` does not follow a
+        // symbolic link). The next number is tried instead.
+        let mut tries = 0;
+        let (stem, body_path, file) = loop {
+            let n = self.counter.fetch_add(1, Ordering::Relaxed);
+            let stem = format!("{}-{part}-{n}", unix_ms());
+            let body_path = self.dir.join(format!("{stem}.{extension}"));
+            match create_new(&body_path) {
+                Ok(file) => break (stem, body_path, file),
+                Err(err) if err.kind() == ErrorKind::AlreadyExists && tries < 100 => tries += 1,
+                Err(err) => return Err(err),
+            }
+        };
+        let body = BufWriter::new(file);
         Ok(Recording {
             body,
             timing_path: Timing::sidecar(&body_path),
@@ -149,6 +164,11 @@ impl Recorder {
             failed: false,
         })
     }
+}
+
+/// Creates `path`, which must not exist yet (not even as a link).
+fn create_new(path: &Path) -> std::io::Result<File> {
+    File::options().write(true).create_new(true).open(path)
 }
 
 impl Recording {
@@ -177,9 +197,11 @@ impl Drop for Recording {
         let request =
             std::mem::take(&mut *self.request.0.lock().unwrap_or_else(|e| e.into_inner()));
         let write = move || {
-            let written = flushed
-                .and(std::fs::write(&timing_path, timing))
-                .and(std::fs::write(&request_path, request));
+            // Each is tried, whatever became of the others.
+            let timing_written =
+                create_new(&timing_path).and_then(|mut f| f.write_all(timing.as_bytes()));
+            let request_written = create_new(&request_path).and_then(|mut f| f.write_all(&request));
+            let written = flushed.and(timing_written).and(request_written);
             if let Err(err) = written {
                 tracing::warn!(
                     "cannot finish the recording {}: {err}",

@@ -22,7 +22,7 @@ use hyper::body::Incoming;
 
 use super::ProxyConfig;
 use super::admin;
-use super::body::{RequestLog, TapBody};
+use super::body::{RequestLog, TapBody, log_safe};
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, Recorder};
 use super::sessions::SessionRegistry;
@@ -74,12 +74,16 @@ enum Fault {
     UpstreamTimeout,
     /// The upstream connection failed after it was made.
     UpstreamError,
+    /// The client's request body failed while it was being forwarded (the
+    /// client went away, or sent less than it announced): its fault, not
+    /// the upstream's.
+    ClientAborted,
 }
 
 impl Fault {
     fn status(self) -> StatusCode {
         match self {
-            Fault::BadRequest => StatusCode::BAD_REQUEST,
+            Fault::BadRequest | Fault::ClientAborted => StatusCode::BAD_REQUEST,
             Fault::UpstreamUnreachable | Fault::UpstreamError => StatusCode::BAD_GATEWAY,
             Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -87,7 +91,7 @@ impl Fault {
 
     fn kind(self) -> &'static str {
         match self {
-            Fault::BadRequest => "invalid_request_error",
+            Fault::BadRequest | Fault::ClientAborted => "invalid_request_error",
             Fault::UpstreamUnreachable => "upstream_unreachable",
             Fault::UpstreamTimeout => "upstream_timeout",
             Fault::UpstreamError => "upstream_error",
@@ -145,7 +149,7 @@ impl Proxy {
         }
         let started = Instant::now();
         let method = req.method().clone();
-        let path = req.uri().path().to_owned();
+        let path = log_safe(req.uri().path());
         match self.forward(req, started).await {
             Ok(response) => response,
             Err((fault, message, session_id)) => {
@@ -157,7 +161,7 @@ impl Proxy {
                         self.metrics().upstream_error(UpstreamErrorKind::Timeout)
                     }
                     Fault::UpstreamError => self.metrics().upstream_error(UpstreamErrorKind::Error),
-                    Fault::BadRequest => {}
+                    Fault::BadRequest | Fault::ClientAborted => {}
                 }
                 let mut response = error_response(fault, &message);
                 let log = RequestLog {
@@ -168,7 +172,15 @@ impl Proxy {
                     started,
                 };
                 let bytes_out = response.body().size_hint().exact().unwrap_or(0);
-                log.write(0, bytes_out, 0, fault.kind());
+                let outcome = match fault {
+                    // The same word as a stream whose client went away.
+                    Fault::ClientAborted => "cancelled",
+                    Fault::BadRequest
+                    | Fault::UpstreamUnreachable
+                    | Fault::UpstreamTimeout
+                    | Fault::UpstreamError => fault.kind(),
+                };
+                log.write(0, bytes_out, 0, outcome);
                 tracing::debug!(%peer, "request failed: {message}");
                 if let Some(id) = session_id.and_then(|id| HeaderValue::from_str(&id).ok()) {
                     response.headers_mut().insert(SESSION_HEADER, id);
@@ -199,7 +211,7 @@ impl Proxy {
         // Phase 2: the upstream request.
         let (mut parts, body) = req.into_parts();
         let method = parts.method.clone();
-        let path = parts.uri.path().to_owned();
+        let path = log_safe(parts.uri.path());
         parts.uri = config.upstream.uri_for(&parts.uri).map_err(|e| {
             fail(
                 Fault::BadRequest,
@@ -374,7 +386,9 @@ fn classify(err: &hyper_util::client::legacy::Error) -> (Fault, &'static str) {
             .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
             || e.to_string().contains("timed out")
     });
-    if timed_out {
+    if request_body_failed(err) {
+        (Fault::ClientAborted, "was sent an incomplete request body")
+    } else if timed_out {
         (
             Fault::UpstreamTimeout,
             "did not accept the connection in time",
@@ -384,6 +398,21 @@ fn classify(err: &hyper_util::client::legacy::Error) -> (Fault, &'static str) {
     } else {
         (Fault::UpstreamError, "failed")
     }
+}
+
+/// The body being sent failed, not the upstream: hyper reports an error of
+/// the body it was given (a user error) whose cause is the error of the
+/// client's own request body (a `hyper::Error` of the server side).
+/// See: issue 7 (a client that goes away mid-request is not an upstream
+/// failure).
+fn request_body_failed(err: &hyper_util::client::legacy::Error) -> bool {
+    std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
+        e.source()
+    })
+    .filter_map(|e| e.downcast_ref::<hyper::Error>())
+    .any(|e| {
+        e.is_user() && std::error::Error::source(e).is_some_and(|cause| cause.is::<hyper::Error>())
+    })
 }
 
 /// An error and its causes, `: `-separated, each once.

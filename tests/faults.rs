@@ -1,0 +1,2880 @@
+//! Hostile input and faults (issue 7, "Faults" and the security part of
+//! "Limits"), over real HTTP on loopback: the proxy in this process (so a
+//! test can read its session registry and metrics) or the real
+//! `aalis-proxy` binary where signals or its log matter.
+//!
+//! - an upstream that closes in the middle of an event, at every byte of it;
+//! - invalid UTF-8 in data lines, JSON strings and tool arguments;
+//! - a 10,000-delta tool call, a 5 MiB one, 100 parallel calls;
+//! - a client that goes away at every phase of a request;
+//! - SIGTERM with 100 open streams;
+//! - CRLF, NUL and path tricks in session ids, in recorded file names and
+//!   in the upstream's response headers.
+//!
+//! What a stream must become is checked two ways: against the library's own
+//! pipeline ([`Annotator`], what `annotate` runs), and independently: the
+//! injected `toolCallProgress` keys are cut out of the output again
+//! ([`strip_injected`]), which must give the upstream's bytes back, and the
+//! progress numbers are recomputed here from the escaped fragments
+//! ([`js_len`]).
+//!
+//! Every wait is bounded; nothing asserts how long something took, except
+//! generous deadlines that only fail on a hang.
+
+mod common;
+#[allow(dead_code)]
+#[path = "common/upstream.rs"]
+mod upstream;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
+
+use aalis_proxy::encode::{InjectMode, OutputFormat};
+use aalis_proxy::framing::Framing;
+use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+use aalis_proxy::proxy::service::Proxy;
+use aalis_proxy::proxy::sessions::SessionRegistry;
+use aalis_proxy::proxy::upstream::Upstream;
+use aalis_proxy::proxy::{ProxyConfig, serve_proxy};
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::task::JoinHandle;
+use upstream::{Event, FakeUpstream, Reply, Step};
+
+/// Bound for any single wait (a response, a body, an event).
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// The clock of the reference pipeline (SSE output does not depend on it).
+const NOW_MS: u64 = common::NOW_MS;
+
+// === panics ===
+
+/// Panics raised outside this file's own code (the library, hyper, tokio)
+/// since the hook was installed: a connection task that panics is only
+/// logged by the runtime, so a test could not see it otherwise.
+static FOREIGN_PANICS: AtomicUsize = AtomicUsize::new(0);
+
+fn watch_panics() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let ours = info
+                .location()
+                .is_some_and(|l| l.file().starts_with("tests/"));
+            if !ours {
+                FOREIGN_PANICS.fetch_add(1, Ordering::SeqCst);
+            }
+            default(info);
+        }));
+    });
+}
+
+fn assert_no_foreign_panic() {
+    assert_eq!(
+        FOREIGN_PANICS.load(Ordering::SeqCst),
+        0,
+        "something outside the tests panicked (see the output above)"
+    );
+}
+
+// === the proxy in this process ===
+
+fn proxy_config(upstream: &str) -> ProxyConfig {
+    let mut config = ProxyConfig::new(Upstream::parse(upstream).expect("upstream URL"));
+    config.connect_timeout = Duration::from_secs(2);
+    config.response_timeout = Duration::from_secs(5);
+    config.idle_timeout = Duration::from_secs(5);
+    config.shutdown_grace = Duration::from_secs(2);
+    config
+}
+
+/// `serve_proxy` (the public entry point `serve` uses) on a loopback port,
+/// with the [`Proxy`] kept so the test can read its sessions and metrics.
+struct Served {
+    addr: SocketAddr,
+    proxy: Proxy,
+    _stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl Served {
+    async fn start(config: ProxyConfig) -> Served {
+        watch_panics();
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy addr");
+        let proxy = Proxy::from_config(config, SessionRegistry::new()).expect("proxy");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve_proxy(listener, proxy.clone(), async {
+            let _ = stopped.await;
+        }));
+        Served {
+            addr,
+            proxy,
+            _stop: stop,
+            task,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn sessions(&self) -> &SessionRegistry {
+        self.proxy.sessions()
+    }
+
+    /// The value of the metric line `name` (with its labels) as rendered
+    /// for `GET /_aalis/metrics`.
+    fn metric(&self, name: &str) -> f64 {
+        let text = self.proxy.metrics().render();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+// === clients ===
+
+type TestClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> TestClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+fn post(url: &str, session: &str) -> Request<Full<Bytes>> {
+    Request::post(url)
+        .header("x-aalis-session", session)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{\"stream\":true}")))
+        .expect("request")
+}
+
+async fn send(client: &TestClient, req: Request<Full<Bytes>>) -> Response<Incoming> {
+    tokio::time::timeout(PATIENCE, client.request(req))
+        .await
+        .expect("response headers in time")
+        .expect("request sent")
+}
+
+/// Reads `body` to its end or its first error: the bytes, then `Ok` for a
+/// clean end or the error's text. Fails the test past `limit`.
+async fn read_body<B>(body: &mut B, limit: Duration) -> (Vec<u8>, Result<(), String>)
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let mut bytes = Vec::new();
+    let outcome = tokio::time::timeout(limit, async {
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(frame) => {
+                    if let Ok(data) = frame.into_data() {
+                        bytes.extend_from_slice(&data);
+                    }
+                }
+                Err(err) => return Err(err.to_string()),
+            }
+        }
+        Ok(())
+    })
+    .await;
+    match outcome {
+        Ok(end) => (bytes, end),
+        Err(_) => panic!(
+            "body neither ended nor failed within {limit:?}; {} bytes so far",
+            bytes.len()
+        ),
+    }
+}
+
+/// Reads from `body` into `got` until it holds at least `wanted` bytes.
+async fn read_at_least<B>(body: &mut B, got: &mut Vec<u8>, wanted: usize)
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let read = tokio::time::timeout(PATIENCE, async {
+        while got.len() < wanted {
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        got.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(err)) => panic!("body failed after {} bytes: {err}", got.len()),
+                None => panic!("body ended after {} of {wanted} bytes", got.len()),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "only {} of {wanted} bytes in time", got.len());
+}
+
+/// Waits until `check` holds, polling every 10 ms, at most `limit`.
+async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+// === raw HTTP/1.1, for what a well-behaved client or server cannot send ===
+
+/// Sends `request` as is on a new connection and reads the response until
+/// the connection closes (the requests say `Connection: close`). The
+/// request is written while the response is read, so a server that answers
+/// before it has read everything (a `431`) is heard all the same.
+async fn raw_exchange(addr: SocketAddr, request: &[u8]) -> Vec<u8> {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut rd, mut wr) = stream.into_split();
+    let request = request.to_vec();
+    let writer = tokio::spawn(async move {
+        // The server may close before it has read it all.
+        let _ = wr.write_all(&request).await;
+        wr
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    let read = tokio::time::timeout(PATIENCE, async {
+        // A reset after a complete response still leaves the response.
+        while let Ok(k) = rd.read(&mut buf).await {
+            if k == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..k]);
+        }
+    })
+    .await;
+    assert!(
+        read.is_ok(),
+        "no end of the response in time:\n{}",
+        String::from_utf8_lossy(&got)
+    );
+    drop(writer.await);
+    got
+}
+
+/// A response as raw bytes: the status, the header lines (without their
+/// CRLF) and the body (de-chunked when chunked).
+#[derive(Debug)]
+struct RawResponse {
+    status: u16,
+    header_lines: Vec<Vec<u8>>,
+    body: Vec<u8>,
+    /// The body's end was seen as its framing says.
+    complete: bool,
+}
+
+impl RawResponse {
+    fn parse(raw: &[u8]) -> RawResponse {
+        let end = find(raw, b"\r\n\r\n")
+            .unwrap_or_else(|| panic!("no end of head in {:?}", String::from_utf8_lossy(raw)));
+        let head = &raw[..end];
+        let rest = &raw[end + 4..];
+        let mut lines = split_crlf(head);
+        let status_line = lines.remove(0);
+        let status = std::str::from_utf8(&status_line)
+            .ok()
+            .and_then(|l| l.split(' ').nth(1)?.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+        let mut response = RawResponse {
+            status,
+            header_lines: lines,
+            body: Vec::new(),
+            complete: false,
+        };
+        if response
+            .header("transfer-encoding")
+            .is_some_and(|v| v == b"chunked")
+        {
+            let (body, complete) = dechunk(rest);
+            response.body = body;
+            response.complete = complete;
+        } else if let Some(length) = response.header("content-length") {
+            let length: usize = std::str::from_utf8(&length)
+                .ok()
+                .and_then(|l| l.parse().ok())
+                .expect("numeric content-length");
+            response.complete = rest.len() >= length;
+            response.body = rest[..length.min(rest.len())].to_vec();
+        } else {
+            response.body = rest.to_vec();
+            response.complete = true;
+        }
+        response
+    }
+
+    /// The value of the only header `name`; fails when it appears twice.
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        let values = self.headers(name);
+        assert!(values.len() <= 1, "{name} appears {} times", values.len());
+        values.into_iter().next()
+    }
+
+    fn headers(&self, name: &str) -> Vec<Vec<u8>> {
+        self.header_lines
+            .iter()
+            .filter_map(|line| {
+                let colon = line.iter().position(|&b| b == b':')?;
+                line[..colon]
+                    .eq_ignore_ascii_case(name.as_bytes())
+                    .then(|| trim(&line[colon + 1..]).to_vec())
+            })
+            .collect()
+    }
+
+    /// Every header line is `token: value` and no value holds a CR, an LF
+    /// or a NUL: nothing could have been split into another header.
+    fn assert_well_formed(&self) {
+        for line in &self.header_lines {
+            let colon = line
+                .iter()
+                .position(|&b| b == b':')
+                .unwrap_or_else(|| panic!("header line without a colon: {line:?}"));
+            let name = &line[..colon];
+            assert!(
+                !name.is_empty()
+                    && name
+                        .iter()
+                        .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b)),
+                "bad header name in {:?}",
+                String::from_utf8_lossy(line)
+            );
+            assert!(
+                !line.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)),
+                "CR, LF or NUL inside a header line: {:?}",
+                String::from_utf8_lossy(line)
+            );
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+fn split_crlf(bytes: &[u8]) -> Vec<Vec<u8>> {
+    let mut lines = Vec::new();
+    let mut rest = bytes;
+    while let Some(at) = find(rest, b"\r\n") {
+        lines.push(rest[..at].to_vec());
+        rest = &rest[at + 2..];
+    }
+    lines.push(rest.to_vec());
+    lines
+}
+
+fn trim(bytes: &[u8]) -> &[u8] {
+    let start = bytes
+        .iter()
+        .position(|b| !matches!(b, b' ' | b'\t'))
+        .unwrap_or(bytes.len());
+    let end = bytes
+        .iter()
+        .rposition(|b| !matches!(b, b' ' | b'\t'))
+        .map_or(start, |e| e + 1);
+    &bytes[start..end.max(start)]
+}
+
+/// Decodes a chunked body as far as it goes: the data, and whether the
+/// last chunk was seen.
+fn dechunk(mut raw: &[u8]) -> (Vec<u8>, bool) {
+    let mut out = Vec::new();
+    loop {
+        let Some(line_end) = find(raw, b"\r\n") else {
+            return (out, false);
+        };
+        let size = std::str::from_utf8(&raw[..line_end])
+            .ok()
+            .and_then(|s| usize::from_str_radix(s.split(';').next()?.trim(), 16).ok());
+        let Some(size) = size else {
+            return (out, false);
+        };
+        raw = &raw[line_end + 2..];
+        if size == 0 {
+            return (out, true);
+        }
+        if raw.len() < size + 2 {
+            out.extend_from_slice(&raw[..size.min(raw.len())]);
+            return (out, false);
+        }
+        out.extend_from_slice(&raw[..size]);
+        raw = &raw[size + 2..];
+    }
+}
+
+/// One step of a [`RawUpstream`] response.
+#[derive(Clone, Debug)]
+enum RawStep {
+    Write(Bytes),
+    /// Half-close: the response ends here (a FIN).
+    Close,
+}
+
+/// What a [`RawUpstream`] saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RawEvent {
+    /// Connection `n` sent a whole request head.
+    Head { n: usize, head: Vec<u8> },
+    /// Connection `n` was closed by the proxy.
+    Closed { n: usize },
+}
+
+/// An upstream that writes exactly the bytes a script says (a response
+/// head with odd bytes, a body cut anywhere) and reports when the proxy
+/// closes each connection. After its steps it keeps the connection open
+/// until the proxy closes it. Scripts should say `Connection: close`, so
+/// that the proxy never reuses a connection.
+struct RawUpstream {
+    addr: SocketAddr,
+    events: mpsc::UnboundedReceiver<RawEvent>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for RawUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RawUpstream {
+    async fn start(script: impl Fn(&[u8]) -> Vec<RawStep> + Send + Sync + 'static) -> RawUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, events) = mpsc::unbounded_channel();
+        let script = Arc::new(script);
+        let task = tokio::spawn(async move {
+            let mut n = 0;
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                let (tx, script) = (tx.clone(), script.clone());
+                tokio::spawn(raw_connection(stream, n, tx, script));
+                n += 1;
+            }
+        });
+        RawUpstream { addr, events, task }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn next(&mut self, limit: Duration) -> Option<RawEvent> {
+        tokio::time::timeout(limit, self.events.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+type RawScript = dyn Fn(&[u8]) -> Vec<RawStep> + Send + Sync;
+
+async fn raw_connection(
+    stream: TcpStream,
+    n: usize,
+    tx: mpsc::UnboundedSender<RawEvent>,
+    script: Arc<RawScript>,
+) {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    let head_end = loop {
+        if let Some(at) = find(&seen, b"\r\n\r\n") {
+            break at + 4;
+        }
+        match rd.read(&mut buf).await {
+            Ok(0) | Err(_) => {
+                let _ = tx.send(RawEvent::Closed { n });
+                return;
+            }
+            Ok(k) => seen.extend_from_slice(&buf[..k]),
+        }
+    };
+    let head = seen[..head_end].to_vec();
+    let _ = tx.send(RawEvent::Head {
+        n,
+        head: head.clone(),
+    });
+    // Whatever else comes (a request body) is read and dropped, until the
+    // proxy closes its side.
+    let reader_tx = tx.clone();
+    let reader = tokio::spawn(async move {
+        let mut buf = [0u8; 16 * 1024];
+        while let Ok(k) = rd.read(&mut buf).await {
+            if k == 0 {
+                break;
+            }
+        }
+        let _ = reader_tx.send(RawEvent::Closed { n });
+    });
+    for step in script(&head) {
+        match step {
+            RawStep::Write(bytes) => {
+                if wr.write_all(&bytes).await.is_err() {
+                    break;
+                }
+                let _ = wr.flush().await;
+            }
+            RawStep::Close => {
+                let _ = wr.shutdown().await;
+                break;
+            }
+        }
+    }
+    let _ = reader.await;
+}
+
+/// A chunked response head for `content_type`, closing the connection.
+fn chunked_head(content_type: &str) -> Bytes {
+    Bytes::from(format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    ))
+}
+
+fn chunk(data: &[u8]) -> Bytes {
+    let mut out = format!("{:x}\r\n", data.len()).into_bytes();
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+    Bytes::from(out)
+}
+
+// === streams: building them, and what they must become ===
+
+/// What the proxy's pipeline makes of `input` with the default `field`
+/// injection, its end included.
+fn annotate(input: &[u8]) -> Vec<u8> {
+    common::run_whole(&sse_config(), input).output
+}
+
+/// The same for `framing` (NDJSON lines get `field` injection too).
+fn annotate_with(input: &[u8], framing: Framing) -> Vec<u8> {
+    let config = AnnotatorConfig {
+        framing: Some(framing),
+        ..sse_config()
+    };
+    common::run_whole(&config, input).output
+}
+
+/// What the pipeline has written after `input` with the stream still open.
+fn annotate_open(input: &[u8]) -> Vec<u8> {
+    let mut annotator = Annotator::new(sse_config());
+    let mut out = Vec::new();
+    annotator.push(input, NOW_MS, &mut out);
+    out
+}
+
+fn sse_config() -> AnnotatorConfig {
+    AnnotatorConfig {
+        output: OutputFormat::Sse,
+        inject: InjectMode::Field,
+        framing: Some(Framing::Sse),
+        ..AnnotatorConfig::default()
+    }
+}
+
+fn fixture(name: &str) -> Vec<u8> {
+    std::fs::read(common::fixtures_dir().join(name)).expect("read fixture")
+}
+
+/// A small tool-call capture (14 events: role, a `get_weather` call in
+/// fragments, finish, `[DONE]`).
+const SINGLE_CALL: &str = "openai/single_tool_call.sse";
+
+/// Where each SSE event of `input` starts and ends (after its blank line),
+/// for inputs with `\n\n` between events.
+fn event_spans(input: &[u8]) -> Vec<std::ops::Range<usize>> {
+    let mut spans = Vec::new();
+    let mut start = 0;
+    while let Some(at) = find(&input[start..], b"\n\n") {
+        spans.push(start..start + at + 2);
+        start += at + 2;
+    }
+    spans
+}
+
+/// The output with every injected `toolCallProgress` and
+/// `toolCallsProgress` key cut out again: what `field` injection adds is
+/// `,"toolCallsProgress":[…],"toolCallProgress":{…}` right before the last
+/// `}` of a `data:` line (or of an NDJSON line). (Argument text cannot contain the unescaped key.)
+fn strip_injected(output: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(output.len());
+    for line in output.split_inclusive(|&b| b == b'\n') {
+        let cut = [
+            &b",\"toolCallsProgress\":"[..],
+            &b",\"toolCallProgress\":"[..],
+        ]
+        .iter()
+        .filter_map(|key| find(line, key))
+        .min();
+        match cut {
+            Some(at) if line.starts_with(b"data:") || line.starts_with(b"{") => {
+                let close = line
+                    .iter()
+                    .rposition(|&b| b == b'}')
+                    .expect("a closing brace after the injection");
+                out.extend_from_slice(&line[..at]);
+                out.extend_from_slice(&line[close..]);
+            }
+            _ => out.extend_from_slice(line),
+        }
+    }
+    out
+}
+
+/// One progress as a client sees it: `(index, name, charsAccumulated)`.
+type Seen = (i64, String, u64);
+
+/// Every progress of an output, in order: `(index, name, charsAccumulated)`
+/// (from `toolCallsProgress` when a chunk carries several).
+fn progress_of(output: &[u8]) -> Vec<Seen> {
+    let mut all = Vec::new();
+    for line in output.split(|&b| b == b'\n') {
+        // An SSE `data:` line, or an NDJSON line.
+        let Some(data) = line
+            .strip_prefix(b"data: ")
+            .or_else(|| line.starts_with(b"{").then_some(line))
+        else {
+            continue;
+        };
+        // Only the injected part is parsed: the chunk itself may hold lone
+        // surrogate escapes, which serde_json refuses.
+        let Some(at) = [
+            &b",\"toolCallsProgress\":"[..],
+            &b",\"toolCallProgress\":"[..],
+        ]
+        .iter()
+        .filter_map(|key| find(data, key))
+        .min() else {
+            continue;
+        };
+        let close = data
+            .iter()
+            .rposition(|&b| b == b'}')
+            .expect("closing brace");
+        let injected = [&b"{"[..], &data[at + 1..close], &b"}"[..]].concat();
+        let value: Value = serde_json::from_slice(&injected).expect("the injection is JSON");
+        let list = match value.get("toolCallsProgress") {
+            Some(list) => list.as_array().expect("a list").clone(),
+            None => vec![value["toolCallProgress"].clone()],
+        };
+        for p in list {
+            all.push((
+                p["index"].as_i64().expect("index"),
+                p["name"].as_str().expect("name").to_owned(),
+                p["charsAccumulated"].as_u64().expect("charsAccumulated"),
+            ));
+        }
+    }
+    all
+}
+
+/// The JavaScript `String.length` of the text a JSON string's escaped
+/// contents stand for: each escape is one UTF-16 unit (a lone surrogate
+/// escape too), each other character its UTF-16 length.
+fn js_len(escaped: &str) -> u64 {
+    let mut n = 0;
+    let mut chars = escaped.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            match chars.next() {
+                Some('u') => {
+                    for _ in 0..4 {
+                        chars.next().expect("four hex digits");
+                    }
+                }
+                Some(_) => {}
+                None => panic!("a lone backslash in {escaped:?}"),
+            }
+            n += 1;
+        } else {
+            n += c.len_utf16() as u64;
+        }
+    }
+    n
+}
+
+/// A deterministic pseudo-random sequence (an LCG; no dependency).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self, below: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 33) % below as u64) as usize
+    }
+}
+
+/// Argument fragments as they appear inside the JSON string (escaped):
+/// ASCII, escapes, two- to four-byte UTF-8, surrogate pairs as escapes, and
+/// lone surrogate escapes (a UTF-16 provider cutting inside a pair).
+const PIECES: &[&str] = &[
+    "a",
+    "path",
+    " ",
+    "0123456789",
+    "\\\"",
+    "\\\\",
+    "\\n",
+    "\\t",
+    "\\/",
+    "é",
+    "😀",
+    "東京",
+    "\\u00e9",
+    "\\ud83d\\ude00",
+    "\\ud83d",
+    "\\ude00",
+    "{\\\"k\\\":",
+    "},",
+];
+
+/// A fragment of one to three pieces.
+fn fragment(rng: &mut Lcg) -> String {
+    (0..1 + rng.next(3))
+        .map(|_| PIECES[rng.next(PIECES.len())])
+        .collect()
+}
+
+fn chunk_event(delta: &str, finish: &str) -> String {
+    format!(
+        "data: {{\"id\":\"chatcmpl-faults\",\"object\":\"chat.completion.chunk\",\"created\":1767225600,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":{finish}}}]}}\n\n"
+    )
+}
+
+/// One `tool_calls` entry; `start` gives the id and name of a call's
+/// first delta.
+fn tool_entry(index: usize, start: Option<(&str, &str)>, args: &str) -> String {
+    match start {
+        Some((id, name)) => format!(
+            "{{\"index\":{index},\"id\":\"{id}\",\"type\":\"function\",\"function\":{{\"name\":\"{name}\",\"arguments\":\"{args}\"}}}}"
+        ),
+        None => format!("{{\"index\":{index},\"function\":{{\"arguments\":\"{args}\"}}}}"),
+    }
+}
+
+fn tool_event(entries: &[String]) -> String {
+    chunk_event(
+        &format!("{{\"tool_calls\":[{}]}}", entries.join(",")),
+        "null",
+    )
+}
+
+fn role_event() -> String {
+    chunk_event("{\"role\":\"assistant\",\"content\":null}", "null")
+}
+
+fn finish_event() -> String {
+    chunk_event("{}", "\"tool_calls\"")
+}
+
+const DONE: &str = "data: [DONE]\n\n";
+
+/// One call `write_file` whose arguments come in `fragments`: the stream,
+/// and the progress each delta must report.
+fn one_call_stream(fragments: &[String]) -> (Vec<u8>, Vec<Seen>) {
+    let mut stream = role_event();
+    stream.push_str(&tool_event(&[tool_entry(
+        0,
+        Some(("call_1", "write_file")),
+        "",
+    )]));
+    let mut expected = vec![(0, "write_file".to_owned(), 0)];
+    let mut chars = 0;
+    for f in fragments {
+        stream.push_str(&tool_event(&[tool_entry(0, None, f)]));
+        chars += js_len(f);
+        expected.push((0, "write_file".to_owned(), chars));
+    }
+    stream.push_str(&finish_event());
+    stream.push_str(DONE);
+    (stream.into_bytes(), expected)
+}
+
+/// `bytes` cut in pieces of 1 to `max` bytes (deterministic).
+fn pieces(bytes: &[u8], max: usize, seed: u64) -> Vec<&[u8]> {
+    let mut rng = Lcg(seed);
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let n = (1 + rng.next(max)).min(rest.len());
+        out.push(&rest[..n]);
+        rest = &rest[n..];
+    }
+    out
+}
+
+// ===========================================================================
+// 1. An upstream that closes in the middle of an event
+
+/// An upstream that just ends its body in the middle of an event, at each
+/// of the 365 byte positions of event 5 of `single_tool_call.sse` and at
+/// every event boundary ±1 — its body ending cleanly, three ways: the
+/// chunked terminator, a `Content-Length` that says so, and a FIN ending a
+/// close-delimited body. Every time, the client gets exactly the
+/// pipeline's output of the bytes sent, the partial event's bytes
+/// included (nothing lost), and a clean end: the upstream did end its
+/// response (SPEC.md: "a stream may also just end"), so the proxy invents
+/// no error and no `[DONE]`; the session is released.
+///
+/// (A body that fails instead — an error, a reset, silence past the idle
+/// timeout — is `an_upstream_that_stops_mid_event_loses_nothing` in
+/// `tests/proxy.rs`: every byte, then an error.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_ends_mid_event_loses_nothing_and_invents_nothing() {
+    let input = fixture(SINGLE_CALL);
+    let spans = event_spans(&input);
+    assert_eq!(spans.len(), 11);
+    let mut cuts: Vec<usize> = spans[4].clone().collect();
+    for span in &spans {
+        cuts.extend([span.end.saturating_sub(1), span.end, span.end + 1]);
+    }
+    cuts.retain(|&c| c < input.len());
+    cuts.sort_unstable();
+    cuts.dedup();
+
+    let served = Arc::new(input.clone());
+    let for_fake = served.clone();
+    // `/cut/N/chunked` or `/cut/N/length`.
+    let fake = FakeUpstream::start(move |req| {
+        let parts: Vec<&str> = req.uri.path().split('/').collect();
+        let n: usize = parts[2].parse().expect("cut");
+        let sent = &for_fake[..n];
+        let reply = Reply::stream("text/event-stream", pieces(sent, 97, n as u64));
+        if parts[3] == "length" {
+            reply.header("content-length", &n.to_string())
+        } else {
+            reply
+        }
+    })
+    .await;
+    let for_raw = served.clone();
+    let raw = RawUpstream::start(move |head| {
+        let path = String::from_utf8_lossy(head);
+        let n: usize = path
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.rsplit('/').next()?.parse().ok())
+            .expect("cut");
+        vec![
+            RawStep::Write(Bytes::from_static(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n",
+            )),
+            RawStep::Write(Bytes::copy_from_slice(&for_raw[..n])),
+            RawStep::Close,
+        ]
+    })
+    .await;
+    let via_fake = Served::start(proxy_config(&fake.url(""))).await;
+    let via_raw = Served::start(proxy_config(&raw.url())).await;
+    let client = client();
+
+    let mut failures = Vec::new();
+    for &n in &cuts {
+        let expected = annotate(&input[..n]);
+        // What was sent is all there, the cut event included.
+        assert_eq!(strip_injected(&expected), &input[..n]);
+        for (proxy, path) in [
+            (&via_fake, format!("/cut/{n}/chunked")),
+            (&via_fake, format!("/cut/{n}/length")),
+            (&via_raw, format!("/cut/{n}")),
+        ] {
+            let response = send(&client, post(&proxy.url(&path), "cut")).await;
+            assert_eq!(response.status(), StatusCode::OK, "{path}");
+            let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+            if got != expected {
+                failures.push(format!(
+                    "{path}: {} bytes, expected {}",
+                    got.len(),
+                    expected.len()
+                ));
+            }
+            if let Err(err) = end {
+                failures.push(format!("{path}: the body failed: {err}"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cuts:\n{}",
+        failures.len(),
+        cuts.len() * 3,
+        failures.join("\n")
+    );
+    for proxy in [&via_fake, &via_raw] {
+        let sessions = proxy.sessions().clone();
+        assert!(eventually(PATIENCE, || sessions.is_empty()).await);
+        assert!(eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await);
+    }
+    assert_eq!(
+        via_fake.metric("aalis_streams_total"),
+        cuts.len() as f64 * 2.0
+    );
+    assert_eq!(via_raw.metric("aalis_streams_total"), cuts.len() as f64);
+    eprintln!(
+        "{} cuts x 3 body framings: every byte, clean end",
+        cuts.len()
+    );
+    assert_no_foreign_panic();
+}
+
+/// An upstream whose `Content-Length` promises more than it sends before
+/// it closes (a FIN in the middle of event 5): the client gets every byte
+/// that came, the half event included (the pipeline's output of them),
+/// then an error, not a clean end; no `[DONE]` is invented; the session is
+/// released and the failure is counted as an upstream reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_closes_before_its_content_length_loses_nothing() {
+    let input = fixture(SINGLE_CALL);
+    let spans = event_spans(&input);
+    let cut = spans[4].start + spans[4].len() / 2;
+    let sent = input[..cut].to_vec();
+    let total = input.len();
+    let mut raw = RawUpstream::start(move |_| {
+        vec![
+            RawStep::Write(Bytes::from(format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {total}\r\nconnection: close\r\n\r\n"
+            ))),
+            RawStep::Write(Bytes::copy_from_slice(&sent)),
+            RawStep::Close,
+        ]
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&raw.url())).await;
+    let response = send(&client(), post(&proxy.url("/v1/chat/completions"), "short")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+    let expected = annotate(&input[..cut]);
+    assert_eq!(got.len(), expected.len());
+    assert!(got == expected, "the bytes differ");
+    assert!(got.ends_with(&input[spans[4].start..cut]), "the half event");
+    assert!(end.is_err(), "a short body ended cleanly");
+    assert!(!String::from_utf8_lossy(&got).contains("[DONE]"));
+    assert!(matches!(
+        raw.next(PATIENCE).await,
+        Some(RawEvent::Head { .. })
+    ));
+    assert_eq!(
+        raw.next(PATIENCE).await,
+        Some(RawEvent::Closed { n: 0 }),
+        "the proxy kept the upstream connection"
+    );
+    let sessions = proxy.sessions().clone();
+    assert!(eventually(PATIENCE, || sessions.is_empty()).await);
+    assert!(
+        eventually(PATIENCE, || proxy
+            .metric("aalis_upstream_errors_total{kind=\"reset\"}")
+            == 1.0)
+        .await
+    );
+    assert_no_foreign_panic();
+}
+
+// ===========================================================================
+// 2. Invalid UTF-8
+
+/// An event that must be reported: its number, its byte offset in the
+/// stream, and where its data stops being UTF-8.
+type BadEvent = (u64, usize, usize);
+
+/// A tool-call stream with invalid UTF-8 in nine places, and what must come
+/// of it: `(stream, progress expected, (event number, byte offset, valid_up_to)
+/// of each event that must be reported)`.
+///
+/// Reported (their data is not UTF-8, so not JSON: passed on unchanged,
+/// their chunks not applied): a data line of raw bytes; a chunk whose
+/// `model` string holds `\xff` (its tool delta is lost with it); tool
+/// arguments with a bad continuation byte; tool arguments cut inside a
+/// three-byte character. Not reported (nothing in them is parsed): a
+/// comment, an event name, an `id:` field.
+fn invalid_utf8_stream() -> (Vec<u8>, Vec<Seen>, Vec<BadEvent>) {
+    let mut events: Vec<Vec<u8>> = Vec::new();
+    let mut bad: Vec<(usize, usize)> = Vec::new(); // (event position, valid_up_to)
+    events.push(role_event().into_bytes());
+    events.push(tool_event(&[tool_entry(0, Some(("call_1", "write_file")), "")]).into_bytes());
+    events.push(tool_event(&[tool_entry(0, None, "{\\\"path\\\":\\\"")]).into_bytes());
+    // A data line that is raw bytes.
+    bad.push((events.len(), 0));
+    events.push(b"data: \xff\xfe not JSON \xc0\n\n".to_vec());
+    // Invalid UTF-8 inside a JSON string outside the delta.
+    let mut e = tool_event(&[tool_entry(0, None, "LOST")]).into_bytes();
+    let at = find(&e, b"\"model\":\"m\"").expect("model") + 9;
+    e.splice(at..at, *b"\xff");
+    bad.push((events.len(), at - "data: ".len()));
+    events.push(e);
+    // A bad continuation byte inside the tool arguments.
+    let mut e = tool_event(&[tool_entry(0, None, "ab")]).into_bytes();
+    let at = find(&e, b"\"arguments\":\"ab").expect("arguments") + 14;
+    e.splice(at..at, *b"\xc3(");
+    bad.push((events.len(), at - "data: ".len()));
+    events.push(e);
+    // Tool arguments that end inside a three-byte character.
+    let mut e = tool_event(&[tool_entry(0, None, "")]).into_bytes();
+    let at = find(&e, b"\"arguments\":\"").expect("arguments") + 13;
+    e.splice(at..at, *b"\xe6\x9d");
+    bad.push((events.len(), at - "data: ".len()));
+    events.push(e);
+    // A comment of raw bytes, in a block of its own.
+    events.push(b": \xff\xfe\xfd comment\n\n".to_vec());
+    // An event whose name is not UTF-8: a named event, forwarded unparsed.
+    events.push(b"event: \xffweird\ndata: {\"x\":1}\n\n".to_vec());
+    // An `id:` field that is not UTF-8 beside a good tool delta.
+    let mut e = b"id: \xff\xfe\n".to_vec();
+    e.extend_from_slice(tool_event(&[tool_entry(0, None, "x.txt\\\"")]).as_bytes());
+    events.push(e);
+    events.push(tool_event(&[tool_entry(0, None, "}")]).into_bytes());
+    events.push(finish_event().into_bytes());
+    events.push(DONE.as_bytes().to_vec());
+
+    // SSE numbers the events that have data (the comment block has none).
+    let mut reported = Vec::new();
+    let mut offset = 0;
+    let mut number = 0;
+    for (k, event) in events.iter().enumerate() {
+        if find(event, b"data:").is_some() {
+            number += 1;
+        }
+        if let Some((_, valid)) = bad.iter().find(|(at, _)| *at == k) {
+            reported.push((number, offset, *valid));
+        }
+        offset += event.len();
+    }
+    let name = "write_file".to_owned();
+    let progress = vec![
+        (0, name.clone(), 0),
+        (0, name.clone(), 9),  // {"path":"
+        (0, name.clone(), 15), // x.txt"
+        (0, name, 16),         // }
+    ];
+    (events.concat(), progress, reported)
+}
+
+/// Ollama's NDJSON with invalid UTF-8 on two lines inserted before its tool
+/// line (a `thinking` string with a lone `\xe9`, and a line of raw bytes):
+/// the stream, and `(line number, byte offset, valid_up_to)` of each.
+fn invalid_utf8_ndjson() -> (Vec<u8>, Vec<BadEvent>) {
+    let fixture = fixture("ollama/thinking_two_tools.ndjson");
+    let mut lines: Vec<Vec<u8>> = fixture
+        .split_inclusive(|&b| b == b'\n')
+        .map(<[u8]>::to_vec)
+        .collect();
+    let tool_line = lines
+        .iter()
+        .position(|l| find(l, b"tool_calls").is_some())
+        .expect("a tool line");
+    let thinking = b"{\"model\":\"qwen3:8b\",\"message\":{\"role\":\"assistant\",\"content\":\"\",\"thinking\":\"caf\xe9\"},\"done\":false}\n".to_vec();
+    let valid = find(&thinking, b"\xe9").expect("the bad byte");
+    lines.insert(tool_line, b"\xff\xfe raw\n".to_vec());
+    lines.insert(tool_line, thinking);
+    let mut reported = Vec::new();
+    let mut offset = 0;
+    for (k, line) in lines.iter().enumerate() {
+        if k == tool_line {
+            reported.push((k as u64 + 1, offset, valid));
+        } else if k == tool_line + 1 {
+            reported.push((k as u64 + 1, offset, 0));
+        }
+        offset += line.len();
+    }
+    (lines.concat(), reported)
+}
+
+/// Invalid UTF-8 through the real `serve` binary and through `annotate`,
+/// in an SSE stream (9 places) and in Ollama's NDJSON (2 lines): each
+/// stream reaches the client byte for byte (with the injected keys cut
+/// out, exactly the upstream's bytes), goes on after each bad event, and
+/// the progress after them is right (SSE: 0, 9, 15, 16 chars — the chunks
+/// of the undecodable events are not applied, as SPEC.md says of data that
+/// is not JSON; NDJSON: the two tools as without the bad lines). Each of
+/// the 4 + 2 undecodable frames is reported once, with its event or line
+/// number, its byte offset and where its UTF-8 breaks — in serve's log and
+/// on annotate's stderr alike; `annotate` writes the same bytes as the
+/// proxy sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_utf8_is_passed_on_reported_and_tracking_goes_on() {
+    let (sse, progress, sse_reported) = invalid_utf8_stream();
+    assert_eq!(sse_reported.len(), 4);
+    let (ndjson, ndjson_reported) = invalid_utf8_ndjson();
+    let ndjson_progress = progress_of(&annotate_with(
+        &fixture("ollama/thinking_two_tools.ndjson"),
+        Framing::Ndjson,
+    ));
+    assert_eq!(ndjson_progress.len(), 2);
+    let (sent_sse, sent_ndjson) = (sse.clone(), ndjson.clone());
+    let upstream = FakeUpstream::start(move |req| {
+        if req.uri.path() == "/api/chat" {
+            Reply::stream("application/x-ndjson", pieces(&sent_ndjson, 40, 8))
+        } else {
+            Reply::stream("text/event-stream", pieces(&sent_sse, 40, 7))
+        }
+    })
+    .await;
+    let mut serve = ServeProcess::start(&upstream.url(""), &[]).await;
+    let mut outputs = Vec::new();
+    for (path, session, input, framing) in [
+        ("/v1/chat/completions", "utf8-chat", &sse, Framing::Sse),
+        ("/api/chat", "utf8-ollama", &ndjson, Framing::Ndjson),
+    ] {
+        let response = send(&client(), post(&serve.url(path), session)).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("a clean end");
+        assert!(
+            strip_injected(&got) == *input,
+            "{path}: not the upstream's bytes"
+        );
+        assert!(got == annotate_with(input, framing), "{path}");
+        outputs.push(got);
+    }
+    assert_eq!(progress_of(&outputs[0]), progress);
+    assert_eq!(progress_of(&outputs[1]), ndjson_progress);
+
+    let log = serve.stop().await;
+    assert!(!log.contains("panicked"), "{log}");
+    for (input, output, unit, reported) in [
+        (&sse, &outputs[0], "SSE event", &sse_reported),
+        (&ndjson, &outputs[1], "NDJSON line", &ndjson_reported),
+    ] {
+        let annotate_run = common::base_command()
+            .args(["annotate", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write;
+                child.stdin.take().expect("stdin").write_all(input)?;
+                child.wait_with_output()
+            })
+            .expect("run annotate");
+        assert!(annotate_run.status.success());
+        assert!(annotate_run.stdout == *output, "annotate and serve differ");
+        let stderr = String::from_utf8_lossy(&annotate_run.stderr).into_owned();
+        assert_eq!(
+            stderr.lines().count(),
+            reported.len(),
+            "annotate: one line per bad frame:\n{stderr}"
+        );
+        for (name, text) in [("serve's log", &log), ("annotate's stderr", &stderr)] {
+            let warnings: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains("is not UTF-8") && l.contains(unit))
+                .collect();
+            assert_eq!(warnings.len(), reported.len(), "{name}:\n{text}");
+            for ((number, offset, valid), line) in reported.iter().zip(&warnings) {
+                let wanted = format!(
+                    "{unit} {number} (byte {offset}): data is not UTF-8 (byte {valid} of the data); passed on unchanged"
+                );
+                assert!(line.contains(&wanted), "{name}: {line:?} lacks {wanted:?}");
+            }
+        }
+    }
+    for (session, calls) in [("utf8-chat", 1), ("utf8-ollama", 2)] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains(&format!("session={session} "))
+                    && l.contains(&format!("tool_calls={calls} "))),
+            "{log}"
+        );
+    }
+}
+
+// ===========================================================================
+// 3. Long tool calls
+
+/// A tool call in 10,000 deltas of one to three pieces each (escapes,
+/// two- to four-byte UTF-8, surrogate pairs and lone surrogate escapes;
+/// 2.2 MB of SSE), sent in pieces of 1 to 4,000 bytes: the client gets
+/// every byte (injections cut out, the upstream's bytes exactly), 10,001
+/// progresses each with the count recomputed here, and the last one is
+/// the UTF-16 length of the whole arguments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_10000_delta_tool_call_counts_right_to_the_end() {
+    let mut rng = Lcg(10_000);
+    let fragments: Vec<String> = (0..10_000).map(|_| fragment(&mut rng)).collect();
+    let (input, expected) = one_call_stream(&fragments);
+    let total = js_len(&fragments.concat());
+    assert_eq!(expected.last().map(|p| p.2), Some(total));
+
+    let sent = Arc::new(input.clone());
+    let upstream =
+        FakeUpstream::start(move |_| Reply::stream("text/event-stream", pieces(&sent, 4000, 1)))
+            .await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let response = send(&client(), post(&proxy.url("/v1/chat/completions"), "long")).await;
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE * 3).await;
+    end.expect("a clean end");
+    assert!(strip_injected(&got) == input, "bytes lost or changed");
+    let seen = progress_of(&got);
+    assert_eq!(seen.len(), 10_001);
+    for (k, (got, want)) in seen.iter().zip(&expected).enumerate() {
+        assert_eq!(got, want, "progress {k}");
+    }
+    assert_eq!(seen.last().map(|p| p.2), Some(total));
+    eprintln!(
+        "10,000 deltas: {} bytes in, {} out, {total} UTF-16 units",
+        input.len(),
+        got.len()
+    );
+    assert_eq!(proxy.metric("aalis_tool_calls_total"), 1.0);
+    assert_eq!(proxy.metric("aalis_stream_frames_total"), 10_004.0);
+    assert_no_foreign_panic();
+}
+
+/// Long tool arguments keep O(1) work per delta — shown by what the
+/// tracker holds, since a test cannot time: with the proxy's output (SSE)
+/// the tracker keeps a count per call and no arguments text, so there is
+/// nothing accumulated that a delta could re-scan; a delta costs what its
+/// own fragment costs (parse, unescape, UTF-16 count). Only `--format
+/// ndjson` keeps the text, for its final `toolCalls`, and appends to it.
+///
+/// Through the proxy, a 5 MiB call (1,024 deltas of about 4 KiB and one
+/// of 1 MiB) reaches the client byte for byte with the right counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_arguments_are_counted_not_kept() {
+    let mut rng = Lcg(4096);
+    let mut fragments: Vec<String> = (0..1024)
+        .map(|_| {
+            let mut f = String::new();
+            while f.len() < 4096 {
+                f.push_str(PIECES[rng.next(PIECES.len())]);
+            }
+            f
+        })
+        .collect();
+    fragments.push("x".repeat(1024 * 1024));
+    let (input, expected) = one_call_stream(&fragments);
+    let total = js_len(&fragments.concat());
+    assert!(input.len() > 5 * 1024 * 1024);
+
+    // The proxy's pipeline: a count, no text.
+    let mut annotator = Annotator::new(AnnotatorConfig {
+        collect_events: true,
+        ..sse_config()
+    });
+    let mut out = Vec::new();
+    for piece in pieces(&input, 64 * 1024, 3) {
+        annotator.push(piece, NOW_MS, &mut out);
+    }
+    let calls: Vec<_> = annotator
+        .tracker()
+        .calls()
+        .flat_map(|(_, calls)| calls.iter())
+        .collect();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].chars_accumulated as u64, total);
+    assert!(
+        calls[0].arguments.is_empty(),
+        "the SSE pipeline keeps {} bytes of arguments",
+        calls[0].arguments.len()
+    );
+    // `--format ndjson` keeps the text (appended, for `toolCalls`).
+    let mut annotator = Annotator::new(AnnotatorConfig {
+        output: OutputFormat::Ndjson,
+        ..sse_config()
+    });
+    annotator.push(&input, NOW_MS, &mut Vec::new());
+    let kept = annotator
+        .tracker()
+        .calls()
+        .flat_map(|(_, calls)| calls.iter())
+        .map(|c| c.arguments.encode_utf16().count() as u64)
+        .sum::<u64>();
+    assert_eq!(kept, total);
+
+    let sent = Arc::new(input.clone());
+    let upstream = FakeUpstream::start(move |_| {
+        Reply::stream("text/event-stream", pieces(&sent, 64 * 1024, 5))
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let response = send(&client(), post(&proxy.url("/v1/chat/completions"), "big")).await;
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE * 3).await;
+    end.expect("a clean end");
+    assert!(strip_injected(&got) == input, "bytes lost or changed");
+    assert_eq!(progress_of(&got), expected);
+    eprintln!(
+        "5 MiB call: {} bytes in, {} deltas, {total} UTF-16 units",
+        input.len(),
+        fragments.len()
+    );
+    assert_no_foreign_panic();
+}
+
+/// 100 tool calls in one message, indexes 0..99 announced in shuffled
+/// order and then interleaved over 20 rounds, one to four entries per
+/// chunk (an index may appear twice in one chunk): every entry gets its
+/// own progress with its own index, name and count (the 2,120
+/// progresses equal the list recomputed here, in order; a chunk with
+/// several carries `toolCallsProgress` with all of them); mid-stream,
+/// `GET /_aalis/sessions/{id}` lists the 100 calls sorted by index with
+/// their counts; at the end the session is gone and the metrics count 100
+/// calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_parallel_tool_calls_each_get_their_own_progress() {
+    const CALLS: usize = 100;
+    let mut rng = Lcg(100);
+    let names: Vec<String> = (0..CALLS).map(|i| format!("tool_{i:02}")).collect();
+    let mut chars = [0u64; CALLS];
+    let mut expected = Vec::new();
+    let mut body = role_event();
+    let mut entries_total = 0;
+    // Announce in a shuffled order, then 20 interleaved rounds.
+    let mut order: Vec<usize> = (0..CALLS).collect();
+    for k in (1..CALLS).rev() {
+        order.swap(k, rng.next(k + 1));
+    }
+    let mut deltas: Vec<(usize, bool)> = order.iter().map(|&i| (i, true)).collect();
+    for _ in 0..20 {
+        for k in (1..CALLS).rev() {
+            order.swap(k, rng.next(k + 1));
+        }
+        deltas.extend(order.iter().map(|&i| (i, false)));
+        // Now and then the same index twice in a row.
+        let again = order[rng.next(CALLS)];
+        deltas.push((again, false));
+    }
+    let mut rest = &deltas[..];
+    while !rest.is_empty() {
+        let n = (1 + rng.next(4)).min(rest.len());
+        let (now, later) = rest.split_at(n);
+        rest = later;
+        let mut entries = Vec::new();
+        for &(i, first) in now {
+            let id = format!("call_{i}");
+            let (args, start) = if first {
+                (String::new(), Some((id.as_str(), names[i].as_str())))
+            } else {
+                (fragment(&mut rng), None)
+            };
+            chars[i] += js_len(&args);
+            entries.push(tool_entry(i, start, &args));
+            expected.push((i as i64, names[i].clone(), chars[i]));
+            entries_total += 1;
+        }
+        body.push_str(&tool_event(&entries));
+    }
+    let head = body.clone().into_bytes();
+    let tail = format!("{}{DONE}", finish_event()).into_bytes();
+    let input = [head.clone(), tail.clone()].concat();
+
+    let gate = Arc::new(Notify::new());
+    let upstream_gate = gate.clone();
+    let upstream = FakeUpstream::start(move |_| {
+        Reply::stream("text/event-stream", pieces(&head, 3000, 9))
+            .then(Step::Wait(upstream_gate.clone()))
+            .body(tail.clone())
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let client = client();
+    let response = send(&client, post(&proxy.url("/v1/chat/completions"), "hundred")).await;
+    let mut body = response.into_body();
+    let mut got = Vec::new();
+    let held = annotate_open(&input[..input.len() - finish_event().len() - DONE.len()]);
+    read_at_least(&mut body, &mut got, held.len()).await;
+
+    let snapshot = send(
+        &client,
+        Request::get(proxy.url("/_aalis/sessions/hundred"))
+            .body(Full::default())
+            .expect("request"),
+    )
+    .await;
+    let (snapshot, _) = read_body(&mut snapshot.into_body(), PATIENCE).await;
+    let snapshot: Value = serde_json::from_slice(&snapshot).expect("JSON");
+    let listed: Vec<Seen> = snapshot["toolCallsProgress"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|p| {
+            (
+                p["index"].as_i64().expect("index"),
+                p["name"].as_str().expect("name").to_owned(),
+                p["charsAccumulated"].as_u64().expect("chars"),
+            )
+        })
+        .collect();
+    let want: Vec<Seen> = (0..CALLS)
+        .map(|i| (i as i64, names[i].clone(), chars[i]))
+        .collect();
+    assert_eq!(listed, want, "the resume snapshot mid-stream");
+
+    gate.notify_one();
+    let (rest, end) = read_body(&mut body, PATIENCE).await;
+    end.expect("a clean end");
+    got.extend_from_slice(&rest);
+    assert!(strip_injected(&got) == input, "bytes lost or changed");
+    let seen = progress_of(&got);
+    assert_eq!(seen.len(), entries_total);
+    assert_eq!(seen, expected);
+    let mut last: BTreeMap<i64, u64> = BTreeMap::new();
+    for (index, _, chars) in &seen {
+        last.insert(*index, *chars);
+    }
+    assert_eq!(last.len(), CALLS);
+    for (i, c) in &last {
+        assert_eq!(*c, chars[*i as usize], "final count of index {i}");
+    }
+    let sessions = proxy.sessions().clone();
+    assert!(eventually(PATIENCE, || sessions.is_empty()).await);
+    assert_eq!(proxy.metric("aalis_tool_calls_total"), CALLS as f64);
+    eprintln!(
+        "100 parallel calls: {entries_total} entries in {} bytes",
+        input.len()
+    );
+    assert_no_foreign_panic();
+}
+
+// ===========================================================================
+// 4. A client that goes away
+
+/// When the client leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leave {
+    /// In the middle of its request head.
+    DuringHead,
+    /// Head sent, 100 of 1,000 body bytes.
+    DuringBody,
+    /// Request sent; the upstream has it and has not answered.
+    AwaitingUpstream,
+    /// The upstream sent part of its response head.
+    UpstreamHeadPending,
+    /// Four whole events came through; the upstream is silent.
+    MidBody,
+    /// The upstream sent four events and half of the fifth.
+    MidEvent,
+    /// The whole stream, `[DONE]` included, came through; the upstream
+    /// has not ended its body.
+    AfterLastByte,
+}
+
+const LEAVES: [Leave; 7] = [
+    Leave::DuringHead,
+    Leave::DuringBody,
+    Leave::AwaitingUpstream,
+    Leave::UpstreamHeadPending,
+    Leave::MidBody,
+    Leave::MidEvent,
+    Leave::AfterLastByte,
+];
+
+impl Leave {
+    fn path(self) -> String {
+        format!("/leave/{self:?}")
+    }
+
+    /// What the upstream sends before it goes silent.
+    fn upstream_steps(self, input: &[u8]) -> Vec<RawStep> {
+        let spans = event_spans(input);
+        let events = |n: usize| RawStep::Write(chunk(&input[..spans[n - 1].end]));
+        let head = RawStep::Write(chunked_head("text/event-stream"));
+        match self {
+            Leave::DuringHead | Leave::DuringBody | Leave::AwaitingUpstream => vec![],
+            Leave::UpstreamHeadPending => vec![RawStep::Write(Bytes::from_static(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n",
+            ))],
+            Leave::MidBody => vec![head, events(4)],
+            Leave::MidEvent => vec![
+                head,
+                RawStep::Write(chunk(&input[..spans[4].start + spans[4].len() / 2])),
+            ],
+            Leave::AfterLastByte => vec![head, events(spans.len())],
+        }
+    }
+
+    /// What the client has received when it leaves.
+    fn received(self, input: &[u8]) -> Option<Vec<u8>> {
+        let spans = event_spans(input);
+        match self {
+            Leave::DuringHead
+            | Leave::DuringBody
+            | Leave::AwaitingUpstream
+            | Leave::UpstreamHeadPending => None,
+            Leave::MidBody | Leave::MidEvent => Some(annotate_open(&input[..spans[3].end])),
+            Leave::AfterLastByte => Some(annotate_open(input)),
+        }
+    }
+
+    fn reaches_upstream(self) -> bool {
+        self != Leave::DuringHead
+    }
+}
+
+/// A client that goes away at each phase of a request — in the middle of
+/// its request head; with 100 of its 1,000 body bytes sent; with the
+/// request at the upstream, unanswered; with half a response head from the
+/// upstream; mid-body; mid-event; after the last byte (`[DONE]`) but
+/// before the end of the body — over a raw TCP connection it just closes:
+///
+/// - nothing panics;
+/// - the proxy closes its upstream connection (the upstream sees it close;
+///   none is made when the head never completed);
+/// - the session is released (the registry is empty) and
+///   `aalis_streams_open` is back to 0; a live subscriber of the session
+///   left mid-event hears a `stream_end` clear;
+/// - the same proxy then serves a whole stream, byte for byte;
+/// - no client departure counts as an upstream error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_at_any_phase_releases_everything() {
+    let input = fixture(SINGLE_CALL);
+    let for_script = input.clone();
+    let mut upstream = RawUpstream::start(move |head| {
+        let text = String::from_utf8_lossy(head);
+        let path = text
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned();
+        match LEAVES.iter().find(|l| l.path() == path) {
+            Some(leave) => leave.upstream_steps(&for_script),
+            // A whole stream.
+            None => vec![
+                RawStep::Write(chunked_head("text/event-stream")),
+                RawStep::Write(chunk(&for_script)),
+                RawStep::Write(Bytes::from_static(b"0\r\n\r\n")),
+            ],
+        }
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url())).await;
+    let client = client();
+    let mut upstream_connections = 0;
+    for leave in LEAVES {
+        let session = format!("gone-{leave:?}");
+        // A live subscriber, for the mid-event case.
+        let mut subscriber = if leave == Leave::MidEvent {
+            let response = send(
+                &client,
+                Request::get(proxy.url(&format!("/_aalis/sessions/{session}/events")))
+                    .body(Full::default())
+                    .expect("request"),
+            )
+            .await;
+            let mut body = response.into_body();
+            let first = next_sse_data(&mut body).await;
+            assert_eq!(first["type"], "stream_resume");
+            Some(body)
+        } else {
+            None
+        };
+
+        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        let head = format!(
+            "POST {} HTTP/1.1\r\nhost: {}\r\nx-aalis-session: {session}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            leave.path(),
+            proxy.addr,
+            if leave == Leave::DuringBody { 1000 } else { 15 },
+        );
+        match leave {
+            Leave::DuringHead => {
+                stream
+                    .write_all(&head.as_bytes()[..40])
+                    .await
+                    .expect("write");
+            }
+            Leave::DuringBody => {
+                stream.write_all(head.as_bytes()).await.expect("write");
+                stream.write_all(&[b' '; 100]).await.expect("write");
+            }
+            _ => {
+                stream.write_all(head.as_bytes()).await.expect("write");
+                stream.write_all(b"{\"stream\":true}").await.expect("write");
+            }
+        }
+        if leave.reaches_upstream() {
+            match upstream.next(PATIENCE).await {
+                Some(RawEvent::Head { n, .. }) => assert_eq!(n, upstream_connections),
+                other => panic!("{leave:?}: the upstream saw {other:?}"),
+            }
+        }
+        if let Some(wanted) = leave.received(&input) {
+            let mut raw = Vec::new();
+            let mut buf = [0u8; 16 * 1024];
+            let got = tokio::time::timeout(PATIENCE, async {
+                loop {
+                    if let Some(end) = find(&raw, b"\r\n\r\n")
+                        && dechunk(&raw[end + 4..]).0.len() >= wanted.len()
+                    {
+                        return dechunk(&raw[end + 4..]).0;
+                    }
+                    let k = stream.read(&mut buf).await.expect("read");
+                    assert!(k > 0, "{leave:?}: the proxy closed first");
+                    raw.extend_from_slice(&buf[..k]);
+                }
+            })
+            .await
+            .unwrap_or_else(|_| panic!("{leave:?}: not all bytes in time"));
+            assert_eq!(got, wanted, "{leave:?}");
+            if leave == Leave::MidEvent {
+                // The session shows the call as of the whole events.
+                assert_eq!(
+                    proxy
+                        .sessions()
+                        .snapshot(&session)
+                        .iter()
+                        .map(|p| p.chars_accumulated)
+                        .collect::<Vec<_>>(),
+                    [10]
+                );
+            }
+        } else if leave == Leave::UpstreamHeadPending {
+            // Let the half head reach the proxy (no assertion rests on it).
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let left = Instant::now();
+        drop(stream);
+
+        if leave.reaches_upstream() {
+            assert_eq!(
+                upstream.next(PATIENCE).await,
+                Some(RawEvent::Closed {
+                    n: upstream_connections
+                }),
+                "{leave:?}: the upstream connection was kept"
+            );
+            eprintln!(
+                "HTTP/1.1 {leave:?}: upstream connection closed {:?} after the client left",
+                left.elapsed()
+            );
+            upstream_connections += 1;
+        } else {
+            assert_eq!(
+                upstream.next(Duration::from_millis(300)).await,
+                None,
+                "{leave:?}: an incomplete head reached the upstream"
+            );
+        }
+        if let Some(body) = subscriber.as_mut() {
+            // The progress of the four events, then the clear.
+            let mut clear = next_sse_data(body).await;
+            let mut counts = Vec::new();
+            while clear.get("toolCallProgress").is_some() {
+                counts.push(clear["toolCallProgress"]["charsAccumulated"].clone());
+                clear = next_sse_data(body).await;
+            }
+            assert_eq!(counts, [0, 2, 10], "{leave:?}");
+            assert_eq!(clear["type"], "tool_call_progress_clear", "{clear}");
+            assert_eq!(clear["reason"], "stream_end", "{clear}");
+            assert_eq!(clear["sessionId"], session.as_str());
+        }
+        drop(subscriber);
+        let sessions = proxy.sessions().clone();
+        assert!(
+            eventually(PATIENCE, || sessions.is_empty()).await,
+            "{leave:?}: {} sessions kept",
+            sessions.len()
+        );
+        assert!(
+            eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await,
+            "{leave:?}: a stream is still counted open"
+        );
+        // The proxy still serves a whole stream.
+        let response = send(&client, post(&proxy.url("/whole"), "after")).await;
+        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("a clean end");
+        assert!(
+            got == annotate(&input),
+            "{leave:?}: the next stream differs"
+        );
+        assert!(matches!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Head { .. })
+        ));
+        assert!(matches!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Closed { .. })
+        ));
+        upstream_connections += 1;
+    }
+    // 3 streams left early, 7 whole ones.
+    assert_eq!(proxy.metric("aalis_streams_total"), 10.0);
+    for kind in ["unreachable", "timeout", "error", "idle_timeout", "reset"] {
+        assert_eq!(
+            proxy.metric(&format!("aalis_upstream_errors_total{{kind=\"{kind}\"}}")),
+            0.0,
+            "a client leaving counted as an upstream {kind}"
+        );
+    }
+    assert_no_foreign_panic();
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type H2Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// The same over HTTP/2, where a client that goes away resets its stream
+/// and keeps its connection: at each phase from the request body on (100
+/// of 1,000 body bytes sent; request at the upstream; half a response head
+/// from the upstream; mid-body; mid-event; after `[DONE]`), the client
+/// drops its response (future or body). Each time the proxy closes its
+/// upstream connection, the session is released, `aalis_streams_open` is
+/// back to 0, nothing panics, no upstream error is counted, and the same
+/// HTTP/2 connection then carries a whole stream, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
+    let input = fixture(SINGLE_CALL);
+    let for_script = input.clone();
+    let mut upstream = RawUpstream::start(move |head| {
+        let text = String::from_utf8_lossy(head);
+        let path = text
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned();
+        match LEAVES.iter().find(|l| l.path() == path) {
+            Some(leave) => leave.upstream_steps(&for_script),
+            None => vec![
+                RawStep::Write(chunked_head("text/event-stream")),
+                RawStep::Write(chunk(&for_script)),
+                RawStep::Write(Bytes::from_static(b"0\r\n\r\n")),
+            ],
+        }
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url())).await;
+    let tcp = TcpStream::connect(proxy.addr).await.expect("connect");
+    // Without it a reset frame can wait for a delayed ACK (Nagle).
+    tcp.set_nodelay(true).expect("TCP_NODELAY");
+    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, H2Body>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .expect("HTTP/2 handshake");
+    let conn = tokio::spawn(conn);
+    let request = |path: &str, session: &str, body: H2Body, length: usize| {
+        Request::post(format!("http://{}{path}", proxy.addr))
+            .header("x-aalis-session", session)
+            .header("content-type", "application/json")
+            .header("content-length", length.to_string())
+            .body(body)
+            .expect("request")
+    };
+    let full = |bytes: &'static [u8]| -> H2Body {
+        Full::new(Bytes::from_static(bytes))
+            .map_err(|never| match never {})
+            .boxed()
+    };
+    let mut upstream_connections = 0;
+    for leave in LEAVES {
+        if leave == Leave::DuringHead {
+            continue;
+        }
+        let session = format!("h2-{leave:?}");
+        // A request body that sends 100 bytes of its announced 1,000, or
+        // the whole small one.
+        let (body_tx, body) = if leave == Leave::DuringBody {
+            let (tx, rx) = mpsc::channel::<Bytes>(1);
+            tx.send(Bytes::from_static(&[b' '; 100]))
+                .await
+                .expect("queue the first bytes");
+            let body = ChannelBody(rx).boxed();
+            (Some(tx), (body, 1000))
+        } else {
+            (None, (full(b"{\"stream\":true}"), 15))
+        };
+        let pending =
+            Box::pin(sender.send_request(request(&leave.path(), &session, body.0, body.1)));
+        let left = match leave.received(&input) {
+            None => {
+                match upstream.next(PATIENCE).await {
+                    Some(RawEvent::Head { n, .. }) => assert_eq!(n, upstream_connections),
+                    other => panic!("{leave:?}: the upstream saw {other:?}"),
+                }
+                if leave == Leave::UpstreamHeadPending {
+                    // Let the half head reach the proxy (no assertion rests on it).
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                drop(pending);
+                Instant::now()
+            }
+            Some(wanted) => {
+                let response = tokio::time::timeout(PATIENCE, pending)
+                    .await
+                    .expect("response in time")
+                    .expect("response");
+                assert!(matches!(
+                    upstream.next(PATIENCE).await,
+                    Some(RawEvent::Head { .. })
+                ));
+                let mut body = response.into_body();
+                let mut got = Vec::new();
+                read_at_least(&mut body, &mut got, wanted.len()).await;
+                assert_eq!(got, wanted, "{leave:?}");
+                drop(body);
+                Instant::now()
+            }
+        };
+        drop(body_tx);
+        assert_eq!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Closed {
+                n: upstream_connections
+            }),
+            "{leave:?}: the upstream connection was kept"
+        );
+        eprintln!(
+            "HTTP/2 {leave:?}: upstream connection closed {:?} after the client reset",
+            left.elapsed()
+        );
+        upstream_connections += 1;
+        let sessions = proxy.sessions().clone();
+        assert!(
+            eventually(PATIENCE, || sessions.is_empty()).await,
+            "{leave:?}: {} sessions kept",
+            sessions.len()
+        );
+        assert!(
+            eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await,
+            "{leave:?}: a stream is still counted open"
+        );
+        // The same connection carries a whole stream.
+        let response = tokio::time::timeout(
+            PATIENCE,
+            sender.send_request(request("/whole", "after", full(b"{\"stream\":true}"), 15)),
+        )
+        .await
+        .expect("response in time")
+        .unwrap_or_else(|e| panic!("{leave:?}: the connection is broken: {e}"));
+        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("a clean end");
+        assert!(
+            got == annotate(&input),
+            "{leave:?}: the next stream differs"
+        );
+        assert!(matches!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Head { .. })
+        ));
+        assert!(matches!(
+            upstream.next(PATIENCE).await,
+            Some(RawEvent::Closed { .. })
+        ));
+        upstream_connections += 1;
+    }
+    for kind in ["unreachable", "timeout", "error", "idle_timeout", "reset"] {
+        assert_eq!(
+            proxy.metric(&format!("aalis_upstream_errors_total{{kind=\"{kind}\"}}")),
+            0.0,
+            "a client leaving counted as an upstream {kind}"
+        );
+    }
+    conn.abort();
+    assert_no_foreign_panic();
+}
+
+/// A request body fed by a channel: it pends while the sender lives and
+/// sends nothing, and ends when the sender is dropped.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|bytes| bytes.map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+/// The next `data:` JSON of an SSE body (skipping comments).
+async fn next_sse_data(body: &mut Incoming) -> Value {
+    let mut buf = Vec::new();
+    tokio::time::timeout(PATIENCE, async {
+        loop {
+            if let Some(end) = find(&buf, b"\n\n") {
+                let event: Vec<u8> = buf.drain(..end + 2).collect();
+                if let Some(data) = event.strip_prefix(b"data: ") {
+                    return serde_json::from_slice(&data[..data.len() - 2]).expect("JSON frame");
+                }
+                continue;
+            }
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        buf.extend_from_slice(&data);
+                    }
+                }
+                other => panic!("the events stream ended: {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("a frame in time")
+}
+
+// ===========================================================================
+// 5. SIGTERM with 100 open streams (the real binary)
+
+/// Signals, without a libc dependency.
+mod sig {
+    use std::ffi::c_int;
+
+    unsafe extern "C" {
+        fn signal(signum: c_int, handler: usize) -> usize;
+        fn kill(pid: c_int, sig: c_int) -> c_int;
+    }
+
+    pub const SIGINT: c_int = 2;
+    pub const SIGTERM: c_int = 15;
+
+    /// In a child between fork and exec: the default disposition (a shell
+    /// without job control starts background jobs with SIGINT ignored).
+    pub fn reset_to_default() {
+        // SAFETY: signal() is async-signal-safe and touches no Rust state.
+        unsafe {
+            signal(SIGINT, 0);
+            signal(SIGTERM, 0);
+        }
+    }
+
+    pub fn send(pid: u32, signum: c_int) {
+        let pid = c_int::try_from(pid).expect("pid fits");
+        // SAFETY: kill() has no memory-safety preconditions.
+        let rc = unsafe { kill(pid, signum) };
+        assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// `aalis-proxy serve` as a child process on a port the OS picks; killed
+/// when dropped (its stderr shown if the test is failing).
+struct ServeProcess {
+    child: std::process::Child,
+    addr: SocketAddr,
+    stderr: Arc<Mutex<Vec<u8>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ServeProcess {
+    async fn start(upstream: &str, extra: &[&str]) -> ServeProcess {
+        let mut cmd = common::base_command();
+        cmd.args(["serve", "--upstream", upstream, "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        // SAFETY: the closure only calls signal(), which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                sig::reset_to_default();
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().expect("spawn aalis-proxy serve");
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let mut pipe = child.stderr.take().expect("piped stderr");
+        let sink = stderr.clone();
+        let reader = std::thread::spawn(move || {
+            use std::io::Read;
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(&buf[..n]);
+            }
+        });
+        let mut serve = ServeProcess {
+            child,
+            addr: "127.0.0.1:0".parse().expect("addr"),
+            stderr,
+            reader: Some(reader),
+        };
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let log = serve.stderr();
+            if let Some((_, rest)) = log.split_once("listening on http://")
+                && let Some(addr) = rest.split(',').next().and_then(|a| a.trim().parse().ok())
+            {
+                serve.addr = addr;
+                return serve;
+            }
+            assert!(
+                serve.child.try_wait().expect("try_wait").is_none(),
+                "serve exited:\n{log}"
+            );
+            assert!(Instant::now() < deadline, "serve did not start:\n{log}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+
+    fn signal(&self, signum: std::ffi::c_int) {
+        sig::send(self.child.id(), signum);
+    }
+
+    /// Waits for the exit (at most `limit`, else kills it and fails);
+    /// returns the status and the whole stderr.
+    async fn wait_exit(&mut self, limit: Duration) -> (std::process::ExitStatus, String) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                if let Some(reader) = self.reader.take() {
+                    let _ = reader.join();
+                }
+                return (status, self.stderr());
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "serve still running {limit:?} after the signal:\n{}",
+                    self.stderr()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// SIGTERM, exit 0; the whole stderr.
+    async fn stop(&mut self) -> String {
+        self.signal(sig::SIGTERM);
+        let (status, log) = self.wait_exit(PATIENCE).await;
+        assert_eq!(status.code(), Some(0), "{log}");
+        log
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- serve's stderr:\n{}", self.stderr());
+        }
+    }
+}
+
+/// 100 streams open through `serve`, each on its own connection, each
+/// having received its first four events while its upstream holds the
+/// rest. Returns their bodies (and the connection tasks).
+async fn open_streams(
+    serve: &ServeProcess,
+    count: usize,
+    held: &[u8],
+) -> Vec<(Incoming, Vec<u8>, JoinHandle<()>)> {
+    let mut opening = Vec::new();
+    for i in 0..count {
+        let addr = serve.addr;
+        opening.push(tokio::spawn(async move {
+            let stream = TcpStream::connect(addr).await.expect("connect");
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                .await
+                .expect("handshake");
+            let conn = tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            let req = Request::post("/v1/chat/completions")
+                .header("host", addr.to_string())
+                .header("x-aalis-session", format!("term-{i}"))
+                .body(Full::new(Bytes::from_static(b"{\"stream\":true}")))
+                .expect("request");
+            let response = tokio::time::timeout(PATIENCE, sender.send_request(req))
+                .await
+                .expect("response in time")
+                .expect("response");
+            assert_eq!(response.status(), StatusCode::OK);
+            (response.into_body(), conn)
+        }));
+    }
+    let mut open = Vec::new();
+    for task in opening {
+        let (mut body, conn) = task.await.expect("open a stream");
+        let mut got = Vec::new();
+        read_at_least(&mut body, &mut got, held.len()).await;
+        assert_eq!(got, held);
+        open.push((body, got, conn));
+    }
+    open
+}
+
+/// An upstream whose every stream sends the first four events of
+/// `single_tool_call.sse`, then waits for its own gate (one per request,
+/// in arrival order), then `rest` (the rest of the stream), or, without
+/// it, hangs.
+async fn gated_upstream(rest: Option<Vec<u8>>) -> (FakeUpstream, Arc<Mutex<Vec<Arc<Notify>>>>) {
+    let input = fixture(SINGLE_CALL);
+    let spans = event_spans(&input);
+    let first = input[..spans[3].end].to_vec();
+    let gates: Arc<Mutex<Vec<Arc<Notify>>>> = Arc::default();
+    let upstream_gates = gates.clone();
+    let upstream = FakeUpstream::start(move |_| {
+        let gate = Arc::new(Notify::new());
+        upstream_gates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(gate.clone());
+        let reply = Reply::stream("text/event-stream", [&first[..]]).then(Step::Wait(gate));
+        match &rest {
+            Some(rest) => reply.body(rest.clone()),
+            None => reply.then(Step::Hang),
+        }
+    })
+    .await;
+    (upstream, gates)
+}
+
+/// SIGTERM with 100 streams open through the real `serve` binary
+/// (`--shutdown-grace 20s`), each held by its upstream after four events:
+/// new connections are refused; once the upstreams go on, all 100 streams
+/// finish, each byte for byte the pipeline's output of the capture with a
+/// clean end; serve then exits 0 without waiting out the grace period
+/// (liveness bound only: within the grace + 10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_100_open_streams_lets_all_finish_then_exits_0() {
+    const STREAMS: usize = 100;
+    let input = fixture(SINGLE_CALL);
+    let spans = event_spans(&input);
+    let (mut upstream, gates) = gated_upstream(Some(input[spans[3].end..].to_vec())).await;
+    let mut serve = ServeProcess::start(&upstream.url(""), &["--shutdown-grace", "20s"]).await;
+    let held = annotate_open(&input[..spans[3].end]);
+    let open = open_streams(&serve, STREAMS, &held).await;
+    assert_eq!(upstream.requests().len(), STREAMS);
+
+    let signalled = Instant::now();
+    serve.signal(sig::SIGTERM);
+    let addr = serve.addr;
+    let refused = eventually(PATIENCE, || {
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200))
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+    })
+    .await;
+    assert!(refused, "new connections still accepted after SIGTERM");
+
+    for gate in gates.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        gate.notify_one();
+    }
+    let expected = annotate(&input);
+    let mut finished = 0;
+    for (mut body, mut got, conn) in open {
+        let (rest, end) = read_body(&mut body, PATIENCE).await;
+        got.extend_from_slice(&rest);
+        end.expect("each stream ends cleanly");
+        assert!(got == expected, "a stream differs");
+        finished += 1;
+        conn.abort();
+    }
+    assert_eq!(finished, STREAMS);
+    let (status, log) = serve.wait_exit(Duration::from_secs(30)).await;
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(log.contains("all connections closed"), "{log}");
+    let mut finished_upstream = 0;
+    while let Some(event) = upstream
+        .wait_for(PATIENCE, |e| matches!(e, Event::BodyDropped { .. }))
+        .await
+    {
+        assert!(
+            matches!(event, Event::BodyDropped { finished: true, .. }),
+            "an upstream body was cut: {event:?}"
+        );
+        finished_upstream += 1;
+        if finished_upstream == STREAMS {
+            break;
+        }
+    }
+    assert_eq!(finished_upstream, STREAMS);
+    eprintln!("SIGTERM with {STREAMS} open streams: all finished, exit 0 after {took:?}");
+}
+
+/// SIGTERM with 100 streams open through `serve` (`--shutdown-grace
+/// 500ms`) whose upstreams never go on: when the grace period is over
+/// every stream is closed — each client holds exactly the four events it
+/// had (no invented end, no `[DONE]`) and sees the body cut, not ended —
+/// every upstream request is cancelled, and serve exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_100_stuck_streams_closes_them_after_the_grace_then_exits_0() {
+    const STREAMS: usize = 100;
+    let input = fixture(SINGLE_CALL);
+    let spans = event_spans(&input);
+    let (mut upstream, _gates) = gated_upstream(None).await;
+    let mut serve = ServeProcess::start(&upstream.url(""), &["--shutdown-grace", "500ms"]).await;
+    let held = annotate_open(&input[..spans[3].end]);
+    let open = open_streams(&serve, STREAMS, &held).await;
+
+    let signalled = Instant::now();
+    serve.signal(sig::SIGTERM);
+    let (status, log) = serve.wait_exit(Duration::from_secs(10)).await;
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(log.contains("grace period over"), "{log}");
+    let mut cut = 0;
+    for (mut body, got, conn) in open {
+        let (rest, end) = read_body(&mut body, PATIENCE).await;
+        assert!(rest.is_empty(), "{} bytes after the grace", rest.len());
+        assert_eq!(got, held);
+        assert!(end.is_err(), "a stuck stream ended cleanly");
+        cut += 1;
+        conn.abort();
+    }
+    assert_eq!(cut, STREAMS);
+    let mut cancelled = 0;
+    while upstream
+        .wait_for(PATIENCE, |e| {
+            matches!(
+                e,
+                Event::BodyDropped {
+                    finished: false,
+                    ..
+                }
+            )
+        })
+        .await
+        .is_some()
+    {
+        cancelled += 1;
+        if cancelled == STREAMS {
+            break;
+        }
+    }
+    assert_eq!(cancelled, STREAMS, "upstream requests outlived serve");
+    eprintln!("SIGTERM with {STREAMS} stuck streams: all cut, exit 0 after {took:?}");
+}
+
+// ===========================================================================
+// 6. Injection: session ids, headers, recorded file names
+
+/// Sends a raw request with `header_lines` (each without its CRLF) to the
+/// proxy; returns the parsed response.
+async fn raw_request(addr: SocketAddr, path: &str, header_lines: &[&[u8]]) -> RawResponse {
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+    )
+    .into_bytes();
+    for line in header_lines {
+        request.extend_from_slice(line);
+        request.extend_from_slice(b"\r\n");
+    }
+    request.extend_from_slice(b"\r\n{}");
+    RawResponse::parse(&raw_exchange(addr, &request).await)
+}
+
+/// `X-Aalis-Session` values that try to split the response, sent raw:
+///
+/// | value | what happens |
+/// | --- | --- |
+/// | `a` CR `X-Injected: 1` (bare CR) | `400` from the HTTP parser |
+/// | `a` CRLF SP `X-Injected: 1` (obs-fold) | `400` from the HTTP parser |
+/// | `a` NUL `b` | `400` from the HTTP parser |
+/// | 70 KiB of `x` | `400` `invalid_request_error` (over 128 bytes) |
+/// | 512 KiB of `x` | `431` from the HTTP parser (its head limit) |
+/// | `café` (UTF-8 bytes) | `400` `invalid_request_error`, not echoed |
+/// | 129 × `x` | `400` `invalid_request_error` |
+/// | `a%0D%0AX-Injected:%201` | accepted and echoed verbatim (no decoding) |
+/// | 128 × `x` | accepted and echoed |
+/// | `a` LF `X-Injected: 1` (bare LF) | read as two header lines (RFC 9112 allows a bare LF line end): session `a`, echoed, and `X-Injected` goes upstream as a request header |
+///
+/// No response carries `X-Injected`, every response head is well formed
+/// (no CR, LF or NUL inside a line), at most one `x-aalis-session`; only
+/// the accepted ones reach the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_ids_cannot_split_responses() {
+    let stream = fixture(SINGLE_CALL);
+    let upstream =
+        FakeUpstream::start(move |_| Reply::stream("text/event-stream", [&stream[..]])).await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let long_ok = "x".repeat(128);
+    let long_bad = "x".repeat(129);
+    let big = "x".repeat(70 * 1024);
+    let huge = "x".repeat(512 * 1024);
+    let session_line = |value: &[u8]| [&b"x-aalis-session: "[..], value].concat();
+    let cases: Vec<(Vec<u8>, u16, Option<&str>)> = vec![
+        (session_line(b"a\rX-Injected: 1"), 400, None),
+        (session_line(b"a\r\n X-Injected: 1"), 400, None),
+        (session_line(b"a\x00b"), 400, None),
+        (session_line(big.as_bytes()), 400, None),
+        (session_line(huge.as_bytes()), 431, None),
+        (session_line("café".as_bytes()), 400, None),
+        (session_line(long_bad.as_bytes()), 400, None),
+        (
+            session_line(b"a%0D%0AX-Injected:%201"),
+            200,
+            Some("a%0D%0AX-Injected:%201"),
+        ),
+        (session_line(long_ok.as_bytes()), 200, Some(&long_ok)),
+        (session_line(b"a\nX-Injected: 1"), 200, Some("a")),
+    ];
+    let mut forwarded = 0;
+    for (line, status, echoed) in &cases {
+        let shown = String::from_utf8_lossy(&line[..line.len().min(60)]).into_owned();
+        let response = raw_request(proxy.addr, "/v1/chat/completions", &[line]).await;
+        response.assert_well_formed();
+        assert_eq!(response.status, *status, "{shown:?}");
+        assert!(response.headers("x-injected").is_empty(), "{shown:?}");
+        assert_eq!(
+            response.header("x-aalis-session").as_deref(),
+            echoed.map(str::as_bytes),
+            "{shown:?}"
+        );
+        if *status == 400 && response.header("content-type").as_deref() == Some(b"application/json")
+        {
+            let error: Value = serde_json::from_slice(&response.body).expect("JSON error");
+            assert_eq!(error["error"]["type"], "invalid_request_error");
+            assert!(
+                !String::from_utf8_lossy(&response.body).contains("caf"),
+                "the bad value is echoed in the error"
+            );
+        }
+        if *status == 200 {
+            assert!(response.complete, "{shown:?}");
+            assert_eq!(response.body, annotate(&fixture(SINGLE_CALL)));
+            forwarded += 1;
+        }
+    }
+    let seen = upstream.requests();
+    assert_eq!(seen.len(), forwarded, "a refused request reached upstream");
+    // The bare LF made two header lines; the second went upstream as one.
+    let last = seen.last().expect("a request");
+    assert_eq!(
+        last.headers.get("x-injected").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    assert!(!last.headers.contains_key("x-aalis-session"));
+    assert_no_foreign_panic();
+}
+
+/// Session ids in the path of the `/_aalis/` routes are percent-decoded,
+/// so they can hold CR, LF, NUL and `data:`: the snapshot route answers
+/// JSON with them escaped (`"a\r\nX-Injected: 1"`), and the events route's
+/// first frame stays one `data:` line — no second SSE line or event can be
+/// made of the id. (There is no query form of the session id.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_ids_in_paths_cannot_split_responses_or_events() {
+    let upstream = FakeUpstream::start(|_| Reply::new(404)).await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    for (path, id) in [
+        ("a%0D%0AX-Injected:%201", "a\r\nX-Injected: 1"),
+        (
+            "a%0Adata:%20%7B%7D%0A%0Aevent:%20x",
+            "a\ndata: {}\n\nevent: x",
+        ),
+        ("a%00b%0Dc", "a\u{0}b\rc"),
+        ("%2e%2e%2f%2e%2e%2fetc", "../../etc"),
+        ("%ff%fe", "\u{fffd}\u{fffd}"),
+    ] {
+        let raw = raw_exchange(
+            proxy.addr,
+            format!(
+                "GET /_aalis/sessions/{path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await;
+        let response = RawResponse::parse(&raw);
+        response.assert_well_formed();
+        assert_eq!(response.status, 200, "{path}");
+        assert!(response.headers("x-injected").is_empty());
+        assert!(
+            !response.body.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)),
+            "{path}: a raw control byte in the JSON"
+        );
+        let value: Value = serde_json::from_slice(&response.body).expect("JSON");
+        assert_eq!(value["sessionId"], id, "{path}");
+
+        // The events route: read the first frame, then leave.
+        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        stream
+            .write_all(
+                format!("GET /_aalis/sessions/{path}/events HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .expect("write");
+        let mut raw = Vec::new();
+        let mut buf = [0u8; 4096];
+        let frame = tokio::time::timeout(PATIENCE, async {
+            loop {
+                if let Some(end) = find(&raw, b"\r\n\r\n") {
+                    let (body, _) = dechunk(&raw[end + 4..]);
+                    if let Some(stop) = find(&body, b"\n\n") {
+                        return body[..stop + 2].to_vec();
+                    }
+                }
+                let k = stream.read(&mut buf).await.expect("read");
+                assert!(k > 0, "closed");
+                raw.extend_from_slice(&buf[..k]);
+            }
+        })
+        .await
+        .expect("a first frame");
+        let head = RawResponse::parse(&raw);
+        head.assert_well_formed();
+        assert!(head.headers("x-injected").is_empty());
+        assert!(frame.starts_with(b"data: {"), "{path}");
+        assert_eq!(
+            frame.iter().filter(|&&b| b == b'\n').count(),
+            2,
+            "{path}: the frame is not one data line: {:?}",
+            String::from_utf8_lossy(&frame)
+        );
+        assert!(!frame.contains(&b'\r'));
+        let value: Value = serde_json::from_slice(&frame[6..frame.len() - 2]).expect("JSON");
+        assert_eq!(value["type"], "stream_resume");
+        assert_eq!(value["sessionId"], id, "{path}");
+    }
+    let sessions = proxy.sessions().clone();
+    assert!(
+        eventually(PATIENCE, || sessions.is_empty()).await,
+        "subscribers that left kept {} sessions",
+        sessions.len()
+    );
+    assert_eq!(upstream.requests().len(), 0, "an admin route was forwarded");
+    assert_no_foreign_panic();
+}
+
+/// A fresh directory under the system temp dir, for one test.
+fn scratch_dir(what: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "aalis-faults-{what}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a scratch dir");
+    dir
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A recording never writes through a name that already exists in `DIR`.
+/// While the upstream holds its response headers, symbolic links pointing
+/// outside `DIR` are planted at every name the first recording could get
+/// in a 400 ms window (`<ms>-victim-0.sse`) and at the timing file of the
+/// name after it (`<ms>-victim-1.sse.timing`); the upstream then answers
+/// inside that window. The stream is recorded as `<ms>-victim-1.sse` (and
+/// its `.request.json`), its timing file is not written through the link,
+/// and nothing is created outside `DIR`. The same holds for a file another
+/// `serve --record` process wrote there: it is never overwritten. (Up to
+/// three tries, for a machine so slow that the window passes before the
+/// links are planted.) See: issue 7 ("recorded file names cannot escape
+/// --record DIR").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recording_never_writes_through_an_existing_name() {
+    const WINDOW_MS: u64 = 400;
+    let input = fixture(SINGLE_CALL);
+    for attempt in 1..=3 {
+        let parent = scratch_dir("planted");
+        let dir = parent.join("rec");
+        std::fs::create_dir(&dir).expect("create the record dir");
+        let outside = parent.join("outside");
+
+        let gate = Arc::new(Notify::new());
+        let (sent, upstream_gate) = (input.clone(), gate.clone());
+        let upstream = FakeUpstream::start(move |_| {
+            Reply::stream("text/event-stream", [&sent[..]])
+                .before_headers(Step::Wait(upstream_gate.clone()))
+        })
+        .await;
+        let mut config = proxy_config(&upstream.url(""));
+        config.record_dir = Some(dir.clone());
+        let proxy = Served::start(config).await;
+        let req = post(&proxy.url("/v1/chat/completions"), "victim");
+        let request = tokio::spawn(async move { send(&client(), req).await });
+
+        let from_ms = unix_ms() + 1000;
+        for ms in from_ms..from_ms + WINDOW_MS {
+            for name in [
+                format!("{ms}-victim-0.sse"),
+                format!("{ms}-victim-1.sse.timing"),
+            ] {
+                std::os::unix::fs::symlink(&outside, dir.join(name)).expect("plant a link");
+            }
+        }
+        while unix_ms() < from_ms {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let released_at = unix_ms();
+        gate.notify_one();
+        let response = request.await.expect("request task");
+        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("a clean end");
+        assert_eq!(got, annotate(&input), "recording changed the stream");
+
+        let real = |dir: &std::path::Path| -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(dir)
+                .expect("read dir")
+                .map(|e| e.expect("entry"))
+                .filter(|e| !e.file_type().expect("file type").is_symlink())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        };
+        // The body is there once the stream is over; give the blocking
+        // pool a moment for the request copy, the last file written.
+        assert!(
+            eventually(PATIENCE, || real(&dir)
+                .iter()
+                .any(|n| n.ends_with(".request.json")))
+            .await,
+            "{:?}",
+            real(&dir)
+        );
+        assert!(
+            !outside.exists(),
+            "a recording wrote through a planted link, outside DIR: {} bytes",
+            std::fs::read(&outside).map_or(0, |b| b.len())
+        );
+        assert_eq!(real(&parent), ["rec"]);
+        let names = real(&dir);
+        let body = names
+            .iter()
+            .find(|n| n.ends_with(".sse"))
+            .expect("a recording");
+        assert_eq!(std::fs::read(dir.join(body)).expect("read"), input);
+        let ms: u64 = body
+            .split('-')
+            .next()
+            .and_then(|m| m.parse().ok())
+            .expect("<ms>-");
+        let _ = std::fs::remove_dir_all(&parent);
+        if !(from_ms..from_ms + WINDOW_MS).contains(&ms) {
+            eprintln!(
+                "attempt {attempt}: recorded at {ms}, released at {released_at}, outside the planted window {from_ms}..{}",
+                from_ms + WINDOW_MS
+            );
+            continue;
+        }
+        // The planted name was skipped, and the planted timing link was
+        // not written through.
+        assert_eq!(
+            names,
+            [
+                format!("{ms}-victim-1.request.json"),
+                format!("{ms}-victim-1.sse")
+            ]
+        );
+        assert_no_foreign_panic();
+        return;
+    }
+    panic!("the upstream never answered inside the planted window");
+}
+
+/// Nothing a client sends can forge a line of serve's log or put a
+/// terminal control sequence in it: a request path with raw UTF-8 bytes
+/// for a bidi override (U+202E) and the C1 control CSI (U+009B) — which
+/// the HTTP parser accepts — is logged escaped in the request line
+/// (`path=/v1/\u{202e}abc\u{9b}`); a `tool-execute` payload whose
+/// `sessionId` holds a newline, a fake log line and an escape sequence is
+/// logged (at `-v`) on one line, escaped. (Header session ids are visible
+/// ASCII, so they cannot do either.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_text_cannot_forge_log_lines() {
+    let upstream = FakeUpstream::start(|_| Reply::new(404).body("no")).await;
+    let mut serve = ServeProcess::start(&upstream.url(""), &["-v"]).await;
+    let response = RawResponse::parse(
+        &raw_exchange(
+            serve.addr,
+            b"GET /v1/\xe2\x80\xaeabc\xc2\x9b HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n",
+        )
+        .await,
+    );
+    assert_eq!(response.status, 404, "forwarded");
+    assert_eq!(
+        upstream.requests()[0].uri.path().as_bytes(),
+        b"/v1/\xe2\x80\xaeabc\xc2\x9b",
+        "the path reaches the upstream as sent"
+    );
+    let payload = r#"{"sessionId":"x\n2099-01-01T00:00:00Z  INFO forged\u001b[31m","toolName":"t","phase":"start"}"#;
+    let request = format!(
+        "POST /_aalis/tool-execute HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{payload}",
+        payload.len()
+    );
+    let response = RawResponse::parse(&raw_exchange(serve.addr, request.as_bytes()).await);
+    assert_eq!(response.status, 200);
+
+    let log = serve.stop().await;
+    assert!(
+        !log.contains('\u{1b}') && !log.contains('\u{202e}') && !log.contains('\u{9b}'),
+        "a raw control character in the log:\n{log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("2099")),
+        "a forged log line:\n{log}"
+    );
+    let request_line = log
+        .lines()
+        .find(|l| l.contains(" INFO ") && l.contains(" path=/v1/"))
+        .unwrap_or_else(|| panic!("no request line:\n{log}"));
+    assert!(
+        request_line.contains(r" path=/v1/\u{202e}abc\u{9b} "),
+        "{request_line}"
+    );
+    let execute = log
+        .lines()
+        .find(|l| l.contains("tool:execute"))
+        .unwrap_or_else(|| panic!("no tool:execute line:\n{log}"));
+    assert!(execute.contains("forged"), "{execute}");
+}
+
+/// What `safe_file_part` must make of a session id, written out here
+/// independently: ASCII letters, digits, `-` and `_` kept, anything else
+/// `_`, at most 64 characters.
+fn expected_file_part(id: &str) -> String {
+    id.chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// `serve --record DIR` with session ids that try to escape `DIR` or make
+/// odd names — `../../escape`, `..`, `.hidden`, `/etc/passwd`,
+/// `a%2F..%2Fb`, `a%00b`, `C:\Windows\x`, `~root`, `$(touch_pwned)`,
+/// `a:b*c?d|e<f>g"h`, 128 × `x` — and `a b` and `café` (refused: `400`,
+/// nothing recorded): `DIR`'s parent holds only `DIR`, `DIR` holds no
+/// directory and exactly three files per accepted stream, each named
+/// `<ms>-<part>-<n>.{sse,sse.timing,request.json}` where `<part>` is the
+/// id with every character but `[A-Za-z0-9_-]` made `_`, cut at 64, so no
+/// name starts with `.`; each `.sse` is the upstream's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorded_file_names_cannot_escape_the_record_dir() {
+    let parent = scratch_dir("record");
+    let dir = parent.join("rec");
+    std::fs::create_dir(&dir).expect("create the record dir");
+
+    let input = fixture(SINGLE_CALL);
+    let sent = input.clone();
+    let upstream =
+        FakeUpstream::start(move |_| Reply::stream("text/event-stream", [&sent[..]])).await;
+    let mut config = proxy_config(&upstream.url(""));
+    config.record_dir = Some(dir.clone());
+    let proxy = Served::start(config).await;
+    let long = "x".repeat(128);
+    let accepted = [
+        "../../escape",
+        "..",
+        ".hidden",
+        "/etc/passwd",
+        "a%2F..%2Fb",
+        "a%00b",
+        "C:\\Windows\\x",
+        "~root",
+        "$(touch_pwned)",
+        "a:b*c?d|e<f>g\"h",
+        long.as_str(),
+    ];
+    for id in accepted {
+        let response = raw_request(
+            proxy.addr,
+            "/v1/chat/completions",
+            &[format!("x-aalis-session: {id}").as_bytes()],
+        )
+        .await;
+        assert_eq!(response.status, 200, "{id}");
+        assert_eq!(response.body, annotate(&input), "{id}");
+    }
+    for line in [
+        &b"x-aalis-session: a b"[..],
+        "x-aalis-session: café".as_bytes(),
+    ] {
+        let response = raw_request(proxy.addr, "/v1/chat/completions", &[line]).await;
+        assert_eq!(response.status, 400);
+    }
+
+    let names = |path: &std::path::Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(path)
+            .expect("read dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert!(
+        eventually(PATIENCE, || names(&dir).len() == 3 * accepted.len()).await,
+        "{:?}",
+        names(&dir)
+    );
+    assert_eq!(names(&parent), ["rec"], "something was written beside DIR");
+    let mut parts: BTreeMap<String, usize> = BTreeMap::new();
+    for name in names(&dir) {
+        let path = dir.join(&name);
+        assert!(path.is_file(), "{name} is not a file");
+        assert!(!name.starts_with('.'), "{name}");
+        let (ms, rest) = name.split_once('-').expect("<ms>-");
+        assert!(ms.bytes().all(|b| b.is_ascii_digit()), "{name}");
+        let stem = rest
+            .strip_suffix(".sse.timing")
+            .or_else(|| rest.strip_suffix(".sse"))
+            .or_else(|| rest.strip_suffix(".request.json"))
+            .unwrap_or_else(|| panic!("unexpected file {name}"));
+        let (part, n) = stem.rsplit_once('-').expect("-<n>");
+        assert!(n.bytes().all(|b| b.is_ascii_digit()), "{name}");
+        assert!(
+            !part.is_empty()
+                && part.len() <= 64
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+            "{name}"
+        );
+        if name.ends_with(".sse") {
+            assert_eq!(std::fs::read(&path).expect("read"), input, "{name}");
+        }
+        *parts.entry(part.to_owned()).or_default() += 1;
+    }
+    let mut wanted: BTreeMap<String, usize> = BTreeMap::new();
+    for id in accepted {
+        *wanted.entry(expected_file_part(id)).or_default() += 3;
+    }
+    assert_eq!(parts, wanted);
+    let _ = std::fs::remove_dir_all(&parent);
+    assert_no_foreign_panic();
+}
+
+/// Upstream response headers with odd bytes, sent raw, on a stream and on
+/// a JSON response:
+///
+/// | upstream header | what the client gets |
+/// | --- | --- |
+/// | `X-Odd: café \xff\xfe` (obs-text) | the same bytes, one header |
+/// | `X-Aalis-Session: evil` | replaced: one `x-aalis-session`, the request's |
+/// | `X-Split: a` LF `X-Injected: yes` (bare LF) | two headers, as the upstream framed them (RFC 9112 allows a bare LF line end) |
+/// | `X-CR: a` CR `X-Injected: yes` (bare CR) | `502` `upstream_error`, no `X-Injected` |
+/// | `X-Nul: a` NUL `b` | `502` |
+/// | `X-Fold: a` CRLF SP `X-Injected: yes` (obs-fold) | `502` |
+///
+/// Every response head is well formed; the streams that come through are
+/// annotated byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_upstream_header_bytes_do_not_split_responses() {
+    let input = fixture(SINGLE_CALL);
+    let odd: &[(&str, &[u8])] = &[
+        ("obs-text", b"X-Odd: caf\xc3\xa9 \xff\xfe"),
+        ("session", b"X-Aalis-Session: evil"),
+        ("bare-lf", b"X-Split: a\nX-Injected: yes"),
+        ("bare-cr", b"X-CR: a\rX-Injected: yes"),
+        ("nul", b"X-Nul: a\x00b"),
+        ("fold", b"X-Fold: a\r\n X-Injected: yes"),
+    ];
+    let table: Vec<(String, Vec<u8>)> = odd
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_vec()))
+        .collect();
+    let sent = input.clone();
+    let upstream = RawUpstream::start(move |head| {
+        let text = String::from_utf8_lossy(head);
+        let path = text.split_whitespace().nth(1).unwrap_or_default().to_owned();
+        let mut parts = path.trim_start_matches('/').split('/');
+        let (kind, case) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let line = &table.iter().find(|(k, _)| k == case).expect("case").1;
+        let (content_type, body) = if kind == "stream" {
+            ("text/event-stream", &sent[..])
+        } else {
+            ("application/json", &b"{\"ok\":true}"[..])
+        };
+        let mut response = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n",
+            body.len()
+        )
+        .into_bytes();
+        response.extend_from_slice(line);
+        response.extend_from_slice(b"\r\n\r\n");
+        response.extend_from_slice(body);
+        vec![RawStep::Write(Bytes::from(response)), RawStep::Close]
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url())).await;
+    for kind in ["stream", "json"] {
+        for (case, _) in odd {
+            let response = raw_request(
+                proxy.addr,
+                &format!("/{kind}/{case}"),
+                &[b"x-aalis-session: mine"],
+            )
+            .await;
+            response.assert_well_formed();
+            let what = format!("{kind}/{case}");
+            assert_eq!(
+                response.header("x-aalis-session").as_deref(),
+                Some(&b"mine"[..]),
+                "{what}"
+            );
+            match *case {
+                "bare-cr" | "nul" | "fold" => {
+                    assert_eq!(response.status, 502, "{what}");
+                    assert!(response.headers("x-injected").is_empty(), "{what}");
+                    let error: Value = serde_json::from_slice(&response.body).expect("JSON");
+                    assert_eq!(error["error"]["type"], "upstream_error", "{what}");
+                    continue;
+                }
+                "obs-text" => assert_eq!(
+                    response.headers("x-odd"),
+                    [b"caf\xc3\xa9 \xff\xfe".to_vec()],
+                    "{what}"
+                ),
+                "bare-lf" => {
+                    assert_eq!(response.headers("x-split"), [b"a".to_vec()], "{what}");
+                    assert_eq!(response.headers("x-injected"), [b"yes".to_vec()], "{what}");
+                }
+                _ => {}
+            }
+            assert_eq!(response.status, 200, "{what}");
+            assert!(response.complete, "{what}");
+            if kind == "stream" {
+                assert_eq!(response.body, annotate(&input), "{what}");
+            } else {
+                assert_eq!(response.body, b"{\"ok\":true}", "{what}");
+            }
+        }
+    }
+    assert_no_foreign_panic();
+}
