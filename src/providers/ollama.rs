@@ -9,9 +9,10 @@
 //! lines are reported as errors.
 //!
 //! Calls are numbered by `function.index` when Ollama sends it and that index
-//! is still free in the stream, otherwise after the last call seen: every
-//! Ollama call is a distinct, complete call, so two calls must never share a
-//! number.
+//! is still free in the stream (and at most 2^53 − 1, the largest integer a
+//! JavaScript reader holds exactly), otherwise after the last call seen:
+//! every Ollama call is a distinct, complete call, so two calls must never
+//! share a number.
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -127,6 +128,10 @@ pub(super) fn decode_serde<'a>(
     Ok(info)
 }
 
+/// JavaScript's `Number.MAX_SAFE_INTEGER`: numbering stays far from
+/// `i64::MAX`, where "after the last call" would have no room.
+const MAX_SAFE_INTEGER: i64 = (1 << 53) - 1;
+
 fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallDelta<'a> {
     let (wire_index, name, arguments) = match call.function {
         Some(f) => (
@@ -137,7 +142,7 @@ fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallD
         None => (None, None, ArgumentsDelta::Unchanged),
     };
     let index = match wire_index {
-        Some(i) if i >= state.ollama_calls => i,
+        Some(i) if i >= state.ollama_calls && i <= MAX_SAFE_INTEGER => i,
         _ => state.ollama_calls,
     };
     state.ollama_calls = index.saturating_add(1);
