@@ -176,10 +176,9 @@ fn oversized_event_id_does_not_depend_on_the_cutting() {
 /// Ollama calls are numbered after the last one; a wire index of
 /// `i64::MAX` made the next number saturate at `i64::MAX` again, so two
 /// distinct calls shared one index and the tracker merged them (the `done`
-/// line listed one call instead of two). The fix belongs in
-/// `src/providers/ollama.rs` (`whole_call`), which is being rewritten.
+/// line listed one call instead of two). Fixed: a wire index is taken only
+/// up to 2^53 − 1 (`src/providers/ollama.rs`).
 #[test]
-#[ignore = "open: providers/ollama.rs numbers a call after i64::MAX with i64::MAX again (issue 7)"]
 fn ollama_calls_after_index_i64_max_get_distinct_indexes() {
     let input = br#"{"message":{"tool_calls":[{"function":{"index":9223372036854775807,"name":"a","arguments":{}}},{"function":{"name":"b","arguments":{}}}]},"done":false}"#;
     fuzz_checks::ollama_decode(input);

@@ -124,7 +124,7 @@ pub fn write_frame(
                         // breaks; in JSON they are whitespace outside
                         // strings (inside, they are escaped), so dropping
                         // them keeps the value and the `data:` line whole.
-                        scratch.extend(value.get().chars().filter(|c| !matches!(c, '\r' | '\n')));
+                        scratch.extend(value.chars().filter(|c| !matches!(c, '\r' | '\n')));
                         scratch.push(',');
                     }
                 }

@@ -120,14 +120,17 @@ impl ProgressBatch {
 
 /// Renders one progress object.
 pub fn write_progress(p: &Progress<'_>, out: &mut String) {
-    use std::fmt::Write;
+    // itoa, not `write!`: this runs once per tool-call delta.
+    let mut digits = itoa::Buffer::new();
     out.push_str("{\"index\":");
-    let _ = write!(out, "{}", p.index);
+    out.push_str(digits.format(p.index));
     out.push_str(",\"name\":");
     push_string(p.name, out);
-    let _ = write!(out, ",\"charsAccumulated\":{}", p.chars_accumulated);
+    out.push_str(",\"charsAccumulated\":");
+    out.push_str(digits.format(p.chars_accumulated));
     if p.choice != 0 {
-        let _ = write!(out, ",\"choice\":{}", p.choice);
+        out.push_str(",\"choice\":");
+        out.push_str(digits.format(p.choice));
     }
     out.push('}');
 }

@@ -159,7 +159,10 @@ pub struct SseDecoder {
     tail_pending: bool,
     /// No more input will come.
     eof: bool,
+    /// The `data` lines joined, once there are two or more…
     data: Vec<u8>,
+    /// … while the only one so far is `buf[.0...1]`, not copied.
+    data_line: Option<(usize, usize)>,
     has_data: bool,
     event_type: Vec<u8>,
     last_event_id: Vec<u8>,
@@ -204,6 +207,7 @@ impl SseDecoder {
             tail_pending: false,
             eof: false,
             data: Vec::new(),
+            data_line: None,
             has_data: false,
             event_type: Vec::new(),
             last_event_id: Vec::new(),
@@ -225,6 +229,7 @@ impl SseDecoder {
             self.scan -= n;
             self.searched -= n;
             self.data_last_byte = self.data_last_byte.map(|i| i - n);
+            self.data_line = self.data_line.map(|(a, b)| (a - n, b - n));
             self.start = 0;
         }
         self.buf.extend_from_slice(input);
@@ -332,6 +337,7 @@ impl SseDecoder {
         // first bytes arrived alone (the result must not depend on how the
         // input was cut; found by the `sse_framing` fuzz target, issue 7).
         self.data = Vec::new();
+        self.data_line = None;
         self.has_data = false;
         self.data_last_byte = None;
         if std::mem::take(&mut self.id_changed) {
@@ -442,14 +448,20 @@ impl SseDecoder {
         let value = &self.buf[value_start..end];
         match name {
             b"data" => {
-                if self.has_data {
-                    self.data.push(b'\n');
-                }
-                self.has_data = true;
-                self.data.extend_from_slice(value);
                 if let Some(i) = value.iter().rposition(|b| !matches!(b, b' ' | b'\t')) {
                     self.data_last_byte = Some(value_start + i);
                 }
+                if !self.has_data {
+                    // Most events have one data line: it is read in place.
+                    self.has_data = true;
+                    self.data_line = Some((value_start, end));
+                    return;
+                }
+                if let Some((a, b)) = self.data_line.take() {
+                    self.data.extend_from_slice(&self.buf[a..b]);
+                }
+                self.data.push(b'\n');
+                self.data.extend_from_slice(&self.buf[value_start..end]);
             }
             b"event" => {
                 self.event_type.clear();
@@ -482,7 +494,10 @@ impl SseDecoder {
             SseBlockKind::Event(SseEvent {
                 number: self.events,
                 event_type: &self.event_type,
-                data: &self.data,
+                data: match self.data_line {
+                    Some((a, b)) => &self.buf[a..b],
+                    None => &self.data,
+                },
                 last_event_id: &self.last_event_id,
                 closing_brace,
                 line_ending,
@@ -545,6 +560,7 @@ impl SseDecoder {
             return;
         }
         self.data.clear();
+        self.data_line = None;
         self.has_data = false;
         self.event_type.clear();
         self.data_last_byte = None;

@@ -14,6 +14,7 @@
 
 pub mod ollama;
 pub mod openai_chat;
+mod scan;
 
 use serde::de::{self, Deserialize, Deserializer};
 use serde_json::value::RawValue;
@@ -22,7 +23,7 @@ use std::borrow::Cow;
 use crate::chunk::{ArgumentsDelta, Chunk};
 
 /// The wire format of a stream's frames.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Provider {
     /// `chat.completion.chunk` objects in SSE `data:` events.
     OpenAiChat,
@@ -31,7 +32,7 @@ pub enum Provider {
 }
 
 /// What a decoder learned about a frame besides its chunks.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq)]
 pub struct FrameInfo<'a> {
     /// The frame is a JSON object (so a key can be added before its last
     /// `}`); false for `[DONE]`.
@@ -43,12 +44,12 @@ pub struct FrameInfo<'a> {
     pub finishes: bool,
     /// The frame carries non-null usage.
     pub has_usage: bool,
-    /// Top-level `id`, `object`, `created`, `model`, verbatim, for the
-    /// `chunk` inject mode.
-    pub id: Option<&'a RawValue>,
-    pub object: Option<&'a RawValue>,
-    pub created: Option<&'a RawValue>,
-    pub model: Option<&'a RawValue>,
+    /// Top-level `id`, `object`, `created`, `model`, their raw JSON text
+    /// verbatim (absent when `null`), for the `chunk` inject mode.
+    pub id: Option<&'a str>,
+    pub object: Option<&'a str>,
+    pub created: Option<&'a str>,
+    pub model: Option<&'a str>,
 }
 
 /// Why a frame's data could not be understood. The frame is forwarded
@@ -87,7 +88,7 @@ pub fn decode<'a>(
         valid_up_to: e.valid_up_to(),
     })?;
     match provider {
-        Provider::OpenAiChat => openai_chat::decode(data, emit),
+        Provider::OpenAiChat => openai_chat::decode(data, state, emit),
         Provider::OllamaChat => ollama::decode(data, state, emit),
     }
 }
@@ -98,6 +99,9 @@ pub struct DecoderState {
     /// Ollama: the index the next tool call gets unless it brings a higher
     /// free one.
     pub ollama_calls: i64,
+    /// Reused by the fast paths: no allocation per frame in steady state.
+    pub(crate) spans: openai_chat::Spans,
+    pub(crate) lines: ollama::Lines,
 }
 
 // === shared borrowed views ===
@@ -138,18 +142,21 @@ pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
         return Some(Cow::Borrowed(inner));
     }
     let mut out = String::with_capacity(inner.len());
-    let mut chars = inner.chars();
+    let mut rest = inner;
     let mut pending_high: Option<u16> = None;
-    while let Some(c) = chars.next() {
-        if c != '\\' {
+    // Runs without escapes are copied whole; each escape is decoded.
+    while let Some(at) = memchr::memchr(b'\\', rest.as_bytes()) {
+        let (run, escape) = rest.split_at(at);
+        if !run.is_empty() {
             flush_high(&mut pending_high, &mut out);
-            out.push(c);
-            continue;
+            out.push_str(run);
         }
+        let mut chars = escape.get(1..)?.chars();
         let escaped = match chars.next()? {
             'u' => {
-                let hex: String = chars.by_ref().take(4).collect();
-                let unit = u16::from_str_radix(&hex, 16).ok()?;
+                let hex = escape.get(2..6)?;
+                let unit = u16::from_str_radix(hex, 16).ok()?;
+                rest = escape.get(6..)?;
                 match (pending_high.take(), unit) {
                     (Some(high), 0xDC00..=0xDFFF) => {
                         let code = 0x10000
@@ -184,8 +191,13 @@ pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
             't' => '\t',
             _ => return None,
         };
+        rest = escape.get(2..)?;
         flush_high(&mut pending_high, &mut out);
         out.push(escaped);
+    }
+    if !rest.is_empty() {
+        flush_high(&mut pending_high, &mut out);
+        out.push_str(rest);
     }
     flush_high(&mut pending_high, &mut out);
     Some(Cow::Owned(out))
@@ -222,8 +234,8 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
 
 /// A JSON number that is an integer (`1.0` included, as JavaScript's
 /// `Number.isInteger` would say) within `i64`; anything else is `None`.
-pub(crate) fn raw_i64(raw: Option<&RawValue>) -> Option<i64> {
-    let text = raw?.get();
+pub(crate) fn raw_i64(raw: Option<&str>) -> Option<i64> {
+    let text = raw?;
     if let Ok(n) = text.parse::<i64>() {
         return Some(n);
     }
@@ -233,7 +245,7 @@ pub(crate) fn raw_i64(raw: Option<&RawValue>) -> Option<i64> {
 }
 
 /// A JSON number that is a non-negative integer; anything else is `None`.
-pub(crate) fn raw_u64(raw: Option<&RawValue>) -> Option<u64> {
+pub(crate) fn raw_u64(raw: Option<&str>) -> Option<u64> {
     raw_i64(raw).and_then(|n| u64::try_from(n).ok())
 }
 
@@ -284,14 +296,155 @@ mod tests {
 
     #[test]
     fn integers_as_javascript_sees_them() {
-        let raw = |t: &str| serde_json::from_str::<Box<RawValue>>(t).expect("json");
-        assert_eq!(raw_i64(Some(&raw("3"))), Some(3));
-        assert_eq!(raw_i64(Some(&raw("-1"))), Some(-1));
-        assert_eq!(raw_i64(Some(&raw("2.0"))), Some(2));
-        assert_eq!(raw_i64(Some(&raw("4294967296"))), Some(4_294_967_296));
-        assert_eq!(raw_i64(Some(&raw("1.5"))), None);
-        assert_eq!(raw_i64(Some(&raw("\"0\""))), None);
-        assert_eq!(raw_i64(Some(&raw("1e300"))), None);
-        assert_eq!(raw_u64(Some(&raw("-1"))), None);
+        assert_eq!(raw_i64(Some("3")), Some(3));
+        assert_eq!(raw_i64(Some("-1")), Some(-1));
+        assert_eq!(raw_i64(Some("2.0")), Some(2));
+        assert_eq!(raw_i64(Some("4294967296")), Some(4_294_967_296));
+        assert_eq!(raw_i64(Some("1.5")), None);
+        assert_eq!(raw_i64(Some("\"0\"")), None);
+        assert_eq!(raw_i64(Some("1e300")), None);
+        assert_eq!(raw_u64(Some("-1")), None);
+    }
+
+    // === the fast path answers as the serde path does ===
+
+    /// Decodes `data` both ways and requires the same chunks and info, or
+    /// an error from both. The fast path keeps `state` from frame to frame
+    /// (its memo of the last frame's start), as in a stream.
+    fn same_as_serde(provider: Provider, data: &str, state: &mut DecoderState) {
+        let mut fast = Vec::new();
+        state.ollama_calls = 0;
+        let fast_info = decode(provider, data.as_bytes(), state, &mut |c| fast.push(c));
+        let mut slow = Vec::new();
+        let mut state = DecoderState::default();
+        let slow_info = match provider {
+            Provider::OpenAiChat if data.trim() == "[DONE]" => return,
+            Provider::OpenAiChat => openai_chat::decode_serde(data, &mut |c| slow.push(c)),
+            Provider::OllamaChat => ollama::decode_serde(data, &mut state, &mut |c| slow.push(c)),
+        };
+        match (fast_info, slow_info) {
+            (Ok(f), Ok(s)) => assert_eq!(f, s, "{data}"),
+            (Err(_), Err(_)) => {}
+            (f, s) => panic!("fast {f:?} serde {s:?} on {data}"),
+        }
+        assert_eq!(fast, slow, "{data}");
+    }
+
+    fn fixture_frames() -> Vec<(Provider, String)> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+        let mut frames = Vec::new();
+        let mut dirs = vec![root];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).expect("fixtures").flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let name = path.to_string_lossy();
+                for line in text.lines() {
+                    if name.ends_with(".ndjson") {
+                        frames.push((Provider::OllamaChat, line.to_owned()));
+                    } else if let Some(data) = line.strip_prefix("data:") {
+                        frames.push((Provider::OpenAiChat, data.trim_start().to_owned()));
+                    }
+                }
+            }
+        }
+        frames.sort();
+        frames.dedup();
+        frames
+    }
+
+    #[test]
+    fn fast_path_equals_serde_on_fixture_frames_and_their_mutations() {
+        let frames = fixture_frames();
+        assert!(frames.len() > 200, "{}", frames.len());
+        let replacements = [
+            "\"", "\\", "{", "}", "[", "]", ",", ":", "0", "-", " ", "\u{1}", "n", "null", "true",
+            "\"\"", "{}", "[]", "1.5", "1e400", "\\ud83d",
+        ];
+        let mut checked = 0usize;
+        let mut state = DecoderState::default();
+        for (provider, data) in &frames {
+            same_as_serde(*provider, data, &mut state);
+            for at in (0..data.len()).filter(|&i| data.is_char_boundary(i)) {
+                same_as_serde(*provider, &data[..at], &mut state);
+                let next = data[at..].chars().next().map_or(0, char::len_utf8);
+                // Two of the replacements per position, rotating, keeps
+                // the test to seconds in a debug build.
+                same_as_serde(*provider, data, &mut state);
+                for k in 0..2 {
+                    let with = replacements[(at + k * 7) % replacements.len()];
+                    let mut mutated = String::with_capacity(data.len() + 8);
+                    mutated.push_str(&data[..at]);
+                    mutated.push_str(with);
+                    mutated.push_str(&data[at + next..]);
+                    same_as_serde(*provider, &mutated, &mut state);
+                    // Inserted rather than replaced.
+                    mutated.clear();
+                    mutated.push_str(&data[..at]);
+                    mutated.push_str(with);
+                    mutated.push_str(&data[at..]);
+                    same_as_serde(*provider, &mutated, &mut state);
+                    checked += 2;
+                }
+            }
+        }
+        assert!(checked > 50_000, "{checked}");
+    }
+
+    #[test]
+    fn fast_path_equals_serde_on_shapes_it_hands_over() {
+        let openai = [
+            r#"{"choices":[{"delta":{"content":"a"}}],"choices":[]}"#,
+            r#"{"choi\u0063es":[{"delta":{"content":"a"}}]}"#,
+            r#"{"choices":[[0,{"content":"a"}]]}"#,
+            r#"{"choices":[null]}"#,
+            r#"{"choices":null,"usage":null,"x_groq":null,"error":null,"id":null}"#,
+            r#"{"choices":[{"index":1,"delta":null,"finish_reason":"stop"}],"usage":{}}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":{"a":[1,2.50]}}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":1e400}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":5}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"","function":null}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[null]}}]}"#,
+            r#"{"choices":[{"delta":{"content":[{"type":"text","text":"x"}]}}]}"#,
+            r#"{"choices":[{"delta":{"content":{"a":1},"reasoning":"r","reasoning_content":""}}]}"#,
+            r#"{"choices":[{"delta":{"content":"\ud83d\ude00\ud83d"},"index":"2"}]}"#,
+            r#"{"choices":[{"delta":{"content":"x","content":"y"}}]}"#,
+            r#"{"choices":[],"x_groq":{"usage":{"prompt_tokens":1},"usage":null}}"#,
+            r#"{"choices":[],"usage":5}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":-1,"total_tokens":2.0}}"#,
+            r#"{"error":"plain"}"#,
+            r#"{"error":{"message":"m","code":1}}"#,
+            r#"{"toolCallProgress":null,"choices":[]}"#,
+            r#"{"toolCallProgress":{"index":0},"choices":[]}"#,
+            r#"  {"choices":[]}  "#,
+            r#"{"choices":[]} x"#,
+            r#"{"a":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}"#,
+            "[DONE]",
+            "[1]",
+            "",
+        ];
+        let mut state = DecoderState::default();
+        for data in openai {
+            same_as_serde(Provider::OpenAiChat, data, &mut DecoderState::default());
+            same_as_serde(Provider::OpenAiChat, data, &mut state);
+        }
+        let ollama = [
+            r#"{"message":{"content":"a"},"done":"yes"}"#,
+            r#"{"message":{"content":"a"},"done":null,"done_reason":"stop"}"#,
+            r#"{"message":{"content":"a","tool_calls":[]},"done":false}"#,
+            r#"{"message":{"content":"a","tool_calls":null},"done":true,"eval_count":3}"#,
+            r#"{"message":null,"done":true,"prompt_eval_count":null}"#,
+            r#"{"message":{"content":5}}"#,
+            r#"{"message":{"thinking":"t","thinking":"u"}}"#,
+            r#"{"error":"model not found"}"#,
+            r#"{"message":[]}"#,
+        ];
+        for data in ollama {
+            same_as_serde(Provider::OllamaChat, data, &mut DecoderState::default());
+        }
     }
 }

@@ -9,17 +9,19 @@
 //! lines are reported as errors.
 //!
 //! Calls are numbered by `function.index` when Ollama sends it and that index
-//! is still free in the stream, otherwise after the last call seen: every
-//! Ollama call is a distinct, complete call, so two calls must never share a
-//! number.
+//! is still free in the stream (and at most 2^53 − 1, the largest integer a
+//! JavaScript reader holds exactly), otherwise after the last call seen:
+//! every Ollama call is a distinct, complete call, so two calls must never
+//! share a number.
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
+use super::scan::{Bail, Cursor, Span, Template, first_time, from_rank};
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, expect_object, is_set, raw_i64,
-    raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
+    is_set, raw_i64, raw_u64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 
@@ -75,6 +77,19 @@ pub fn decode<'a>(
     state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
+    match state.lines.scan(data) {
+        Ok(line) => Ok(line.emit(data, emit)),
+        Err(Bail) => decode_serde(data, state, emit),
+    }
+}
+
+/// The serde path: lines with tool calls, and every line the fast path
+/// gives up on.
+pub(super) fn decode_serde<'a>(
+    data: &'a str,
+    state: &mut DecoderState,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<FrameInfo<'a>, FrameError> {
     expect_object(data)?;
     let view: LineView<'a> = serde_json::from_str(data)?;
     let done = view.done == Some(true);
@@ -86,7 +101,7 @@ pub fn decode<'a>(
     };
     if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
         emit(Chunk::Error {
-            message: error_message(error),
+            message: error_message(error.get()),
         });
     }
     if let Some(message) = view.message {
@@ -104,8 +119,8 @@ pub fn decode<'a>(
         info.has_usage = true;
         emit(Chunk::Finish { choice: 0 });
         emit(Chunk::Usage(Usage::new(
-            raw_u64(view.prompt_eval_count),
-            raw_u64(view.eval_count),
+            raw_u64(view.prompt_eval_count.map(RawValue::get)),
+            raw_u64(view.eval_count.map(RawValue::get)),
             None,
         )));
         emit(Chunk::Done);
@@ -113,17 +128,21 @@ pub fn decode<'a>(
     Ok(info)
 }
 
+/// JavaScript's `Number.MAX_SAFE_INTEGER`: numbering stays far from
+/// `i64::MAX`, where "after the last call" would have no room.
+const MAX_SAFE_INTEGER: i64 = (1 << 53) - 1;
+
 fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallDelta<'a> {
     let (wire_index, name, arguments) = match call.function {
         Some(f) => (
-            raw_i64(f.index),
+            raw_i64(f.index.map(RawValue::get)),
             JsonStr::non_empty(f.name),
             f.arguments.map_or(ArgumentsDelta::Unchanged, |a| a.0),
         ),
         None => (None, None, ArgumentsDelta::Unchanged),
     };
     let index = match wire_index {
-        Some(i) if i >= state.ollama_calls => i,
+        Some(i) if i >= state.ollama_calls && i <= MAX_SAFE_INTEGER => i,
         _ => state.ollama_calls,
     };
     state.ollama_calls = index.saturating_add(1);
@@ -138,6 +157,185 @@ fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallD
         id: JsonStr::non_empty(call.id),
         name,
         arguments,
+    }
+}
+
+// === the fast path ===
+//
+// Text and thinking lines (nearly all of a stream) are scanned with the
+// validating cursor; a line with tool calls, or anything unusual, bails to
+// serde, which also numbers the calls.
+
+/// The fast path's memory of the last line; see [`Template`].
+#[derive(Debug, Default)]
+pub(crate) struct Lines {
+    template: Template,
+    learned: LineSpans,
+    holes: Vec<Span>,
+}
+
+impl Lines {
+    fn scan(&mut self, data: &str) -> Result<LineSpans, Bail> {
+        if self.template.matches(data, &mut self.holes)
+            && let Ok(line) = self.learned.map(&mut |span| from_rank(&self.holes, span))
+        {
+            return Ok(line);
+        }
+        let mut c = Cursor::new(data, std::mem::take(&mut self.holes));
+        let line = walk(&mut c);
+        self.holes = c.into_holes();
+        let line = line?;
+        self.template.learn(data, &self.holes);
+        // Only a line whose every span is a hole can be moved.
+        match line.map(&mut |span| self.template.to_rank(span)) {
+            Ok(ranks) => self.learned = ranks,
+            Err(Bail) => self.template.forget(),
+        }
+        Ok(line)
+    }
+}
+
+/// Where one line's values are.
+#[derive(Debug, Default, Clone, Copy)]
+struct LineSpans {
+    content: Option<Span>,
+    thinking: Option<Span>,
+    done: bool,
+    done_reason: Option<Span>,
+    prompt_eval_count: Option<Span>,
+    eval_count: Option<Span>,
+    error: Option<Span>,
+    annotated: bool,
+}
+
+/// Walks a whole line.
+fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
+    let mut line = LineSpans::default();
+    let mut seen = 0;
+    let mut walk = c.object()?;
+    while let Some(key) = c.key(&mut walk)? {
+        match key {
+            b"message" => {
+                first_time(&mut seen, 1)?;
+                if !c.null()? {
+                    let mut seen = 0;
+                    let mut message = c.object()?;
+                    while let Some(key) = c.key(&mut message)? {
+                        match key {
+                            b"content" => {
+                                first_time(&mut seen, 1)?;
+                                line.content = c.optional_string()?;
+                            }
+                            b"thinking" => {
+                                first_time(&mut seen, 2)?;
+                                line.thinking = c.optional_string()?;
+                            }
+                            b"tool_calls" => {
+                                first_time(&mut seen, 4)?;
+                                if !c.null()? {
+                                    return Err(Bail);
+                                }
+                            }
+                            _ => {
+                                c.value()?;
+                            }
+                        }
+                    }
+                }
+            }
+            b"done" => {
+                first_time(&mut seen, 2)?;
+                // `true`, `false` and `null` are part of a template's bytes.
+                line.done = match c.peek() {
+                    Some(b't') => {
+                        c.value()?;
+                        true
+                    }
+                    Some(b'f' | b'n') => {
+                        c.value()?;
+                        false
+                    }
+                    _ => return Err(Bail),
+                };
+            }
+            b"done_reason" => {
+                first_time(&mut seen, 4)?;
+                line.done_reason = c.optional()?;
+            }
+            b"prompt_eval_count" => {
+                first_time(&mut seen, 8)?;
+                line.prompt_eval_count = c.optional()?;
+            }
+            b"eval_count" => {
+                first_time(&mut seen, 16)?;
+                line.eval_count = c.optional()?;
+            }
+            b"error" => {
+                first_time(&mut seen, 32)?;
+                line.error = c.optional()?;
+            }
+            b"toolCallProgress" => {
+                first_time(&mut seen, 64)?;
+                line.annotated = c.optional()?.is_some();
+            }
+            _ => {
+                c.value()?;
+            }
+        }
+    }
+    c.end()?;
+    Ok(line)
+}
+
+impl LineSpans {
+    /// This line with each span mapped by `f` (to a hole rank and back).
+    fn map(
+        &self,
+        f: &mut dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail>,
+    ) -> Result<LineSpans, Bail> {
+        Ok(LineSpans {
+            content: f(self.content)?,
+            thinking: f(self.thinking)?,
+            done_reason: f(self.done_reason)?,
+            prompt_eval_count: f(self.prompt_eval_count)?,
+            eval_count: f(self.eval_count)?,
+            error: f(self.error)?,
+            ..*self
+        })
+    }
+
+    /// The chunks of a scanned line, in the serde path's order.
+    fn emit<'a>(&self, data: &'a str, emit: &mut dyn FnMut(Chunk<'a>)) -> FrameInfo<'a> {
+        let raw = |span: Option<Span>| span.map(|s| s.of(data));
+        let text = |span: Option<Span>| raw(span).and_then(decode_string).filter(|t| !t.is_empty());
+        let info = FrameInfo {
+            is_object: true,
+            already_annotated: self.annotated,
+            finishes: self.done || self.done_reason.is_some(),
+            has_usage: self.done,
+            ..FrameInfo::default()
+        };
+        if let Some(error) = raw(self.error) {
+            emit(Chunk::Error {
+                message: error_message(error),
+            });
+        }
+        if let Some(text) = text(self.thinking) {
+            emit(Chunk::Reasoning { choice: 0, text });
+        }
+        if let Some(text) = text(self.content) {
+            emit(Chunk::Text { choice: 0, text });
+        }
+        if self.done {
+            emit(Chunk::Finish { choice: 0 });
+            emit(Chunk::Usage(Usage::new(
+                raw_u64(raw(self.prompt_eval_count)),
+                raw_u64(raw(self.eval_count)),
+                None,
+            )));
+            emit(Chunk::Done);
+        }
+        info
     }
 }
 

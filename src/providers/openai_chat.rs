@@ -13,12 +13,14 @@
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use std::borrow::Cow;
 
 use serde::de::{self, Deserializer};
 
+use super::scan::{Bail, Cursor, Span, Template, first_time, from_rank};
 use super::{
-    ArgumentsView, FrameError, FrameInfo, JsonStr, decode_string, expect_object, is_set, raw_i64,
-    raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
+    is_set, raw_i64, raw_u64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 
@@ -138,9 +140,9 @@ impl<'de: 'a, 'a> Deserialize<'de> for ContentView<'a> {
 impl UsageView<'_> {
     fn usage(&self) -> Usage {
         Usage::new(
-            raw_u64(self.prompt_tokens),
-            raw_u64(self.completion_tokens),
-            raw_u64(self.total_tokens),
+            raw_u64(self.prompt_tokens.map(RawValue::get)),
+            raw_u64(self.completion_tokens.map(RawValue::get)),
+            raw_u64(self.total_tokens.map(RawValue::get)),
         )
     }
 }
@@ -148,12 +150,26 @@ impl UsageView<'_> {
 /// Decodes one SSE event's data.
 pub fn decode<'a>(
     data: &'a str,
+    state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
-    if data.trim() == "[DONE]" {
+    if !data.starts_with('{') && data.trim() == "[DONE]" {
         emit(Chunk::Done);
         return Ok(FrameInfo::default());
     }
+    let spans = &mut state.spans;
+    match spans.scan(data) {
+        Ok(top) => Ok(spans.emit(data, &top, emit)),
+        Err(Bail) => decode_serde(data, emit),
+    }
+}
+
+/// The serde path: every frame the fast path gives up on, with the
+/// answers and error messages it always gave.
+pub(super) fn decode_serde<'a>(
+    data: &'a str,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<FrameInfo<'a>, FrameError> {
     expect_object(data)?;
     // The whole frame is parsed here; from now on nothing can fail, so a
     // bad frame emits no chunk at all.
@@ -161,19 +177,19 @@ pub fn decode<'a>(
     let mut info = FrameInfo {
         is_object: true,
         already_annotated: view.tool_call_progress.is_some(),
-        id: view.id,
-        object: view.object,
-        created: view.created,
-        model: view.model,
+        id: view.id.map(RawValue::get),
+        object: view.object.map(RawValue::get),
+        created: view.created.map(RawValue::get),
+        model: view.model.map(RawValue::get),
         ..FrameInfo::default()
     };
     if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
         emit(Chunk::Error {
-            message: error_message(error),
+            message: error_message(error.get()),
         });
     }
     for choice in view.choices.into_iter().flatten() {
-        let k = raw_i64(choice.index).unwrap_or(0);
+        let k = raw_i64(choice.index.map(RawValue::get)).unwrap_or(0);
         if let Some(delta) = choice.delta {
             decode_delta(k, delta, emit);
         }
@@ -213,7 +229,7 @@ fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chun
         };
         emit(Chunk::ToolCallDelta(ToolCallDelta {
             choice,
-            index: raw_i64(call.index),
+            index: raw_i64(call.index.map(RawValue::get)),
             id: JsonStr::non_empty(call.id),
             name,
             arguments,
@@ -271,18 +287,480 @@ fn decode_thinking<'a>(choice: i64, thinking: ContentView<'a>, emit: &mut dyn Fn
 }
 
 /// The human part of an error value: `error.message`, or the value itself.
-pub(crate) fn error_message(error: &RawValue) -> String {
+pub(crate) fn error_message(error: &str) -> String {
     #[derive(Deserialize)]
     struct ErrorView {
         message: Option<String>,
     }
     if let Ok(ErrorView {
         message: Some(message),
-    }) = serde_json::from_str(error.get())
+    }) = serde_json::from_str(error)
     {
         return message;
     }
-    serde_json::from_str::<String>(error.get()).unwrap_or_else(|_| error.get().to_owned())
+    serde_json::from_str::<String>(error).unwrap_or_else(|_| error.to_owned())
+}
+
+// === the fast path ===
+//
+// `Spans::scan` walks the frame once with a validating cursor and notes
+// where the values progress needs are; nothing is emitted until the whole
+// frame has proved valid, then `Spans::emit` turns the spans into chunks in
+// the serde path's order. Anything unusual (Mistral content parts, object
+// arguments, a value of the wrong type, a duplicate key) bails to serde.
+
+/// Where one frame's values are; reused from frame to frame.
+#[derive(Debug, Default)]
+pub(crate) struct Spans {
+    choices: Vec<ChoiceSpans>,
+    calls: Vec<CallSpans>,
+    /// The last valid frame's shape…
+    template: Template,
+    /// … its spans, in its bytes…
+    learned_top: TopSpans,
+    learned_choices: Vec<ChoiceSpans>,
+    learned_calls: Vec<CallSpans>,
+    /// … and the holes of the frame at hand.
+    holes: Vec<Span>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct TopSpans {
+    error: Option<Span>,
+    id: Option<Span>,
+    object: Option<Span>,
+    created: Option<Span>,
+    model: Option<Span>,
+    annotated: bool,
+    usage: Option<UsageSpans>,
+    groq_usage: Option<UsageSpans>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct UsageSpans {
+    prompt: Option<Span>,
+    completion: Option<Span>,
+    total: Option<Span>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct ChoiceSpans {
+    index: Option<Span>,
+    finish_reason: Option<Span>,
+    has_delta: bool,
+    reasoning_content: Option<Span>,
+    reasoning: Option<Span>,
+    /// A string `content` (any other non-null type carries no text).
+    content: Option<Span>,
+    /// This choice's entries in `Spans::calls`.
+    calls: (usize, usize),
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct CallSpans {
+    index: Option<Span>,
+    id: Option<Span>,
+    name: Option<Span>,
+    /// A string `arguments`; object arguments bail.
+    arguments: Option<Span>,
+}
+
+impl Spans {
+    fn scan(&mut self, data: &str) -> Result<TopSpans, Bail> {
+        if self.template.matches(data, &mut self.holes)
+            && let Ok(top) = self.moved_from_template()
+        {
+            return Ok(top);
+        }
+        self.choices.clear();
+        self.calls.clear();
+        let mut c = Cursor::new(data, std::mem::take(&mut self.holes));
+        let top = self.walk(&mut c);
+        self.holes = c.into_holes();
+        let top = top?;
+        self.learn(data, &top);
+        Ok(top)
+    }
+
+    /// The frame at hand has the learned shape: the learned spans, moved
+    /// to its holes.
+    fn moved_from_template(&mut self) -> Result<TopSpans, Bail> {
+        let holes = self.holes.as_slice();
+        let mut moved = |span| from_rank(holes, span);
+        let top = self.learned_top.map(&mut moved)?;
+        self.choices.clear();
+        for choice in &self.learned_choices {
+            self.choices.push(choice.map(&mut moved)?);
+        }
+        self.calls.clear();
+        for call in &self.learned_calls {
+            self.calls.push(call.map(&mut moved)?);
+        }
+        Ok(top)
+    }
+
+    /// Keeps a valid frame's shape, its spans as hole ranks, when every
+    /// span the decoder took is a hole (a string or a number); otherwise
+    /// the next frame is walked in full.
+    fn learn(&mut self, data: &str, top: &TopSpans) {
+        self.template.learn(data, &self.holes);
+        let t = &self.template;
+        let mut rank = |span| t.to_rank(span);
+        let mut learn = || -> Result<(), Bail> {
+            self.learned_top = top.map(&mut rank)?;
+            self.learned_choices.clear();
+            for choice in &self.choices {
+                self.learned_choices.push(choice.map(&mut rank)?);
+            }
+            self.learned_calls.clear();
+            for call in &self.calls {
+                self.learned_calls.push(call.map(&mut rank)?);
+            }
+            Ok(())
+        };
+        if learn().is_err() {
+            self.template.forget();
+        }
+    }
+
+    /// Walks a whole frame.
+    fn walk(&mut self, c: &mut Cursor<'_>) -> Result<TopSpans, Bail> {
+        let mut top = TopSpans::default();
+        let mut seen = 0;
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
+            match key {
+                b"choices" => {
+                    first_time(&mut seen, 1)?;
+                    if !c.null()? {
+                        let mut choices = c.array()?;
+                        while c.element(&mut choices)? {
+                            self.scan_choice(c)?;
+                        }
+                    }
+                }
+                b"usage" => {
+                    first_time(&mut seen, 2)?;
+                    top.usage = scan_usage(c)?;
+                }
+                b"x_groq" => {
+                    first_time(&mut seen, 4)?;
+                    if !c.null()? {
+                        let mut seen = 0;
+                        let mut groq = c.object()?;
+                        while let Some(key) = c.key(&mut groq)? {
+                            if key == b"usage" {
+                                first_time(&mut seen, 1)?;
+                                top.groq_usage = scan_usage(c)?;
+                            } else {
+                                c.value()?;
+                            }
+                        }
+                    }
+                }
+                b"error" => {
+                    first_time(&mut seen, 8)?;
+                    top.error = c.optional()?;
+                }
+                b"id" => {
+                    first_time(&mut seen, 16)?;
+                    top.id = c.optional()?;
+                }
+                b"object" => {
+                    first_time(&mut seen, 32)?;
+                    top.object = c.optional()?;
+                }
+                b"created" => {
+                    first_time(&mut seen, 64)?;
+                    top.created = c.optional()?;
+                }
+                b"model" => {
+                    first_time(&mut seen, 128)?;
+                    top.model = c.optional()?;
+                }
+                b"toolCallProgress" => {
+                    first_time(&mut seen, 256)?;
+                    top.annotated = c.optional()?.is_some();
+                }
+                _ => {
+                    c.value()?;
+                }
+            }
+        }
+        c.end()?;
+        Ok(top)
+    }
+
+    fn scan_choice(&mut self, c: &mut Cursor<'_>) -> Result<(), Bail> {
+        let mut choice = ChoiceSpans::default();
+        let mut seen = 0;
+        let calls_start = self.calls.len();
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
+            match key {
+                b"index" => {
+                    first_time(&mut seen, 1)?;
+                    choice.index = c.optional()?;
+                }
+                b"finish_reason" => {
+                    first_time(&mut seen, 2)?;
+                    choice.finish_reason = c.optional()?;
+                }
+                b"delta" => {
+                    first_time(&mut seen, 4)?;
+                    if !c.null()? {
+                        choice.has_delta = true;
+                        self.scan_delta(c, &mut choice)?;
+                    }
+                }
+                _ => {
+                    c.value()?;
+                }
+            }
+        }
+        choice.calls = (calls_start, self.calls.len());
+        self.choices.push(choice);
+        Ok(())
+    }
+
+    fn scan_delta(&mut self, c: &mut Cursor<'_>, choice: &mut ChoiceSpans) -> Result<(), Bail> {
+        let mut seen = 0;
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
+            match key {
+                b"content" => {
+                    first_time(&mut seen, 1)?;
+                    match c.peek() {
+                        Some(b'"') => choice.content = Some(c.string()?),
+                        // Mistral's parts: the serde path.
+                        Some(b'[') => return Err(Bail),
+                        _ => {
+                            c.value()?;
+                        }
+                    }
+                }
+                b"reasoning_content" => {
+                    first_time(&mut seen, 2)?;
+                    choice.reasoning_content = c.optional_string()?;
+                }
+                b"reasoning" => {
+                    first_time(&mut seen, 4)?;
+                    choice.reasoning = c.optional_string()?;
+                }
+                b"tool_calls" => {
+                    first_time(&mut seen, 8)?;
+                    if !c.null()? {
+                        let mut calls = c.array()?;
+                        while c.element(&mut calls)? {
+                            self.scan_call(c)?;
+                        }
+                    }
+                }
+                _ => {
+                    c.value()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn scan_call(&mut self, c: &mut Cursor<'_>) -> Result<(), Bail> {
+        let mut call = CallSpans::default();
+        let mut seen = 0;
+        let mut walk = c.object()?;
+        while let Some(key) = c.key(&mut walk)? {
+            match key {
+                b"index" => {
+                    first_time(&mut seen, 1)?;
+                    call.index = c.optional()?;
+                }
+                b"id" => {
+                    first_time(&mut seen, 2)?;
+                    call.id = c.optional_string()?;
+                }
+                b"function" => {
+                    first_time(&mut seen, 4)?;
+                    if !c.null()? {
+                        let mut seen = 0;
+                        let mut function = c.object()?;
+                        while let Some(key) = c.key(&mut function)? {
+                            match key {
+                                b"name" => {
+                                    first_time(&mut seen, 1)?;
+                                    call.name = c.optional_string()?;
+                                }
+                                b"arguments" => {
+                                    first_time(&mut seen, 2)?;
+                                    // Object arguments: the serde path.
+                                    call.arguments = c.optional_string()?;
+                                }
+                                _ => {
+                                    c.value()?;
+                                }
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    c.value()?;
+                }
+            }
+        }
+        self.calls.push(call);
+        Ok(())
+    }
+
+    /// The chunks of a scanned frame, in the serde path's order.
+    fn emit<'a>(
+        &self,
+        data: &'a str,
+        top: &TopSpans,
+        emit: &mut dyn FnMut(Chunk<'a>),
+    ) -> FrameInfo<'a> {
+        let raw = |span: Option<Span>| span.map(|s| s.of(data));
+        let mut info = FrameInfo {
+            is_object: true,
+            already_annotated: top.annotated,
+            id: raw(top.id),
+            object: raw(top.object),
+            created: raw(top.created),
+            model: raw(top.model),
+            ..FrameInfo::default()
+        };
+        if let Some(error) = raw(top.error) {
+            emit(Chunk::Error {
+                message: error_message(error),
+            });
+        }
+        for choice in &self.choices {
+            let k = raw_i64(raw(choice.index)).unwrap_or(0);
+            if choice.has_delta {
+                let reasoning =
+                    text(data, choice.reasoning_content).or_else(|| text(data, choice.reasoning));
+                if let Some(text) = reasoning {
+                    emit(Chunk::Reasoning { choice: k, text });
+                }
+                if let Some(text) = text(data, choice.content) {
+                    emit(Chunk::Text { choice: k, text });
+                }
+                let (from, to) = choice.calls;
+                for call in self.calls.get(from..to).unwrap_or_default() {
+                    let arguments = match raw(call.arguments).and_then(decode_string) {
+                        Some(fragment) => ArgumentsDelta::Append(fragment),
+                        None => ArgumentsDelta::Unchanged,
+                    };
+                    emit(Chunk::ToolCallDelta(ToolCallDelta {
+                        choice: k,
+                        index: raw_i64(raw(call.index)),
+                        id: text(data, call.id),
+                        name: text(data, call.name),
+                        arguments,
+                    }));
+                }
+            }
+            if choice.finish_reason.is_some() {
+                info.finishes = true;
+                emit(Chunk::Finish { choice: k });
+            }
+        }
+        if let Some(usage) = top.usage.or(top.groq_usage) {
+            info.has_usage = true;
+            emit(Chunk::Usage(Usage::new(
+                raw_u64(raw(usage.prompt)),
+                raw_u64(raw(usage.completion)),
+                raw_u64(raw(usage.total)),
+            )));
+        }
+        info
+    }
+}
+
+/// A function from span to span that may give up: to a hole rank and back.
+type SpanMap<'f> = dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail> + 'f;
+
+impl TopSpans {
+    fn map(&self, f: &mut SpanMap<'_>) -> Result<TopSpans, Bail> {
+        Ok(TopSpans {
+            error: f(self.error)?,
+            id: f(self.id)?,
+            object: f(self.object)?,
+            created: f(self.created)?,
+            model: f(self.model)?,
+            annotated: self.annotated,
+            usage: self.usage.map(|u| u.map(f)).transpose()?,
+            groq_usage: self.groq_usage.map(|u| u.map(f)).transpose()?,
+        })
+    }
+}
+
+impl UsageSpans {
+    fn map(self, f: &mut SpanMap<'_>) -> Result<UsageSpans, Bail> {
+        Ok(UsageSpans {
+            prompt: f(self.prompt)?,
+            completion: f(self.completion)?,
+            total: f(self.total)?,
+        })
+    }
+}
+
+impl ChoiceSpans {
+    fn map(&self, f: &mut SpanMap<'_>) -> Result<ChoiceSpans, Bail> {
+        Ok(ChoiceSpans {
+            index: f(self.index)?,
+            finish_reason: f(self.finish_reason)?,
+            reasoning_content: f(self.reasoning_content)?,
+            reasoning: f(self.reasoning)?,
+            content: f(self.content)?,
+            ..*self
+        })
+    }
+}
+
+impl CallSpans {
+    fn map(&self, f: &mut SpanMap<'_>) -> Result<CallSpans, Bail> {
+        Ok(CallSpans {
+            index: f(self.index)?,
+            id: f(self.id)?,
+            name: f(self.name)?,
+            arguments: f(self.arguments)?,
+        })
+    }
+}
+
+/// `null` or an object with the three counts; anything else bails.
+fn scan_usage(c: &mut Cursor<'_>) -> Result<Option<UsageSpans>, Bail> {
+    if c.null()? {
+        return Ok(None);
+    }
+    let mut usage = UsageSpans::default();
+    let mut seen = 0;
+    let mut walk = c.object()?;
+    while let Some(key) = c.key(&mut walk)? {
+        match key {
+            b"prompt_tokens" => {
+                first_time(&mut seen, 1)?;
+                usage.prompt = c.optional()?;
+            }
+            b"completion_tokens" => {
+                first_time(&mut seen, 2)?;
+                usage.completion = c.optional()?;
+            }
+            b"total_tokens" => {
+                first_time(&mut seen, 4)?;
+                usage.total = c.optional()?;
+            }
+            _ => {
+                c.value()?;
+            }
+        }
+    }
+    Ok(Some(usage))
+}
+
+/// The text of a string span, if not empty (SPEC.md: `""` is no value).
+fn text(data: &str, span: Option<Span>) -> Option<Cow<'_, str>> {
+    span.and_then(|s| decode_string(s.of(data)))
+        .filter(|t| !t.is_empty())
 }
 
 #[cfg(test)]
@@ -292,7 +770,7 @@ mod tests {
 
     fn chunks(data: &str) -> Vec<Chunk<'_>> {
         let mut out = Vec::new();
-        decode(data, &mut |c| out.push(c)).expect("decodes");
+        decode(data, &mut DecoderState::default(), &mut |c| out.push(c)).expect("decodes");
         out
     }
 
@@ -437,15 +915,19 @@ mod tests {
     fn shapes_that_are_not_chunks_are_errors_not_panics() {
         let mut sink = |_c: Chunk<'_>| {};
         assert!(matches!(
-            decode("{bad", &mut sink),
+            decode("{bad", &mut DecoderState::default(), &mut sink),
             Err(FrameError::InvalidJson(_))
         ));
         assert!(matches!(
-            decode("[1]", &mut sink),
+            decode("[1]", &mut DecoderState::default(), &mut sink),
             Err(FrameError::NotAnObject)
         ));
         assert!(matches!(
-            decode(r#"{"choices":"x"}"#, &mut sink),
+            decode(
+                r#"{"choices":"x"}"#,
+                &mut DecoderState::default(),
+                &mut sink
+            ),
             Err(FrameError::UnexpectedShape(_))
         ));
     }

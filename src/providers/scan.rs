@@ -1,0 +1,641 @@
+//! A validating JSON cursor for the decoders' fast path.
+//!
+//! A chunk is a few hundred bytes of which progress needs a few dozen. The
+//! cursor walks a frame's bytes once, checks every byte against JSON's
+//! grammar (RFC 8259, as `serde_json` does: strings without raw control
+//! characters, escapes of the allowed forms, numbers of the grammar's shape,
+//! only whitespace after the value) and hands the decoder the raw text of
+//! the values it asks for, skipping the rest without building anything.
+//!
+//! The cursor is stricter than the grammar in a few corners it leaves to
+//! the serde path: a key with an escape, a key seen twice, a value of an
+//! unexpected type, nesting deeper than [`MAX_DEPTH`]. Each of those is a
+//! [`Bail`], and the decoder then parses the frame again with `serde_json`,
+//! which gives the answer (or the error message) it always gave. So the
+//! fast path changes speed, never results: where it answers, the serde path
+//! answers the same (`tests/props.rs` and the unit tests below compare the
+//! two).
+
+/// The fast path gives up; the caller decodes the frame with serde.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Bail;
+
+/// Nesting the cursor follows before it gives up (serde's limit is 128).
+pub(crate) const MAX_DEPTH: u32 = 64;
+
+/// The byte range of a raw JSON value in the frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Span {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Span {
+    pub fn of(self, data: &str) -> &str {
+        data.get(self.start..self.end).unwrap_or("")
+    }
+}
+
+/// A position in a frame's bytes.
+pub(crate) struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    depth: u32,
+    /// The spans of the string and number values walked so far (not keys):
+    /// the holes of a [`Template`].
+    holes: Vec<Span>,
+}
+
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+
+/// Bytes of `v` that are `"`, `\` or below 0x20 have their high bit set in
+/// the result, and the lowest set one is exact (higher ones may be false
+/// alarms from borrows, which the caller checks byte by byte anyway).
+#[inline]
+fn string_stops(v: u64) -> u64 {
+    let quote = v ^ (LO * u64::from(b'"'));
+    let backslash = v ^ (LO * u64::from(b'\\'));
+    let zero_quote = quote.wrapping_sub(LO) & !quote;
+    let zero_backslash = backslash.wrapping_sub(LO) & !backslash;
+    let control = v.wrapping_sub(LO * 0x20) & !v;
+    (zero_quote | zero_backslash | control) & HI
+}
+
+/// Where a walk through an object or array is.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Walk {
+    first: bool,
+}
+
+impl<'a> Cursor<'a> {
+    /// A cursor at the start of `data`, noting value spans in `holes`
+    /// (cleared; a buffer to reuse, given back by [`Cursor::into_holes`]).
+    pub fn new(data: &'a str, mut holes: Vec<Span>) -> Self {
+        holes.clear();
+        Cursor {
+            bytes: data.as_bytes(),
+            pos: 0,
+            depth: 0,
+            holes,
+        }
+    }
+
+    pub fn into_holes(self) -> Vec<Span> {
+        self.holes
+    }
+
+    #[inline]
+    fn skip_ws(&mut self) {
+        while let Some(&b) = self.bytes.get(self.pos) {
+            if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                self.pos += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// The next byte that is not whitespace, not consumed.
+    #[inline]
+    pub fn peek(&mut self) -> Option<u8> {
+        if let Some(&b) = self.bytes.get(self.pos)
+            && b > b' '
+        {
+            return Some(b);
+        }
+        self.skip_ws();
+        self.bytes.get(self.pos).copied()
+    }
+
+    /// Only whitespace may follow the top-level value.
+    pub fn end(&mut self) -> Result<(), Bail> {
+        if self.peek().is_none() {
+            Ok(())
+        } else {
+            Err(Bail)
+        }
+    }
+
+    /// Enters an object at the cursor: then call [`Cursor::key`] until it
+    /// says `None`, consuming each value in between.
+    #[inline]
+    pub fn object(&mut self) -> Result<Walk, Bail> {
+        if self.peek() != Some(b'{') {
+            return Err(Bail);
+        }
+        self.pos += 1;
+        self.enter()?;
+        Ok(Walk { first: true })
+    }
+
+    /// The next key of the object (its raw text without quotes; keys with
+    /// escapes bail) with the cursor on its value, or `None` at the end.
+    #[inline]
+    pub fn key(&mut self, walk: &mut Walk) -> Result<Option<&'a [u8]>, Bail> {
+        match self.peek() {
+            Some(b'}') => {
+                self.pos += 1;
+                self.depth -= 1;
+                return Ok(None);
+            }
+            Some(b',') if !walk.first => self.pos += 1,
+            Some(b'"') if walk.first => {}
+            _ => return Err(Bail),
+        }
+        walk.first = false;
+        if self.peek() != Some(b'"') {
+            return Err(Bail);
+        }
+        let (key, escaped) = self.string_inner()?;
+        if escaped {
+            return Err(Bail);
+        }
+        if self.peek() != Some(b':') {
+            return Err(Bail);
+        }
+        self.pos += 1;
+        self.bytes
+            .get(key.start + 1..key.end - 1)
+            .map(Some)
+            .ok_or(Bail)
+    }
+
+    /// Enters an array at the cursor: then call [`Cursor::element`] until
+    /// it says false, consuming each element in between.
+    #[inline]
+    pub fn array(&mut self) -> Result<Walk, Bail> {
+        if self.peek() != Some(b'[') {
+            return Err(Bail);
+        }
+        self.pos += 1;
+        self.enter()?;
+        Ok(Walk { first: true })
+    }
+
+    /// Whether another element follows, with the cursor on it.
+    #[inline]
+    pub fn element(&mut self, walk: &mut Walk) -> Result<bool, Bail> {
+        match self.peek() {
+            Some(b']') => {
+                self.pos += 1;
+                self.depth -= 1;
+                Ok(false)
+            }
+            Some(b',') if !walk.first => {
+                self.pos += 1;
+                Ok(true)
+            }
+            Some(_) if walk.first => {
+                walk.first = false;
+                Ok(true)
+            }
+            _ => Err(Bail),
+        }
+    }
+
+    #[inline]
+    fn enter(&mut self) -> Result<(), Bail> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            Err(Bail)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Any value, validated; its span.
+    pub fn value(&mut self) -> Result<Span, Bail> {
+        let Some(first) = self.peek() else {
+            return Err(Bail);
+        };
+        let start = self.pos;
+        match first {
+            b'"' => return self.string(),
+            b'{' => {
+                let mut walk = self.object()?;
+                while self.key(&mut walk)?.is_some() {
+                    self.value()?;
+                }
+            }
+            b'[' => {
+                let mut walk = self.array()?;
+                while self.element(&mut walk)? {
+                    self.value()?;
+                }
+            }
+            b't' => self.literal(b"true")?,
+            b'f' => self.literal(b"false")?,
+            b'n' => self.literal(b"null")?,
+            b'-' | b'0'..=b'9' => {
+                self.number()?;
+                let span = Span {
+                    start,
+                    end: self.pos,
+                };
+                self.holes.push(span);
+                return Ok(span);
+            }
+            _ => return Err(Bail),
+        }
+        Ok(Span {
+            start,
+            end: self.pos,
+        })
+    }
+
+    /// A value that is `null` (`None`) or anything else (its span): what
+    /// serde gives an `Option<&RawValue>` field.
+    #[inline]
+    pub fn optional(&mut self) -> Result<Option<Span>, Bail> {
+        if self.null()? {
+            return Ok(None);
+        }
+        self.value().map(Some)
+    }
+
+    /// `null` or a string (its span, quotes included); anything else bails.
+    #[inline]
+    pub fn optional_string(&mut self) -> Result<Option<Span>, Bail> {
+        match self.peek() {
+            Some(b'"') => self.string().map(Some),
+            Some(b'n') => self.literal(b"null").map(|()| None),
+            _ => Err(Bail),
+        }
+    }
+
+    /// Whether the next value is `null`, consuming it if so.
+    #[inline]
+    pub fn null(&mut self) -> Result<bool, Bail> {
+        if self.peek() == Some(b'n') {
+            self.literal(b"null")?;
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
+
+    #[inline]
+    fn literal(&mut self, word: &[u8]) -> Result<(), Bail> {
+        if self.bytes.get(self.pos..self.pos + word.len()) == Some(word) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            Err(Bail)
+        }
+    }
+
+    /// A number at the cursor (no whitespace before it), noted as a hole.
+    fn number_hole(&mut self) -> Result<(), Bail> {
+        let start = self.pos;
+        self.number()?;
+        self.holes.push(Span {
+            start,
+            end: self.pos,
+        });
+        Ok(())
+    }
+
+    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
+    fn number(&mut self) -> Result<(), Bail> {
+        let b = self.bytes;
+        let mut i = self.pos;
+        if b.get(i) == Some(&b'-') {
+            i += 1;
+        }
+        match b.get(i) {
+            Some(b'0') => i += 1,
+            Some(b'1'..=b'9') => {
+                while b.get(i).is_some_and(u8::is_ascii_digit) {
+                    i += 1;
+                }
+            }
+            _ => return Err(Bail),
+        }
+        if b.get(i) == Some(&b'.') {
+            i += 1;
+            let digits = i;
+            while b.get(i).is_some_and(u8::is_ascii_digit) {
+                i += 1;
+            }
+            if i == digits {
+                return Err(Bail);
+            }
+        }
+        if matches!(b.get(i), Some(b'e' | b'E')) {
+            i += 1;
+            if matches!(b.get(i), Some(b'+' | b'-')) {
+                i += 1;
+            }
+            let digits = i;
+            while b.get(i).is_some_and(u8::is_ascii_digit) {
+                i += 1;
+            }
+            if i == digits {
+                return Err(Bail);
+            }
+        }
+        self.pos = i;
+        Ok(())
+    }
+
+    /// A string at the cursor, validated; its span, quotes included.
+    #[inline]
+    pub fn string(&mut self) -> Result<Span, Bail> {
+        let (span, _) = self.string_inner()?;
+        self.holes.push(span);
+        Ok(span)
+    }
+
+    /// A string's span, and whether it has escapes.
+    #[inline(always)]
+    fn string_inner(&mut self) -> Result<(Span, bool), Bail> {
+        let b = self.bytes;
+        let start = self.pos;
+        if b.get(start) != Some(&b'"') {
+            return Err(Bail);
+        }
+        let mut i = start + 1;
+        // Eight bytes at a time up to the first stop candidate: in chunks,
+        // strings are short and mostly without escapes.
+        while i + 8 <= b.len() {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&b[i..i + 8]);
+            let stops = string_stops(u64::from_le_bytes(word));
+            if stops != 0 {
+                i += (stops.trailing_zeros() / 8) as usize;
+                if b[i] == b'"' {
+                    self.pos = i + 1;
+                    return Ok((
+                        Span {
+                            start,
+                            end: self.pos,
+                        },
+                        false,
+                    ));
+                }
+                break;
+            }
+            i += 8;
+        }
+        self.string_rest(start, i)
+    }
+
+    /// The rest of a string from `i`: escapes, control characters, the
+    /// last bytes of the frame.
+    #[inline(never)]
+    fn string_rest(&mut self, start: usize, mut i: usize) -> Result<(Span, bool), Bail> {
+        let b = self.bytes;
+        let mut escaped = false;
+        loop {
+            while let Some(word) = b.get(i..i + 8) {
+                let mut buf = [0u8; 8];
+                buf.copy_from_slice(word);
+                let stops = string_stops(u64::from_le_bytes(buf));
+                if stops != 0 {
+                    i += (stops.trailing_zeros() / 8) as usize;
+                    break;
+                }
+                i += 8;
+            }
+            match b.get(i) {
+                Some(b'"') => {
+                    self.pos = i + 1;
+                    return Ok((
+                        Span {
+                            start,
+                            end: self.pos,
+                        },
+                        escaped,
+                    ));
+                }
+                Some(b'\\') => {
+                    escaped = true;
+                    i += 1;
+                    match b.get(i) {
+                        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => i += 1,
+                        Some(b'u') => {
+                            let hex = b.get(i + 1..i + 5).ok_or(Bail)?;
+                            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                                return Err(Bail);
+                            }
+                            i += 5;
+                        }
+                        _ => return Err(Bail),
+                    }
+                }
+                Some(0..=0x1f) | None => return Err(Bail),
+                Some(_) => i += 1,
+            }
+        }
+    }
+}
+
+/// The shape of the last valid frame of a stream, to check the next one
+/// against in one pass.
+///
+/// Chunks of one stream differ mostly in their string and number values:
+/// same keys, same order, same punctuation. The template keeps the last
+/// valid frame's bytes and the spans of its string and number values (its
+/// holes). A frame that has the same bytes outside the holes and a valid
+/// string (or number) in each hole has the same structure as that valid
+/// frame, so it is valid too, and every value the decoder wants sits in the
+/// hole of the same rank. Any other frame is walked in full (and teaches
+/// the template).
+#[derive(Debug, Default)]
+pub(crate) struct Template {
+    bytes: Vec<u8>,
+    holes: Vec<Span>,
+    ready: bool,
+}
+
+impl Template {
+    /// Whether `data` has this shape; if so, `out` holds its holes.
+    pub fn matches(&self, data: &str, out: &mut Vec<Span>) -> bool {
+        out.clear();
+        if !self.ready {
+            return false;
+        }
+        let mut c = Cursor::new(data, std::mem::take(out));
+        let fits = self.fill(&mut c);
+        *out = c.into_holes();
+        fits
+    }
+
+    fn fill(&self, c: &mut Cursor<'_>) -> bool {
+        let mut from = 0;
+        for hole in &self.holes {
+            let (Some(literal), Some(&first)) =
+                (self.bytes.get(from..hole.start), self.bytes.get(hole.start))
+            else {
+                return false;
+            };
+            if c.bytes.get(c.pos..c.pos + literal.len()) != Some(literal) {
+                return false;
+            }
+            c.pos += literal.len();
+            // A string where a string was, a number where a number was.
+            let scanned = if first == b'"' {
+                c.string().map(drop)
+            } else {
+                c.number_hole()
+            };
+            if scanned.is_err() {
+                return false;
+            }
+            from = hole.end;
+        }
+        c.bytes.get(c.pos..) == self.bytes.get(from..)
+    }
+
+    /// Takes a valid frame's shape.
+    pub fn learn(&mut self, data: &str, holes: &[Span]) {
+        self.bytes.clear();
+        self.bytes.extend_from_slice(data.as_bytes());
+        self.holes.clear();
+        self.holes.extend_from_slice(holes);
+        self.ready = true;
+    }
+
+    /// Forgets the shape (a frame whose values are not all holes).
+    pub fn forget(&mut self) {
+        self.ready = false;
+    }
+
+    /// A span of the learned frame as the rank of its hole (kept as
+    /// `start..start + 1`); a span that is not a hole gives up.
+    pub fn to_rank(&self, span: Option<Span>) -> Result<Option<Span>, Bail> {
+        let Some(span) = span else {
+            return Ok(None);
+        };
+        let k = self
+            .holes
+            .binary_search_by_key(&span.start, |h| h.start)
+            .map_err(|_| Bail)?;
+        if self.holes.get(k).is_some_and(|h| h.end == span.end) {
+            Ok(Some(Span {
+                start: k,
+                end: k + 1,
+            }))
+        } else {
+            Err(Bail)
+        }
+    }
+}
+
+/// A hole rank (from [`Template::to_rank`]) as the span of that hole in a
+/// matched frame.
+#[inline]
+pub(crate) fn from_rank(holes: &[Span], rank: Option<Span>) -> Result<Option<Span>, Bail> {
+    match rank {
+        None => Ok(None),
+        Some(rank) => holes.get(rank.start).copied().map(Some).ok_or(Bail),
+    }
+}
+
+/// Marks a struct's known field as seen; a second one bails, as serde's
+/// derive rejects a duplicate field.
+#[inline]
+pub(crate) fn first_time(seen: &mut u32, bit: u32) -> Result<(), Bail> {
+    if *seen & bit != 0 {
+        return Err(Bail);
+    }
+    *seen |= bit;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid(json: &str) -> bool {
+        let mut c = Cursor::new(json, Vec::new());
+        c.value().is_ok() && c.end().is_ok()
+    }
+
+    #[test]
+    fn accepts_exactly_what_serde_json_accepts() {
+        let cases = [
+            "0",
+            "-0",
+            "1.5e+3",
+            "-12.25E-2",
+            "01",
+            "1.",
+            ".5",
+            "1e",
+            "-",
+            "+1",
+            "true",
+            "tru",
+            "nul",
+            "null ",
+            " \t\r\n{} ",
+            "{\"a\":1,}",
+            "[1,]",
+            "[1 2]",
+            "{\"a\" 1}",
+            "{1:2}",
+            "\"a\\u00e9\\ud83d\"",
+            "\"\\x\"",
+            "\"\\u12g4\"",
+            "\"tab\there\"",
+            "\"a\u{7f}\"",
+            "\"unterminated",
+            "\"esc at end\\",
+            "[\"a\",{\"b\":[null,false,{}]}]",
+            "{\"a\":1} x",
+            "{\"a\":\"12345678901234567890\\\"\",\"b\":\"1234567\\\\\"}",
+            "",
+            " ",
+            "[] []",
+        ];
+        for json in cases {
+            let serde = serde_json::from_str::<serde::de::IgnoredAny>(json).is_ok();
+            assert_eq!(valid(json), serde, "{json:?}");
+        }
+    }
+
+    #[test]
+    fn control_characters_in_strings_are_found_at_every_offset() {
+        for len in 0..20 {
+            for at in 0..len {
+                let mut s = "x".repeat(len);
+                s.replace_range(at..at + 1, "\u{1}");
+                assert!(!valid(&format!("\"{s}\"")), "{len} {at}");
+                s.replace_range(at..at + 1, "\"");
+                assert!(!valid(&format!("\"{s}\"")), "{len} {at}");
+                s.replace_range(at..at + 1, "é");
+                assert!(valid(&format!("\"{s}\"")), "{len} {at}");
+            }
+        }
+    }
+
+    #[test]
+    fn spans_are_raw_text() {
+        let data = r#" {"a" : [1, "x\"y"] , "b":null}"#;
+        let mut c = Cursor::new(data, Vec::new());
+        let mut seen = Vec::new();
+        let mut walk = c.object().expect("object");
+        while let Some(key) = c.key(&mut walk).expect("valid") {
+            let span = c.optional().expect("valid");
+            seen.push((
+                String::from_utf8_lossy(key).into_owned(),
+                span.map(|s| s.of(data).to_owned()),
+            ));
+        }
+        assert_eq!(
+            seen,
+            vec![
+                ("a".to_owned(), Some(r#"[1, "x\"y"]"#.to_owned())),
+                ("b".to_owned(), None)
+            ]
+        );
+    }
+
+    #[test]
+    fn deep_nesting_bails_instead_of_recursing() {
+        let deep = "[".repeat(100_000);
+        assert_eq!(Cursor::new(&deep, Vec::new()).value(), Err(Bail));
+    }
+}
