@@ -27,7 +27,7 @@ use aalis_proxy::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
 use aalis_proxy::framing::Framing;
 use aalis_proxy::framing::ndjson::NdjsonDecoder;
 use aalis_proxy::framing::sse::{DEFAULT_MAX_EVENT_BYTES, LineEnding, SseBlockKind, SseDecoder};
-use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+use aalis_proxy::pipeline::{Annotator, AnnotatorConfig, StreamEvent};
 use aalis_proxy::progress::Progress;
 use aalis_proxy::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 use serde_json::{Map, Value};
@@ -665,6 +665,8 @@ pub struct Recorder {
     /// insertions are merged.
     pub inserted: Vec<(usize, Vec<u8>)>,
     pub warnings: Vec<String>,
+    /// What the proxy's subscribers would hear (`collect_events`).
+    pub events: Vec<StreamEvent>,
 }
 
 impl Sink for Recorder {
@@ -865,7 +867,8 @@ pub fn inject_field(data: &[u8]) {
 /// The configuration byte of [`annotate`]: `% 7` the mode (`field`,
 /// `comment`, `event`, `chunk`, `none`, `--format ndjson`, `--format
 /// messages`), `/ 7 % 4` the maximum event size, `/ 28 % 3` the framing
-/// (sniffed, SSE, NDJSON).
+/// (sniffed, SSE, NDJSON), `/ 84 % 2` whether increments are collected for
+/// subscribers (what the proxy's events route does).
 fn annotator_config(config: u8) -> AnnotatorConfig {
     let sse = |inject| (OutputFormat::Sse, inject);
     let (output, inject) = match config % 7 {
@@ -888,7 +891,7 @@ fn annotator_config(config: u8) -> AnnotatorConfig {
         session_id: (output == OutputFormat::Messages).then(|| "s1".to_owned()),
         framing,
         max_event_bytes: MAX_EVENT_BYTES[usize::from(config / 7 % 4)],
-        collect_events: false,
+        collect_events: config / 84 % 2 == 1,
     }
 }
 
@@ -899,10 +902,15 @@ fn run_annotator(config: &AnnotatorConfig, pieces: &[&[u8]]) -> Recorder {
         annotator.push(piece, NOW_MS, &mut out);
         out.warnings
             .extend(annotator.take_warnings().iter().map(ToString::to_string));
+        out.events.extend(annotator.take_events());
     }
     annotator.finish(NOW_MS, &mut out);
     out.warnings
         .extend(annotator.take_warnings().iter().map(ToString::to_string));
+    out.events.extend(annotator.take_events());
+    if !config.collect_events {
+        assert!(out.events.is_empty(), "events collected without asking");
+    }
     out
 }
 
@@ -1044,8 +1052,8 @@ fn check_lines_output(config: &AnnotatorConfig, out: &Recorder) {
 /// configuration and cutting the [`Plan`] picks ([`annotator_config`]).
 ///
 /// - no panic;
-/// - the output (and the warnings) for the plan's cutting is the output for
-///   the whole input;
+/// - the output, the warnings and the subscribers' increments for the
+///   plan's cutting are those for the whole input;
 /// - with the same framing and size limit, `--inject none` gives the input;
 /// - SSE output: the forwarded bytes are the input, and the output is the
 ///   input with the insertions at their places (removing them gives the
