@@ -599,46 +599,72 @@ fn check_decoded(provider: Provider, data: &[u8], decoded: &Decoded<'_>) {
     }
 }
 
-/// `openai_decode`: one SSE event's data, any bytes.
+/// Decodes `frames` in order with one [`DecoderState`], as a stream does,
+/// and checks each result against the same frame decoded with a fresh
+/// state (the fast paths keep a template learned from the frames before:
+/// it may change speed, never a result). Only Ollama's call numbering
+/// carries over, so the fresh state starts at the same number.
+fn decode_stream<'a>(provider: Provider, frames: &[&'a [u8]]) -> Vec<Decoded<'a>> {
+    let mut state = DecoderState::default();
+    let mut decoded = Vec::with_capacity(frames.len());
+    for frame in frames {
+        let mut fresh = DecoderState::default();
+        fresh.ollama_calls = state.ollama_calls;
+        let alone = decode_frame(provider, frame, &mut fresh);
+        let in_stream = decode_frame(provider, frame, &mut state);
+        assert_eq!(
+            format!("{in_stream:?}"),
+            format!("{alone:?}"),
+            "a frame decodes differently after the frames before it"
+        );
+        assert_eq!(state.ollama_calls, fresh.ollama_calls);
+        decoded.push(in_stream);
+    }
+    decoded
+}
+
+/// `openai_decode`: SSE events' data, any bytes; each `\n` starts the
+/// next event, all decoded with one [`DecoderState`].
 ///
-/// - no panic; decoding twice gives the same chunks and result;
+/// - no panic; decoding the events twice gives the same chunks and results;
+/// - an event decodes the same after any events as alone;
 /// - a failed frame emits no chunk; text is never empty; `Done` is last;
 ///   whole-value arguments are JSON; what decodes as an object is JSON.
 pub fn openai_decode(data: &[u8]) {
-    let first = decode_frame(Provider::OpenAiChat, data, &mut DecoderState::default());
-    let second = decode_frame(Provider::OpenAiChat, data, &mut DecoderState::default());
+    let frames: Vec<&[u8]> = data.split(|&b| b == b'\n').collect();
+    let first = decode_stream(Provider::OpenAiChat, &frames);
+    let second = decode_stream(Provider::OpenAiChat, &frames);
     assert_eq!(
         format!("{first:?}"),
         format!("{second:?}"),
         "decoding is deterministic"
     );
-    check_decoded(Provider::OpenAiChat, data, &first);
+    for (frame, decoded) in frames.iter().zip(&first) {
+        check_decoded(Provider::OpenAiChat, frame, decoded);
+    }
 }
 
 /// `ollama_decode`: a stream of NDJSON lines (split on `\n`), any bytes,
 /// decoded with one [`DecoderState`].
 ///
 /// - no panic; decoding the stream twice gives the same chunks and results;
+/// - a line decodes the same after any lines as alone (with the same next
+///   call number);
 /// - per line, what [`openai_decode`] checks (but arguments: Ollama's may
 ///   be any text);
 /// - every tool call gets an index, and no two calls of the stream share one
 ///   (`providers::ollama`: "two calls must never share a number").
 pub fn ollama_decode(data: &[u8]) {
-    let decode_all = || {
-        let mut state = DecoderState::default();
-        data.split(|&b| b == b'\n')
-            .map(|line| decode_frame(Provider::OllamaChat, line, &mut state))
-            .collect::<Vec<_>>()
-    };
-    let first = decode_all();
-    let second = decode_all();
+    let lines: Vec<&[u8]> = data.split(|&b| b == b'\n').collect();
+    let first = decode_stream(Provider::OllamaChat, &lines);
+    let second = decode_stream(Provider::OllamaChat, &lines);
     assert_eq!(
         format!("{first:?}"),
         format!("{second:?}"),
         "decoding is deterministic"
     );
     let mut indexes = HashSet::new();
-    for (line, decoded) in data.split(|&b| b == b'\n').zip(&first) {
+    for (line, decoded) in lines.iter().zip(&first) {
         check_decoded(Provider::OllamaChat, line, decoded);
         for chunk in &decoded.chunks {
             if let Chunk::ToolCallDelta(delta) = chunk {

@@ -6,7 +6,8 @@ committed; libFuzzer adds what it finds next to the seeds). Every input is
 laid out as the target reads it (fuzz/src/lib.rs): the stream targets get
 a config byte and a cutting byte before each fixture, whole and split into
 single events or lines; the decoder targets get the data of each event or
-line; inject_field gets progress objects before each event's data.
+line, and whole streams one frame per line; inject_field gets progress
+objects before each event's data.
 
     scripts/fuzz/seeds.py [ROOT]     # ROOT: the repository (default: .)
 """
@@ -107,8 +108,13 @@ def main():
             two = [progress(0, 0, 3, "a\u00e9\U0001F600"), progress(1, 1, 70000, 'q"\\\n')]
             add("inject_field", f"{name}-{i:03}", inject_input(0, one, data))
             add("inject_field", f"{name}-{i:03}-two", inject_input(1, two, data))
+        # A decoder learns a template from the frames before: whole
+        # streams, one frame per line, exercise it.
         if is_ndjson:
             add("ollama_decode", name, stream)
+        else:
+            datas = [sse_data(p) for p in pieces]
+            add("openai_decode", name, b"\n".join(d.replace(b"\n", b" ") for d in datas if d is not None))
 
     for target, files in seeds.items():
         directory = CORPUS / target
