@@ -98,6 +98,12 @@ pub fn stringify_to_string(value: &Value) -> String {
 /// (`"`, `\`, and control characters; nothing else, not even `/`).
 pub fn push_string(s: &str, out: &mut String) {
     out.push('"');
+    // Most strings (tool names) need no escape at all.
+    if !s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        out.push_str(s);
+        out.push('"');
+        return;
+    }
     let mut start = 0;
     for (i, b) in s.bytes().enumerate() {
         let escape: &str = match b {
