@@ -176,6 +176,46 @@ fn oversized_event_id_does_not_depend_on_the_cutting() {
     fuzz_checks::sse_framing(&input);
 }
 
+/// The LF of a CRLF that arrived in the next piece was not counted toward
+/// the event's size, so an event one byte over the limit was oversized
+/// when its CRLF came whole and parsed when the input was cut between CR
+/// and LF. Fixed in `SseDecoder::next_block`: the size is checked again
+/// after that LF.
+#[test]
+fn split_crlf_counts_toward_the_event_size() {
+    use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
+    let kinds = |pieces: &[&[u8]]| {
+        let mut decoder = SseDecoder::with_max_event_bytes(16);
+        let mut kinds = Vec::new();
+        let mut drain = |decoder: &mut SseDecoder| {
+            while let Some(block) = decoder.next_block() {
+                kinds.push(match block.kind {
+                    SseBlockKind::Event(_) => "event",
+                    SseBlockKind::Oversized { .. } => "oversized",
+                    SseBlockKind::NoData => "no data",
+                    SseBlockKind::LineEndTail => "tail",
+                    SseBlockKind::Unterminated { .. } => "unterminated",
+                });
+            }
+        };
+        for piece in pieces {
+            decoder.push(piece);
+            drain(&mut decoder);
+        }
+        decoder.finish();
+        drain(&mut decoder);
+        kinds
+    };
+    // 17 bytes with its CRLF: one more than the limit.
+    let stream: &[u8] = b"data: 123456789\r\n\r\n";
+    let (head, tail) = stream.split_at(16);
+    assert_eq!(kinds(&[stream]), ["oversized"]);
+    assert_eq!(kinds(&[head, tail]), ["oversized"]);
+
+    let input = saved("sse_framing", "split-crlf-not-counted-toward-event-size");
+    fuzz_checks::sse_framing(&input);
+}
+
 /// Ollama calls are numbered after the last one; a wire index of
 /// `i64::MAX` made the next number saturate at `i64::MAX` again, so two
 /// distinct calls shared one index and the tracker merged them (the `done`

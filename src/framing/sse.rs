@@ -280,6 +280,14 @@ impl SseDecoder {
                     None => return None,
                 }
                 self.skip_lf = false;
+                // That LF counts toward the event's size as it does when
+                // the CRLF arrives whole, or whether an event is oversized
+                // would depend on where the input was cut (found by the
+                // `sse_framing` fuzz target, issue 7).
+                if self.scan - self.start > self.max_event_bytes {
+                    self.enter_oversized();
+                    continue;
+                }
             }
             let from = self.searched.max(self.scan);
             let Some(len) = memchr2(b'\r', b'\n', &self.buf[from..]) else {
