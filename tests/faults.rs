@@ -53,7 +53,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
-use upstream::{Event, FakeUpstream, Reply, Step};
+use upstream::{Event, FakeUpstream, Reply, Step, read_body};
 
 /// Bound for any single wait (a response, a body, an event).
 const PATIENCE: Duration = Duration::from_secs(10);
@@ -175,37 +175,6 @@ async fn send(client: &TestClient, req: Request<Full<Bytes>>) -> Response<Incomi
         .await
         .expect("response headers in time")
         .expect("request sent")
-}
-
-/// Reads `body` to its end or its first error: the bytes, then `Ok` for a
-/// clean end or the error's text. Fails the test past `limit`.
-async fn read_body<B>(body: &mut B, limit: Duration) -> (Vec<u8>, Result<(), String>)
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
-{
-    let mut bytes = Vec::new();
-    let outcome = tokio::time::timeout(limit, async {
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(frame) => {
-                    if let Ok(data) = frame.into_data() {
-                        bytes.extend_from_slice(&data);
-                    }
-                }
-                Err(err) => return Err(err.to_string()),
-            }
-        }
-        Ok(())
-    })
-    .await;
-    match outcome {
-        Ok(end) => (bytes, end),
-        Err(_) => panic!(
-            "body neither ended nor failed within {limit:?}; {} bytes so far",
-            bytes.len()
-        ),
-    }
 }
 
 /// Reads from `body` into `got` until it holds at least `wanted` bytes.

@@ -440,3 +440,35 @@ pub async fn raw_reset_upstream(
     });
     addr
 }
+
+/// Reads `body` to its end or its first error, within `limit`: the bytes,
+/// then `Ok` for a clean end or the error's text.
+pub async fn read_body<B>(body: &mut B, limit: Duration) -> (Vec<u8>, Result<(), String>)
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let mut bytes = Vec::new();
+    let outcome = tokio::time::timeout(limit, async {
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(frame) => {
+                    if let Ok(data) = frame.into_data() {
+                        bytes.extend_from_slice(&data);
+                    }
+                }
+                Err(err) => return Err(err.to_string()),
+            }
+        }
+        Ok(())
+    })
+    .await;
+    match outcome {
+        Ok(end) => (bytes, end),
+        Err(_) => panic!(
+            "body neither ended nor failed within {limit:?}; {} bytes so far:\n{}",
+            bytes.len(),
+            String::from_utf8_lossy(&bytes)
+        ),
+    }
+}
