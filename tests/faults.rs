@@ -53,7 +53,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
-use upstream::{Event, FakeUpstream, Reply, Step, read_body};
+use upstream::{Event, FakeUpstream, Reply, Step, read_at_least, read_body};
 
 /// Bound for any single wait (a response, a body, an event).
 const PATIENCE: Duration = Duration::from_secs(10);
@@ -175,29 +175,6 @@ async fn send(client: &TestClient, req: Request<Full<Bytes>>) -> Response<Incomi
         .await
         .expect("response headers in time")
         .expect("request sent")
-}
-
-/// Reads from `body` into `got` until it holds at least `wanted` bytes.
-async fn read_at_least<B>(body: &mut B, got: &mut Vec<u8>, wanted: usize)
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
-{
-    let read = tokio::time::timeout(PATIENCE, async {
-        while got.len() < wanted {
-            match body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        got.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(err)) => panic!("body failed after {} bytes: {err}", got.len()),
-                None => panic!("body ended after {} of {wanted} bytes", got.len()),
-            }
-        }
-    })
-    .await;
-    assert!(read.is_ok(), "only {} of {wanted} bytes in time", got.len());
 }
 
 /// Waits until `check` holds, polling every 10 ms, at most `limit`.
@@ -1372,7 +1349,7 @@ async fn a_hundred_parallel_tool_calls_each_get_their_own_progress() {
     let mut body = response.into_body();
     let mut got = Vec::new();
     let held = annotate_open(&input[..input.len() - finish_event().len() - DONE.len()]);
-    read_at_least(&mut body, &mut got, held.len()).await;
+    read_at_least(&mut body, &mut got, held.len(), PATIENCE).await;
 
     let snapshot = send(
         &client,
@@ -1799,7 +1776,7 @@ async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
                 ));
                 let mut body = response.into_body();
                 let mut got = Vec::new();
-                read_at_least(&mut body, &mut got, wanted.len()).await;
+                read_at_least(&mut body, &mut got, wanted.len(), PATIENCE).await;
                 assert_eq!(got, wanted, "{leave:?}");
                 drop(body);
                 Instant::now()
@@ -2095,7 +2072,7 @@ async fn open_streams(
     for task in opening {
         let (mut body, conn) = task.await.expect("open a stream");
         let mut got = Vec::new();
-        read_at_least(&mut body, &mut got, held.len()).await;
+        read_at_least(&mut body, &mut got, held.len(), PATIENCE).await;
         assert_eq!(got, held);
         open.push((body, got, conn));
     }

@@ -44,7 +44,7 @@ use serde_json::Value;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
-use upstream::{Event, FakeUpstream, Reply, Step, read_body};
+use upstream::{Event, FakeUpstream, Reply, Step, read_at_least, read_body};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type ClientBody = BoxBody<Bytes, BoxError>;
@@ -215,35 +215,6 @@ impl Body for PiecesBody {
         }
         self.yielded = false;
         Poll::Ready(self.pieces.pop_front().map(|p| Ok(Frame::data(p))))
-    }
-}
-
-/// Reads from `body` into `got` until it holds at least `wanted` bytes.
-async fn read_at_least<B>(body: &mut B, got: &mut Vec<u8>, wanted: usize, limit: Duration)
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
-{
-    let read = tokio::time::timeout(limit, async {
-        while got.len() < wanted {
-            match body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        got.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(err)) => panic!("body failed after {} bytes: {err}", got.len()),
-                None => panic!("body ended after {} of {wanted} bytes", got.len()),
-            }
-        }
-    })
-    .await;
-    if read.is_err() {
-        panic!(
-            "only {} of {wanted} bytes within {limit:?}:\n{}",
-            got.len(),
-            String::from_utf8_lossy(got)
-        );
     }
 }
 

@@ -18,10 +18,10 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
-use super::scan::{Bail, Cursor, Span, Template, first_time, from_rank};
+use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, text};
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
-    is_set, raw_i64, raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, expect_object, is_set, raw_i64,
+    raw_u64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 
@@ -289,10 +289,7 @@ fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
 
 impl LineSpans {
     /// This line with each span mapped by `f` (to a hole rank and back).
-    fn map(
-        &self,
-        f: &mut dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail>,
-    ) -> Result<LineSpans, Bail> {
+    fn map(&self, f: &mut SpanMap<'_>) -> Result<LineSpans, Bail> {
         Ok(LineSpans {
             content: f(self.content)?,
             thinking: f(self.thinking)?,
@@ -307,7 +304,6 @@ impl LineSpans {
     /// The chunks of a scanned line, in the serde path's order.
     fn emit<'a>(&self, data: &'a str, emit: &mut dyn FnMut(Chunk<'a>)) -> FrameInfo<'a> {
         let raw = |span: Option<Span>| span.map(|s| s.of(data));
-        let text = |span: Option<Span>| raw(span).and_then(decode_string).filter(|t| !t.is_empty());
         let info = FrameInfo {
             is_object: true,
             already_annotated: self.annotated,
@@ -320,10 +316,10 @@ impl LineSpans {
                 message: error_message(error),
             });
         }
-        if let Some(text) = text(self.thinking) {
+        if let Some(text) = text(data, self.thinking) {
             emit(Chunk::Reasoning { choice: 0, text });
         }
-        if let Some(text) = text(self.content) {
+        if let Some(text) = text(data, self.content) {
             emit(Chunk::Text { choice: 0, text });
         }
         if self.done {

@@ -13,11 +13,10 @@
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use std::borrow::Cow;
 
 use serde::de::{self, Deserializer};
 
-use super::scan::{Bail, Cursor, Span, Template, first_time, from_rank};
+use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, text};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
@@ -675,9 +674,6 @@ impl Spans {
     }
 }
 
-/// A function from span to span that may give up: to a hole rank and back.
-type SpanMap<'f> = dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail> + 'f;
-
 impl TopSpans {
     fn map(&self, f: &mut SpanMap<'_>) -> Result<TopSpans, Bail> {
         Ok(TopSpans {
@@ -755,12 +751,6 @@ fn scan_usage(c: &mut Cursor<'_>) -> Result<Option<UsageSpans>, Bail> {
         }
     }
     Ok(Some(usage))
-}
-
-/// The text of a string span, if not empty (SPEC.md: `""` is no value).
-fn text(data: &str, span: Option<Span>) -> Option<Cow<'_, str>> {
-    span.and_then(|s| decode_string(s.of(data)))
-        .filter(|t| !t.is_empty())
 }
 
 #[cfg(test)]

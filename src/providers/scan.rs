@@ -16,6 +16,10 @@
 //! answers the same (`tests/props.rs` and the unit tests below compare the
 //! two).
 
+use std::borrow::Cow;
+
+use super::decode_string;
+
 /// The fast path gives up; the caller decodes the frame with serde.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Bail;
@@ -452,7 +456,6 @@ pub(crate) struct Template {
 impl Template {
     /// Whether `data` has this shape; if so, `out` holds its holes.
     pub fn matches(&self, data: &str, out: &mut Vec<Span>) -> bool {
-        out.clear();
         if !self.ready {
             return false;
         }
@@ -531,6 +534,15 @@ pub(crate) fn from_rank(holes: &[Span], rank: Option<Span>) -> Result<Option<Spa
         None => Ok(None),
         Some(rank) => holes.get(rank.start).copied().map(Some).ok_or(Bail),
     }
+}
+
+/// A function from span to span that may give up: to a hole rank and back.
+pub(crate) type SpanMap<'f> = dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail> + 'f;
+
+/// The text of a string span, if not empty (SPEC.md: `""` is no value).
+pub(crate) fn text(data: &str, span: Option<Span>) -> Option<Cow<'_, str>> {
+    span.and_then(|s| decode_string(s.of(data)))
+        .filter(|t| !t.is_empty())
 }
 
 /// Marks a struct's known field as seen; a second one bails, as serde's

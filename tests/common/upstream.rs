@@ -472,3 +472,32 @@ where
         ),
     }
 }
+
+/// Reads from `body` into `got` until it holds at least `wanted` bytes.
+pub async fn read_at_least<B>(body: &mut B, got: &mut Vec<u8>, wanted: usize, limit: Duration)
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let read = tokio::time::timeout(limit, async {
+        while got.len() < wanted {
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        got.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(err)) => panic!("body failed after {} bytes: {err}", got.len()),
+                None => panic!("body ended after {} of {wanted} bytes", got.len()),
+            }
+        }
+    })
+    .await;
+    if read.is_err() {
+        panic!(
+            "only {} of {wanted} bytes within {limit:?}:\n{}",
+            got.len(),
+            String::from_utf8_lossy(got)
+        );
+    }
+}
