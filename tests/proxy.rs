@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -41,6 +42,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
@@ -88,8 +90,12 @@ impl TestProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");
         let sessions = SessionRegistry::new();
-        let client = build_client(config.upstream_ca.as_deref(), config.connect_timeout)
-            .expect("upstream client");
+        let client = build_client(
+            &config.upstream,
+            config.upstream_ca.as_deref(),
+            config.connect_timeout,
+        )
+        .expect("upstream client");
         let grace = config.shutdown_grace;
         let proxy = Proxy::new(config, client, sessions.clone());
         let (tx, rx) = oneshot::channel::<()>();
@@ -1566,6 +1572,205 @@ fn sysctl_max(path: &str, fallback: u64) -> u64 {
         .ok()
         .and_then(|s| s.split_whitespace().last()?.parse().ok())
         .unwrap_or(fallback)
+}
+
+// === 8b. upstream connections (plain HTTP) ===
+
+/// How a raw upstream ends each connection after a response.
+#[derive(Clone, Copy)]
+enum AfterResponse {
+    KeepAlive,
+    /// Closes the socket without a `Connection: close` (as an upstream
+    /// whose idle timeout ran out does).
+    Close,
+}
+
+/// A raw HTTP/1.1 upstream: answers `GET /stream` with a chunked SSE body
+/// of two events and anything else with `ok` (content-length), every
+/// request of every connection. Counts the connections it accepted and
+/// those it closed.
+async fn counting_upstream(
+    after: AfterResponse,
+) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let closed = Arc::new(AtomicUsize::new(0));
+    let (accepted_in, closed_in) = (accepted.clone(), closed.clone());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            accepted_in.fetch_add(1, Ordering::SeqCst);
+            let closed = closed_in.clone();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&seen[..end]).into_owned();
+                    seen.drain(..end + 4);
+                    let reply: &[u8] = if head.starts_with("GET /stream ") {
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                          transfer-encoding: chunked\r\n\r\n\
+                          f\r\ndata: {\"a\":1}\n\n\r\nf\r\ndata: {\"b\":2}\n\n\r\n0\r\n\r\n"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
+                    };
+                    if stream.write_all(reply).await.is_err() {
+                        break;
+                    }
+                    if let AfterResponse::Close = after {
+                        break;
+                    }
+                }
+                drop(stream);
+                closed.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    (addr, accepted, closed)
+}
+
+/// An `http://` upstream's keep-alive connections are reused: three
+/// requests in a row (a plain response, a chunked stream, a plain one)
+/// use one connection, each answered whole. An upstream that closes each
+/// connection after its response (no `Connection: close`: an idle
+/// timeout) gets a new connection per request, and no request fails
+/// for finding the old one closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connections_are_reused_and_replaced_when_closed() {
+    let (addr, accepted, _) = counting_upstream(AfterResponse::KeepAlive).await;
+    let proxy = TestProxy::start(proxy_config(&format!("http://{addr}"))).await;
+    let client = client();
+    for (path, expected) in [
+        ("/plain", &b"ok"[..]),
+        ("/stream", b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n"),
+        ("/plain", b"ok"),
+    ] {
+        let response = send(&client, get(&proxy.url(path))).await;
+        assert_eq!(response.status(), StatusCode::OK, "{path}");
+        let (bytes, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("clean end");
+        assert_eq!(bytes, expected, "{path}");
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "one upstream connection for all"
+    );
+
+    let (addr, accepted, closed) = counting_upstream(AfterResponse::Close).await;
+    let proxy = TestProxy::start(proxy_config(&format!("http://{addr}"))).await;
+    for round in 1..=3 {
+        let response = send(&client, get(&proxy.url("/plain"))).await;
+        assert_eq!(response.status(), StatusCode::OK, "round {round}");
+        let (bytes, end) = read_body(&mut response.into_body(), PATIENCE).await;
+        end.expect("clean end");
+        assert_eq!(bytes, b"ok", "round {round}");
+        assert!(
+            eventually(PATIENCE, || closed.load(Ordering::SeqCst) == round).await,
+            "the upstream closed connection {round}"
+        );
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        3,
+        "a new connection per request"
+    );
+}
+
+/// Events that reach the proxy together leave it together: the upstream
+/// writes every event of `single_tool_call.sse` as its own HTTP chunk, all
+/// in one write, and the client receives them (annotated, exactly) in one
+/// HTTP chunk, not one per event. See: issue 6 (one `writev` per event
+/// was what held the proxy's throughput below nginx's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_that_arrive_together_leave_in_one_write() {
+    let frames = frames_of(SINGLE_CALL);
+    assert!(frames.len() >= 8, "a burst of several events");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let gate = Arc::new(Notify::new());
+    let upstream_gate = gate.clone();
+    let burst: Vec<u8> = frames
+        .iter()
+        .flat_map(|f| {
+            let mut chunk = format!("{:x}\r\n", f.len()).into_bytes();
+            chunk.extend_from_slice(f);
+            chunk.extend_from_slice(b"\r\n");
+            chunk
+        })
+        .collect();
+    tokio::spawn(async move {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            return;
+        };
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+        }
+        let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                     transfer-encoding: chunked\r\n\r\n";
+        if stream.write_all(head).await.is_err() {
+            return;
+        }
+        upstream_gate.notified().await;
+        if stream.write_all(&burst).await.is_err() {
+            return;
+        }
+        upstream_gate.notified().await;
+        let _ = stream.write_all(b"0\r\n\r\n").await;
+    });
+    let proxy = TestProxy::start(proxy_config(&format!("http://{addr}"))).await;
+
+    let stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    let conn = tokio::spawn(conn);
+    let req = Request::get("/v1/chat/completions")
+        .header("host", proxy.addr.to_string())
+        .body(empty())
+        .expect("request");
+    let response = tokio::time::timeout(PATIENCE, sender.send_request(req))
+        .await
+        .expect("in time")
+        .expect("response");
+    let mut body = response.into_body();
+    gate.notify_one();
+    let (held, _) = annotate_open(&frames, Framing::Sse, InjectMode::Field);
+    let mut got = Vec::new();
+    let mut data_frames = 0;
+    while got.len() < held.len() {
+        let frame = tokio::time::timeout(PATIENCE, body.frame())
+            .await
+            .expect("the burst in time")
+            .expect("a frame")
+            .expect("no error");
+        if let Ok(data) = frame.into_data() {
+            data_frames += 1;
+            got.extend_from_slice(&data);
+        }
+    }
+    assert!(got == held, "{}", first_difference(&got, &held));
+    assert_eq!(data_frames, 1, "{} events arrived together", frames.len());
+
+    gate.notify_one();
+    let (rest, end) = read_body(&mut body, PATIENCE).await;
+    end.expect("clean end");
+    got.extend_from_slice(&rest);
+    let expected = annotate(&fixture(SINGLE_CALL), Framing::Sse, InjectMode::Field);
+    assert!(got == expected, "{}", first_difference(&got, &expected));
+    conn.abort();
 }
 
 // === 9. TLS and HTTP/2 ===

@@ -27,14 +27,13 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::Recording;
 use super::sessions::StreamHandle;
-use super::upstream::BoxError;
+use super::upstream::{BoxError, UpstreamBody};
 use crate::filter::unix_ms;
 use crate::pipeline::Annotator;
 
@@ -111,7 +110,7 @@ pin_project! {
     /// See the module docs.
     pub struct TapBody {
         #[pin]
-        inner: Incoming,
+        inner: UpstreamBody,
         // `None` for a response that is not a stream: frames pass untouched.
         annotator: Option<Annotator>,
         session: Option<StreamHandle>,
@@ -168,7 +167,7 @@ impl TapBody {
     /// A body that annotates a stream.
     #[allow(clippy::too_many_arguments)]
     pub fn stream(
-        inner: Incoming,
+        inner: UpstreamBody,
         annotator: Annotator,
         session: StreamHandle,
         recording: Option<Recording>,
@@ -192,7 +191,7 @@ impl TapBody {
 
     /// A body that only passes frames through (and counts them).
     pub fn passthrough(
-        inner: Incoming,
+        inner: UpstreamBody,
         idle_timeout: Duration,
         log: RequestLog,
         metrics: Arc<Metrics>,
@@ -201,7 +200,7 @@ impl TapBody {
     }
 
     fn new(
-        inner: Incoming,
+        inner: UpstreamBody,
         annotator: Option<Annotator>,
         session: Option<StreamHandle>,
         idle_timeout: Duration,

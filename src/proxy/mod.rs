@@ -13,6 +13,7 @@
 
 pub mod admin;
 pub mod body;
+pub mod h1;
 pub mod metrics;
 pub mod record;
 pub mod server;

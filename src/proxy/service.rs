@@ -27,7 +27,8 @@ use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, Recorder};
 use super::sessions::SessionRegistry;
 use super::upstream::{
-    BoxError, ProxyBody, UpstreamClient, UpstreamConfigError, build_client, strip_hop_by_hop,
+    BoxError, ProxyBody, SendError, UpstreamClient, UpstreamConfigError, build_client,
+    strip_hop_by_hop,
 };
 use crate::encode::{InjectMode, OutputFormat};
 use crate::framing::Framing;
@@ -125,7 +126,11 @@ impl Proxy {
         config: ProxyConfig,
         sessions: SessionRegistry,
     ) -> Result<Proxy, UpstreamConfigError> {
-        let client = build_client(config.upstream_ca.as_deref(), config.connect_timeout)?;
+        let client = build_client(
+            &config.upstream,
+            config.upstream_ca.as_deref(),
+            config.connect_timeout,
+        )?;
         Ok(Proxy::new(config, client, sessions))
     }
 
@@ -377,7 +382,7 @@ fn parse_inject(value: &HeaderValue) -> Result<InjectMode, String> {
 }
 
 /// Which fault a client error is, and how to say it.
-fn classify(err: &hyper_util::client::legacy::Error) -> (Fault, &'static str) {
+fn classify(err: &SendError) -> (Fault, &'static str) {
     let timed_out = std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
         e.source()
     })
@@ -405,7 +410,7 @@ fn classify(err: &hyper_util::client::legacy::Error) -> (Fault, &'static str) {
 /// client's own request body (a `hyper::Error` of the server side).
 /// See: issue 7 (a client that goes away mid-request is not an upstream
 /// failure).
-fn request_body_failed(err: &hyper_util::client::legacy::Error) -> bool {
+fn request_body_failed(err: &SendError) -> bool {
     std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
         e.source()
     })

@@ -3,9 +3,10 @@
 //!
 //! - [`Upstream`]: the validated `--upstream` URL and how a request path
 //!   maps onto it.
-//! - [`build_client`]: a hyper-util legacy client over rustls (bundled web
-//!   PKI roots plus `--upstream-ca`), HTTP/1.1 and HTTP/2 (ALPN), with a
-//!   connect timeout.
+//! - [`build_client`]: for `https://`, a hyper-util legacy client over
+//!   rustls (bundled web PKI roots plus `--upstream-ca`), HTTP/1.1 and
+//!   HTTP/2 (ALPN); for `http://`, the self-driven HTTP/1.1 connections of
+//!   [`h1`](super::h1). Both with a connect timeout.
 //! - [`strip_hop_by_hop`]: removes the headers that describe one hop, both
 //!   ways.
 //!
@@ -13,12 +14,18 @@
 //! and cookies must never reach a log.
 
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::BoxBody;
+use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -26,14 +33,95 @@ use hyper_util::rt::TokioExecutor;
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 
+use super::h1::{DrivenBody, H1Error, H1Pool};
+
 /// Errors of bodies the proxy forwards, both ways.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The body type of every request and response the proxy produces.
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
 
-/// The client that talks to the upstream.
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+/// The client that talks to the upstream, chosen by its scheme.
+// One per proxy: the size of its variants does not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum UpstreamClient {
+    /// `https://`: hyper-util's pooled client over rustls (HTTP/2 or
+    /// HTTP/1.1 by ALPN); each connection runs in a task of its own.
+    Tls(Client<HttpsConnector<HttpConnector>, ProxyBody>),
+    /// `http://`: HTTP/1.1 connections driven by the responses that use
+    /// them (see [`h1`](super::h1) for why).
+    Plain(Arc<H1Pool>),
+}
+
+/// Why an upstream request got no response.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error(transparent)]
+    Tls(#[from] hyper_util::client::legacy::Error),
+    #[error(transparent)]
+    Plain(#[from] H1Error),
+}
+
+impl SendError {
+    /// No connection could be made.
+    pub fn is_connect(&self) -> bool {
+        match self {
+            SendError::Tls(err) => err.is_connect(),
+            SendError::Plain(err) => matches!(err, H1Error::Connect(_)),
+        }
+    }
+}
+
+/// A response body from the upstream.
+// It lives inside the boxed `TapBody`; boxing the large variant would only
+// add an allocation per response.
+#[allow(clippy::large_enum_variant)]
+pub enum UpstreamBody {
+    Tls(Incoming),
+    Plain(DrivenBody),
+}
+
+impl UpstreamClient {
+    /// Sends a request (its URI absolute) and returns the response head.
+    pub async fn request(
+        &self,
+        req: Request<ProxyBody>,
+    ) -> Result<Response<UpstreamBody>, SendError> {
+        match self {
+            UpstreamClient::Tls(client) => Ok(client.request(req).await?.map(UpstreamBody::Tls)),
+            UpstreamClient::Plain(pool) => Ok(pool.request(req).await?.map(UpstreamBody::Plain)),
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            UpstreamBody::Tls(body) => Pin::new(body).poll_frame(cx),
+            UpstreamBody::Plain(body) => Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Tls(body) => body.is_end_stream(),
+            UpstreamBody::Plain(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Tls(body) => body.size_hint(),
+            UpstreamBody::Plain(body) => body.size_hint(),
+        }
+    }
+}
 
 /// Why the upstream configuration is unusable.
 #[derive(Debug, thiserror::Error)]
@@ -141,9 +229,13 @@ impl Upstream {
 
 /// Builds the upstream client.
 pub fn build_client(
+    upstream: &Upstream,
     extra_ca: Option<&Path>,
     connect_timeout: Duration,
 ) -> Result<UpstreamClient, UpstreamConfigError> {
+    if upstream.scheme == Scheme::HTTP {
+        return Ok(UpstreamClient::Plain(H1Pool::new(connect_timeout)));
+    }
     let mut roots = rustls::RootCertStore {
         roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
     };
@@ -177,7 +269,9 @@ pub fn build_client(
         .enable_http1()
         .enable_http2()
         .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new()).build(connector))
+    Ok(UpstreamClient::Tls(
+        Client::builder(TokioExecutor::new()).build(connector),
+    ))
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1).

@@ -1,0 +1,325 @@
+//! Plain-HTTP/1.1 upstream connections that the response drives itself.
+//!
+//! hyper-util's pooled client runs every connection in a task of its own
+//! and hands a response body to its reader one HTTP chunk per round trip:
+//! the body's channel holds one chunk, refilled only after the reader has
+//! asked for the next. An SSE upstream writes one event per chunk, so each
+//! event cost two task wake-ups and left in its own `writev`, whatever had
+//! already been read (BENCHMARKS.md, "The proxy after this round").
+//!
+//! Here nothing is spawned: the connection future is polled by whoever
+//! polls the exchange — the request future until the response head has
+//! come, then the response body ([`DrivenBody`]). When the body's channel
+//! is empty, the connection is polled right there and parses the next
+//! chunk from what it already read, so [`TapBody`](super::body::TapBody)
+//! finds every event that has arrived and sends them in one write. Nothing
+//! is read ahead of the client either: the connection only reads when the
+//! body is polled, that is when the client's side has room.
+//!
+//! [`H1Pool`] keeps finished keep-alive connections for the next request
+//! (at most [`MAX_IDLE`], each at most the idle timeout). An idle
+//! connection is not polled; it is checked when taken (a connection the
+//! upstream closed meanwhile reads its end and is dropped), and a request
+//! that finds it closed before any byte was written is sent again on a new
+//! connection, as hyper-util's client does.
+//!
+//! TLS upstreams keep hyper-util's client (they mostly speak HTTP/2, whose
+//! streams buffer several frames anyway); see
+//! [`UpstreamClient`](super::upstream::UpstreamClient).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::uri::Authority;
+use http::{Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, Connection, SendRequest};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tower_service::Service;
+
+use super::upstream::{BoxError, ProxyBody};
+
+/// Idle connections kept for reuse, at most.
+pub const MAX_IDLE: usize = 256;
+
+/// How long an unused connection is kept (hyper-util's default too).
+pub const IDLE_KEEP: Duration = Duration::from_secs(90);
+
+type Io = TokioIo<TcpStream>;
+
+/// One HTTP/1.1 connection: the handle that sends and the future that does
+/// the I/O, kept together because whoever uses the one must poll the other.
+struct Conn {
+    sender: SendRequest<ProxyBody>,
+    io: Connection<Io, ProxyBody>,
+}
+
+impl Conn {
+    /// Whether it can take a request now. Polls the connection once, with
+    /// a waker that does nothing: an upstream that closed it meanwhile
+    /// makes it read its end and finish.
+    fn usable(&mut self) -> bool {
+        let mut cx = Context::from_waker(Waker::noop());
+        match Pin::new(&mut self.io).poll(&mut cx) {
+            Poll::Ready(_) => false,
+            Poll::Pending => self.sender.is_ready() && !self.sender.is_closed(),
+        }
+    }
+}
+
+struct Idle {
+    conn: Conn,
+    since: Instant,
+}
+
+/// Why a request got no response.
+#[derive(Debug, thiserror::Error)]
+pub enum H1Error {
+    /// No connection could be made.
+    #[error("{0}")]
+    Connect(#[source] BoxError),
+    /// The exchange failed (hyper says how; its source may be the request
+    /// body's own error).
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+    /// A connection made for this request closed before taking it.
+    #[error("the new connection closed before the request was sent")]
+    Refused,
+}
+
+/// The pool and connector of plain-HTTP upstream connections.
+pub struct H1Pool {
+    connector: HttpConnector,
+    idle: Mutex<Vec<Idle>>,
+}
+
+impl H1Pool {
+    pub fn new(connect_timeout: Duration) -> Arc<H1Pool> {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(connect_timeout));
+        Arc::new(H1Pool {
+            connector,
+            idle: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Sends `req` (its URI absolute: `http://authority/path`) and returns
+    /// the response, whose body drives the connection.
+    pub async fn request(
+        self: &Arc<Self>,
+        mut req: Request<ProxyBody>,
+    ) -> Result<Response<DrivenBody>, H1Error> {
+        let uri = req.uri().clone();
+        if let Some(authority) = uri.authority() {
+            req.headers_mut()
+                .entry(header::HOST)
+                .or_insert_with(|| host_value(authority));
+        }
+        *req.uri_mut() = origin_form(&uri);
+        if let Some(mut conn) = self.checkout() {
+            match exchange(&mut conn, req).await {
+                Ok(response) => return Ok(self.driven(conn, response)),
+                // Closed before a byte of it was written: an upstream that
+                // closed an idle connection. Send it again on a new one.
+                Err(Retry::Again(again)) => req = again,
+                Err(Retry::No(err)) => return Err(err),
+            }
+        }
+        let mut conn = self.connect(uri).await?;
+        match exchange(&mut conn, req).await {
+            Ok(response) => Ok(self.driven(conn, response)),
+            Err(Retry::Again(_)) => Err(H1Error::Refused),
+            Err(Retry::No(err)) => Err(err),
+        }
+    }
+
+    fn driven(self: &Arc<Self>, conn: Conn, response: Response<Incoming>) -> Response<DrivenBody> {
+        response.map(|body| DrivenBody {
+            body,
+            conn: Some(conn),
+            io_done: false,
+            pool: Arc::clone(self),
+        })
+    }
+
+    fn checkout(&self) -> Option<Conn> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some(mut entry) = idle.pop() {
+            if entry.since.elapsed() < IDLE_KEEP && entry.conn.usable() {
+                return Some(entry.conn);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, conn: Conn) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        idle.retain(|entry| entry.since.elapsed() < IDLE_KEEP);
+        if idle.len() < MAX_IDLE {
+            idle.push(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    async fn connect(&self, uri: Uri) -> Result<Conn, H1Error> {
+        let io = self
+            .connector
+            .clone()
+            .call(uri)
+            .await
+            .map_err(|err| H1Error::Connect(err.into()))?;
+        let (sender, io) = http1::Builder::new().handshake(io).await?;
+        Ok(Conn { sender, io })
+    }
+}
+
+// Short-lived, moved once: the request inside is the point.
+#[allow(clippy::large_enum_variant)]
+enum Retry {
+    /// The request was never written: here it is back.
+    Again(Request<ProxyBody>),
+    No(H1Error),
+}
+
+/// Sends one request on `conn` and polls the connection until the
+/// response head has come.
+async fn exchange(conn: &mut Conn, req: Request<ProxyBody>) -> Result<Response<Incoming>, Retry> {
+    let mut response = std::pin::pin!(conn.sender.try_send_request(req));
+    let mut io_done = false;
+    let io = &mut conn.io;
+    let result = std::future::poll_fn(|cx| {
+        if let Poll::Ready(result) = response.as_mut().poll(cx) {
+            return Poll::Ready(result);
+        }
+        if !io_done && let Poll::Ready(result) = Pin::new(&mut *io).poll(cx) {
+            // The connection ended; the response future has (or will
+            // have, on this poll) the error that says why.
+            io_done = true;
+            if let Err(err) = result {
+                tracing::debug!("upstream connection ended: {err}");
+            }
+            return response.as_mut().poll(cx);
+        }
+        Poll::Pending
+    })
+    .await;
+    match result {
+        Ok(response) => Ok(response),
+        Err(mut err) => match err.take_message() {
+            Some(req) => Err(Retry::Again(req)),
+            None => Err(Retry::No(H1Error::Http(err.into_error()))),
+        },
+    }
+}
+
+/// `Host` as hyper-util's client writes it: the port only when it is not
+/// HTTP's default.
+fn host_value(authority: &Authority) -> HeaderValue {
+    let value = match authority.port_u16() {
+        Some(80) | None => authority.host().to_owned(),
+        Some(port) => format!("{}:{port}", authority.host()),
+    };
+    HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("localhost"))
+}
+
+/// `/path?query` of an absolute URI.
+fn origin_form(uri: &Uri) -> Uri {
+    match uri.path_and_query() {
+        Some(path) => Uri::from(path.clone()),
+        None => Uri::from_static("/"),
+    }
+}
+
+/// A response body that polls its connection whenever it has no frame
+/// ready, and gives the connection back to the pool at its end.
+pub struct DrivenBody {
+    body: Incoming,
+    /// `None` once back in the pool (or given up).
+    conn: Option<Conn>,
+    /// The connection future finished (closed or failed): only the body's
+    /// own end or error is left to read.
+    io_done: bool,
+    pool: Arc<H1Pool>,
+}
+
+impl DrivenBody {
+    /// At the body's end: a connection still open and idle is kept.
+    fn release(&mut self) {
+        if let Some(mut conn) = self.conn.take()
+            && !self.io_done
+            && conn.usable()
+        {
+            self.pool.checkin(conn);
+        }
+    }
+}
+
+impl DrivenBody {
+    /// Passes a polled frame on; at the body's end, releases the
+    /// connection.
+    fn seen(
+        &mut self,
+        polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        if let Poll::Ready(frame) = &polled
+            && (frame.is_none() || self.body.is_end_stream())
+        {
+            self.release();
+        }
+        polled
+    }
+}
+
+impl Body for DrivenBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        loop {
+            let polled = Pin::new(&mut this.body).poll_frame(cx);
+            let Some(conn) = this.conn.as_mut().filter(|_| !this.io_done) else {
+                return this.seen(polled);
+            };
+            if polled.is_ready() {
+                return this.seen(polled);
+            }
+            match Pin::new(&mut conn.io).poll(cx) {
+                // It may have parsed one more chunk (and now waits for the
+                // body to take it), or found nothing more to read yet.
+                Poll::Pending => {
+                    let polled = Pin::new(&mut this.body).poll_frame(cx);
+                    return this.seen(polled);
+                }
+                Poll::Ready(result) => {
+                    this.io_done = true;
+                    if let Err(err) = result {
+                        tracing::debug!("upstream connection ended: {err}");
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
