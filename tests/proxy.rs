@@ -1155,6 +1155,40 @@ async fn an_upstream_that_does_not_accept_is_a_504_after_the_connect_timeout() {
     drop((listener, fillers));
 }
 
+/// The idle timeout counts from the last frame, not from the start: an
+/// upstream that sends a frame every 100 ms for over a second, with an
+/// idle timeout of 300 ms, is streamed to its clean end, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_closer_than_the_idle_timeout_keep_a_long_stream_alive() {
+    let frames = frames_of(SINGLE_CALL);
+    assert!(frames.len() >= 10, "a stream longer than 3 idle timeouts");
+    let upstream_frames = frames.clone();
+    let upstream = FakeUpstream::start(move |_| {
+        let mut reply = Reply::new(200).header("content-type", "text/event-stream");
+        for frame in &upstream_frames {
+            reply = reply
+                .body(frame.clone())
+                .then(Step::Sleep(Duration::from_millis(100)));
+        }
+        reply
+    })
+    .await;
+    let mut config = proxy_config(&upstream.url(""));
+    config.idle_timeout = Duration::from_millis(300);
+    let proxy = TestProxy::start(config).await;
+    let started = Instant::now();
+    let response = send(&client(), get(&proxy.url("/v1/chat/completions"))).await;
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+    end.expect("a clean end, no idle timeout");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "the stream took {:?}",
+        started.elapsed()
+    );
+    let expected = annotate(&fixture(SINGLE_CALL), Framing::Sse, InjectMode::Field);
+    assert!(got == expected, "{}", first_difference(&got, &expected));
+}
+
 /// An upstream silent mid-stream for longer than `idle_timeout` (300 ms):
 /// the client gets every byte sent so far (the pipeline's output of that
 /// prefix) and then its body ends with an error, not a clean end, between

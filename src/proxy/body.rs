@@ -119,6 +119,8 @@ pin_project! {
         #[pin]
         idle: Sleep,
         idle_timeout: Duration,
+        // When the upstream last sent a frame (or the body began).
+        heard: tokio::time::Instant,
         out: BytesMut,
         phase: Phase,
         error: Option<BoxError>,
@@ -207,14 +209,16 @@ impl TapBody {
         log: RequestLog,
         metrics: Arc<Metrics>,
     ) -> TapBody {
+        let now = tokio::time::Instant::now();
         TapBody {
             metrics,
             inner,
             annotator,
             session,
             recording: None,
-            idle: tokio::time::sleep(idle_timeout),
+            idle: tokio::time::sleep_until(deadline_after(now, idle_timeout)),
             idle_timeout,
+            heard: now,
             out: BytesMut::new(),
             phase: Phase::Streaming,
             error: None,
@@ -265,17 +269,21 @@ impl Body for TapBody {
                 }
                 Poll::Pending => {
                     ready!(this.idle.as_mut().poll(cx));
+                    // The timer is moved only when it fires (moving it on
+                    // every frame costs a timer-wheel update per event):
+                    // if something was heard since it was set, it now
+                    // counts from that.
+                    let deadline = deadline_after(*this.heard, *this.idle_timeout);
+                    if deadline > tokio::time::Instant::now() {
+                        this.idle.as_mut().reset(deadline);
+                        continue;
+                    }
                     // Silent too long: end as if the upstream failed.
                     *this.outcome = "idle-timeout";
                     Some(Err(Box::new(IdleTimeout(*this.idle_timeout)) as BoxError))
                 }
             };
-            let now = tokio::time::Instant::now();
-            // A huge --idle-timeout means "never": no overflow.
-            let deadline = now
-                .checked_add(*this.idle_timeout)
-                .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
-            this.idle.as_mut().reset(deadline);
+            *this.heard = tokio::time::Instant::now();
             match event {
                 Some(Ok(frame)) => {
                     let data = match frame.into_data() {
@@ -373,7 +381,14 @@ impl Body for TapBody {
     }
 }
 
-/// End of input for the annotator: what it still held goes out.
+/// `idle_timeout` after `heard`; a huge `--idle-timeout` means "never",
+/// without overflow.
+fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio::time::Instant {
+    heard
+        .checked_add(idle_timeout)
+        .unwrap_or_else(|| heard + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 /// End of input for the annotator: what it still held goes out, and what
 /// its end changed (a last event, the end's clear) reaches subscribers.
 fn finish(

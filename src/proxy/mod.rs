@@ -5,6 +5,7 @@
 //! - [`server`]: accept loop, HTTP/1.1 + HTTP/2, graceful shutdown
 //! - [`service`]: the request path: our headers → upstream request → response
 //! - [`upstream`]: the upstream URL, the rustls client, hop-by-hop hygiene
+//! - [`h1`]: plain-HTTP upstream connections driven by their response body
 //! - [`body`]: [`body::TapBody`], which runs the annotate pipeline on
 //!   streamed responses as the client reads them
 //! - [`sessions`]: per-session progress shared by all connections
