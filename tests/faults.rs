@@ -2249,8 +2249,8 @@ async fn raw_request(addr: SocketAddr, path: &str, header_lines: &[&[u8]]) -> Ra
 /// | `a` CR `X-Injected: 1` (bare CR) | `400` from the HTTP parser |
 /// | `a` CRLF SP `X-Injected: 1` (obs-fold) | `400` from the HTTP parser |
 /// | `a` NUL `b` | `400` from the HTTP parser |
-/// | 70 KiB of `x` | `400` `invalid_request_error` (over 128 bytes) |
-/// | 512 KiB of `x` | `431` from the HTTP parser (its head limit) |
+/// | 40 KiB of `x` | `400` `invalid_request_error` (over 128 bytes) |
+/// | 512 KiB of `x` | `431` from the HTTP parser (a head over 64 KiB) |
 /// | `café` (UTF-8 bytes) | `400` `invalid_request_error`, not echoed |
 /// | 129 × `x` | `400` `invalid_request_error` |
 /// | `a%0D%0AX-Injected:%201` | accepted and echoed verbatim (no decoding) |
@@ -2268,7 +2268,7 @@ async fn session_ids_cannot_split_responses() {
     let proxy = Served::start(proxy_config(&upstream.url(""))).await;
     let long_ok = "x".repeat(128);
     let long_bad = "x".repeat(129);
-    let big = "x".repeat(70 * 1024);
+    let big = "x".repeat(40 * 1024);
     let huge = "x".repeat(512 * 1024);
     let session_line = |value: &[u8]| [&b"x-aalis-session: "[..], value].concat();
     let cases: Vec<(Vec<u8>, u16, Option<&str>)> = vec![

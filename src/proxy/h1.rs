@@ -47,6 +47,12 @@ use tower_service::Service;
 
 use super::upstream::{BoxError, ProxyBody};
 
+/// The most an HTTP/1.1 connection buffers, each way (hyper's default is
+/// about 400 KiB): upstream connections here, client connections in
+/// [`server`](super::server). A slow client's stream holds about this much
+/// in the proxy, not more, and reads and writes stay large enough.
+pub const CONN_BUF_BYTES: usize = 64 * 1024;
+
 /// Idle connections kept for reuse, at most.
 pub const MAX_IDLE: usize = 256;
 
@@ -179,7 +185,10 @@ impl H1Pool {
             .call(uri)
             .await
             .map_err(|err| H1Error::Connect(err.into()))?;
-        let (sender, io) = http1::Builder::new().handshake(io).await?;
+        let (sender, io) = http1::Builder::new()
+            .max_buf_size(CONN_BUF_BYTES)
+            .handshake(io)
+            .await?;
         Ok(Conn { sender, io })
     }
 }

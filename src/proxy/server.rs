@@ -19,6 +19,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
+use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains.
@@ -33,7 +34,12 @@ pub async fn serve<H, F>(
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // hyper queues a response's frames up to its buffer size before it
+    // stops polling the body. Its default (about 400 KiB) let each slow
+    // client hold that much of coalesced output; 64 KiB keeps a slow
+    // stream's memory near one coalesced write.
+    builder.http1().max_buf_size(CONN_BUF_BYTES);
     // The connection tasks, so that what outlives the grace period can be
     // stopped (dropping GracefulShutdown does not stop them).
     let mut connections = JoinSet::new();
