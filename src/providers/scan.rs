@@ -453,6 +453,12 @@ pub(crate) struct Template {
     ready: bool,
 }
 
+/// A byte that may go on a JSON number (a digit, `.`, an exponent or its
+/// sign).
+fn continues_number(b: u8) -> bool {
+    matches!(b, b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-')
+}
+
 impl Template {
     /// Whether `data` has this shape; if so, `out` holds its holes.
     pub fn matches(&self, data: &str, out: &mut Vec<Span>) -> bool {
@@ -468,11 +474,33 @@ impl Template {
     fn fill(&self, c: &mut Cursor<'_>) -> bool {
         let mut from = 0;
         for hole in &self.holes {
-            let (Some(literal), Some(&first)) =
-                (self.bytes.get(from..hole.start), self.bytes.get(hole.start))
-            else {
+            let (Some(literal), Some(&first), Some(with_value)) = (
+                self.bytes.get(from..hole.start),
+                self.bytes.get(hole.start),
+                self.bytes.get(from..hole.end),
+            ) else {
                 return false;
             };
+            // The value the last frame had (an id, a model name, most
+            // numbers): the literal and the value compare as one, with no
+            // scan. The same bytes lex the same from the opening quote to
+            // the closing one. A number's end is proven by the next literal
+            // (which starts with a byte no number has); the check that the
+            // number does not go on (`12` where the last frame had `1`) only
+            // keeps such a frame on this path, scanned, instead of failing
+            // the next literal and being walked in full.
+            if let Some(next) = c.pos.checked_add(with_value.len())
+                && c.bytes.get(c.pos..next) == Some(with_value)
+                && (first == b'"' || !c.bytes.get(next).is_some_and(|&b| continues_number(b)))
+            {
+                c.holes.push(Span {
+                    start: c.pos + literal.len(),
+                    end: next,
+                });
+                c.pos = next;
+                from = hole.end;
+                continue;
+            }
             if c.bytes.get(c.pos..c.pos + literal.len()) != Some(literal) {
                 return false;
             }
