@@ -453,10 +453,26 @@ pub(crate) struct Template {
     ready: bool,
 }
 
-/// A byte that may go on a JSON number (a digit, `.`, an exponent or its
-/// sign).
-fn continues_number(b: u8) -> bool {
-    matches!(b, b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-')
+/// How many leading bytes `a` and `b` share, eight at a time.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut same = 0;
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        let (Ok(x), Ok(y)) = (<[u8; 8]>::try_from(x), <[u8; 8]>::try_from(y)) else {
+            break;
+        };
+        let diff = u64::from_le_bytes(x) ^ u64::from_le_bytes(y);
+        if diff != 0 {
+            return same + (diff.trailing_zeros() / 8) as usize;
+        }
+        same += 8;
+    }
+    same + a[same..]
+        .iter()
+        .zip(&b[same..])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 impl Template {
@@ -471,42 +487,47 @@ impl Template {
         fits
     }
 
+    /// One pass that compares the frame with the template a word at a
+    /// time, and scans only the holes where they differ. Holes inside an
+    /// equal run kept their value (an id, a model name, `created`, most
+    /// indexes): the same bytes lex the same. A difference inside a hole
+    /// means a new value there: it is scanned from the hole's start (its
+    /// length may differ, which shifts everything after it). A difference
+    /// anywhere else is another shape.
     fn fill(&self, c: &mut Cursor<'_>) -> bool {
+        let template = self.bytes.as_slice();
+        // Template position of the next byte to match; the input position is
+        // `c.pos`.
         let mut from = 0;
-        for hole in &self.holes {
-            let (Some(literal), Some(&first), Some(with_value)) = (
-                self.bytes.get(from..hole.start),
-                self.bytes.get(hole.start),
-                self.bytes.get(from..hole.end),
-            ) else {
+        let mut holes = self.holes.iter().peekable();
+        while holes.peek().is_some() {
+            let (Some(input), Some(rest)) = (c.bytes.get(c.pos..), template.get(from..)) else {
                 return false;
             };
-            // The value the last frame had (an id, a model name, most
-            // numbers): the literal and the value compare as one, with no
-            // scan. The same bytes lex the same from the opening quote to
-            // the closing one. A number's end is proven by the next literal
-            // (which starts with a byte no number has); the check that the
-            // number does not go on (`12` where the last frame had `1`) only
-            // keeps such a frame on this path, scanned, instead of failing
-            // the next literal and being walked in full.
-            if let Some(next) = c.pos.checked_add(with_value.len())
-                && c.bytes.get(c.pos..next) == Some(with_value)
-                && (first == b'"' || !c.bytes.get(next).is_some_and(|&b| continues_number(b)))
-            {
+            let differs_at = from + common_prefix(input, rest);
+            // Holes wholly in the equal run. A number that ends right where
+            // the run ends may go on in the input (`12` where the template
+            // had `1`): it is scanned like a changed one.
+            while let Some(hole) = holes.next_if(|h| {
+                h.end < differs_at || (h.end == differs_at && template.get(h.start) == Some(&b'"'))
+            }) {
                 c.holes.push(Span {
-                    start: c.pos + literal.len(),
-                    end: next,
+                    start: c.pos + (hole.start - from),
+                    end: c.pos + (hole.end - from),
                 });
-                c.pos = next;
-                from = hole.end;
-                continue;
             }
-            if c.bytes.get(c.pos..c.pos + literal.len()) != Some(literal) {
-                return false;
+            let Some(hole) = holes.next() else {
+                // The difference (or the end) lies after the last hole.
+                c.pos += differs_at - from;
+                from = differs_at;
+                break;
+            };
+            if differs_at < hole.start {
+                return false; // a literal differs: another shape
             }
-            c.pos += literal.len();
+            c.pos += hole.start - from;
             // A string where a string was, a number where a number was.
-            let scanned = if first == b'"' {
+            let scanned = if template.get(hole.start) == Some(&b'"') {
                 c.string().map(drop)
             } else {
                 c.number_hole()
@@ -516,7 +537,7 @@ impl Template {
             }
             from = hole.end;
         }
-        c.bytes.get(c.pos..) == self.bytes.get(from..)
+        c.bytes.get(c.pos..) == template.get(from..)
     }
 
     /// Takes a valid frame's shape.
