@@ -17,11 +17,11 @@
 //! body is polled, that is when the client's side has room.
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
-//! (at most [`MAX_IDLE`], each at most the idle timeout). An idle
-//! connection is not polled; it is checked when taken (a connection the
-//! upstream closed meanwhile reads its end and is dropped), and a request
-//! that finds it closed before any byte was written is sent again on a new
-//! connection, as hyper-util's client does.
+//! (at most [`MAX_IDLE`], each at most [`IDLE_KEEP`]). An idle connection is
+//! not polled; it is checked when taken (a connection the upstream closed
+//! meanwhile reads its end and is dropped) and every 15 s by a sweeper task,
+//! and a request that finds it closed before any byte was written is sent
+//! again on a new connection, as hyper-util's client does.
 //!
 //! TLS upstreams keep hyper-util's client (they mostly speak HTTP/2, whose
 //! streams buffer several frames anyway); see
@@ -29,7 +29,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,20 @@ use super::upstream::{BoxError, ProxyBody};
 /// [`server`](super::server). A slow client's stream holds about this much
 /// in the proxy, not more, and reads and writes stay large enough.
 pub const CONN_BUF_BYTES: usize = 64 * 1024;
+
+/// How often idle connections are checked (see [`H1Pool::sweep`]).
+const SWEEP_EVERY: Duration = Duration::from_secs(15);
+
+/// Sweeps `pool` every `period` while it exists.
+async fn sweep_every(period: Duration, pool: Weak<H1Pool>) {
+    loop {
+        tokio::time::sleep(period).await;
+        let Some(pool) = pool.upgrade() else {
+            return;
+        };
+        pool.sweep();
+    }
+}
 
 /// Idle connections kept for reuse, at most.
 pub const MAX_IDLE: usize = 256;
@@ -105,6 +120,9 @@ pub enum H1Error {
 pub struct H1Pool {
     connector: HttpConnector,
     idle: Mutex<Vec<Idle>>,
+    /// The sweeper task runs (started with the first idle connection,
+    /// inside the runtime; it ends with the pool).
+    sweeping: AtomicBool,
 }
 
 impl H1Pool {
@@ -115,6 +133,7 @@ impl H1Pool {
         Arc::new(H1Pool {
             connector,
             idle: Mutex::new(Vec::new()),
+            sweeping: AtomicBool::new(false),
         })
     }
 
@@ -167,7 +186,7 @@ impl H1Pool {
         None
     }
 
-    fn checkin(&self, conn: Conn) {
+    fn checkin(self: &Arc<Self>, conn: Conn) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         idle.retain(|entry| entry.since.elapsed() < IDLE_KEEP);
         if idle.len() < MAX_IDLE {
@@ -176,6 +195,29 @@ impl H1Pool {
                 since: Instant::now(),
             });
         }
+        drop(idle);
+        if !self.sweeping.swap(true, Ordering::Relaxed)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(sweep_every(SWEEP_EVERY, Arc::downgrade(self)));
+        }
+    }
+
+    /// Drops the idle connections that are too old or that the upstream
+    /// closed. An idle connection is not polled, so without this one the
+    /// upstream closed would hold its socket (in CLOSE_WAIT) until the next
+    /// request came by.
+    pub fn sweep(&self) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        idle.retain_mut(|entry| entry.since.elapsed() < IDLE_KEEP && entry.conn.usable());
+    }
+
+    /// How many connections wait for reuse.
+    pub fn idle_connections(&self) -> usize {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     async fn connect(&self, uri: Uri) -> Result<Conn, H1Error> {
@@ -330,5 +372,65 @@ impl Body for DrivenBody {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Empty};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    /// An upstream that answers one request with `ok` and keeps the
+    /// connection open until `close` is told; a finished response leaves
+    /// its connection in the pool, a sweep keeps it while it is open and
+    /// drops it once the upstream closed it.
+    #[tokio::test]
+    async fn a_sweep_drops_only_the_idle_connections_the_upstream_closed() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (close, closed) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => seen.extend_from_slice(&buf[..n]),
+                }
+            }
+            let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            if stream.write_all(reply).await.is_ok() {
+                let _ = closed.await;
+            }
+        });
+        let pool = H1Pool::new(Duration::from_secs(1));
+        let body = Empty::new().map_err(|never| match never {}).boxed();
+        let req = Request::get(format!("http://{addr}/x"))
+            .body(body)
+            .expect("request");
+        let response = pool.request(req).await.expect("response");
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_eq!(&bytes[..], b"ok");
+        assert_eq!(pool.idle_connections(), 1, "kept for reuse");
+        pool.sweep();
+        assert_eq!(pool.idle_connections(), 1, "an open connection stays");
+
+        close.send(()).expect("the upstream waits");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while pool.idle_connections() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            pool.sweep();
+        }
+        assert_eq!(pool.idle_connections(), 0, "the closed one is dropped");
     }
 }
