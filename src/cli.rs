@@ -218,9 +218,9 @@ impl AnnotateArgs {
 /// returned in that response header when absent).
 ///
 /// Errors are OpenAI-style JSON: 502 when the upstream is unreachable, 504
-/// when it sends no response headers in time. SIGINT or SIGTERM stops
-/// accepting connections and lets open streams finish for
-/// --shutdown-grace, then exits 0.
+/// when it sends no response headers in time; a request head over 64 KiB
+/// gets 431. SIGINT or SIGTERM stops accepting connections and lets open
+/// streams finish for --shutdown-grace, then exits 0.
 #[derive(Debug, Args)]
 #[command(after_long_help = SERVE_EXAMPLES, display_name = "aalis-proxy")]
 pub struct ServeArgs {
