@@ -46,7 +46,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
-use upstream::{Event, FakeUpstream, Reply, Step, read_at_least, read_body};
+use upstream::{
+    Event, FakeUpstream, Recorded, Reply, Step, read_at_least, read_body, read_request_head,
+};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type ClientBody = BoxBody<Bytes, BoxError>;
@@ -224,6 +226,28 @@ impl Body for PiecesBody {
     }
 }
 
+/// `GET /v1/chat/completions` on a connection of its own (the test controls
+/// its socket and sees each HTTP chunk as a frame); the connection's task is
+/// returned with the response head.
+async fn get_on(
+    stream: TcpStream,
+    proxy: SocketAddr,
+) -> (Response<Incoming>, JoinHandle<hyper::Result<()>>) {
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    let conn = tokio::spawn(conn);
+    let req = Request::get("/v1/chat/completions")
+        .header("host", proxy.to_string())
+        .body(empty())
+        .expect("request");
+    let response = tokio::time::timeout(PATIENCE, sender.send_request(req))
+        .await
+        .expect("in time")
+        .expect("response");
+    (response, conn)
+}
+
 /// The JSON body of an error response.
 async fn json_body(response: Response<Incoming>) -> (StatusCode, HeaderMap, Value) {
     let (parts, mut body) = response.into_parts();
@@ -353,6 +377,17 @@ const SINGLE_CALL: &str = "openai/single_tool_call.sse";
 /// Event 3 (0-based) of `SINGLE_CALL`, the fragment `location`: after it the
 /// call has 10 chars (`{"` + `location`). Tests pause the upstream here.
 const SINGLE_CALL_PAUSE: usize = 3;
+
+/// An upstream handler: `frames` as one SSE stream, `gap` apart.
+fn paced_sse(frames: Vec<Bytes>, gap: Duration) -> impl Fn(&Recorded) -> Reply + Send + Sync {
+    move |_| {
+        let mut reply = Reply::new(200).header("content-type", "text/event-stream");
+        for frame in &frames {
+            reply = reply.body(frame.clone()).then(Step::Sleep(gap));
+        }
+        reply
+    }
+}
 
 // === 1. fixtures ===
 
@@ -1162,17 +1197,7 @@ async fn an_upstream_that_does_not_accept_is_a_504_after_the_connect_timeout() {
 async fn frames_closer_than_the_idle_timeout_keep_a_long_stream_alive() {
     let frames = frames_of(SINGLE_CALL);
     assert!(frames.len() >= 10, "a stream longer than 3 idle timeouts");
-    let upstream_frames = frames.clone();
-    let upstream = FakeUpstream::start(move |_| {
-        let mut reply = Reply::new(200).header("content-type", "text/event-stream");
-        for frame in &upstream_frames {
-            reply = reply
-                .body(frame.clone())
-                .then(Step::Sleep(Duration::from_millis(100)));
-        }
-        reply
-    })
-    .await;
+    let upstream = FakeUpstream::start(paced_sse(frames.clone(), Duration::from_millis(100))).await;
     let mut config = proxy_config(&upstream.url(""));
     config.idle_timeout = Duration::from_millis(300);
     let proxy = TestProxy::start(config).await;
@@ -1545,18 +1570,7 @@ async fn a_client_that_reads_nothing_stops_the_upstream() {
     let socket = TcpSocket::new_v4().expect("socket");
     socket.set_recv_buffer_size(64 * 1024).expect("SO_RCVBUF");
     let stream = socket.connect(proxy.addr).await.expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    let conn = tokio::spawn(conn);
-    let req = Request::get("/v1/chat/completions")
-        .header("host", proxy.addr.to_string())
-        .body(empty())
-        .expect("request");
-    let response = tokio::time::timeout(PATIENCE, sender.send_request(req))
-        .await
-        .expect("in time")
-        .expect("response");
+    let (response, conn) = get_on(stream, proxy.addr).await;
 
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after_1s = upstream.bytes_written();
@@ -1596,7 +1610,7 @@ async fn a_client_that_reads_nothing_stops_the_upstream() {
         first_difference(&got, &expected[..got.len()])
     );
     assert!(String::from_utf8_lossy(&got[..4096]).contains("\"toolCallProgress\""));
-    drop((body, sender));
+    drop(body);
     conn.abort();
 }
 
@@ -1744,13 +1758,8 @@ async fn events_that_arrive_together_leave_in_one_write() {
         let Ok((mut stream, _)) = listener.accept().await else {
             return;
         };
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => seen.extend_from_slice(&buf[..n]),
-            }
+        if read_request_head(&mut stream).await.is_none() {
+            return;
         }
         let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
                      transfer-encoding: chunked\r\n\r\n";
@@ -1767,18 +1776,7 @@ async fn events_that_arrive_together_leave_in_one_write() {
     let proxy = TestProxy::start(proxy_config(&format!("http://{addr}"))).await;
 
     let stream = TcpStream::connect(proxy.addr).await.expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    let conn = tokio::spawn(conn);
-    let req = Request::get("/v1/chat/completions")
-        .header("host", proxy.addr.to_string())
-        .body(empty())
-        .expect("request");
-    let response = tokio::time::timeout(PATIENCE, sender.send_request(req))
-        .await
-        .expect("in time")
-        .expect("response");
+    let (response, conn) = get_on(stream, proxy.addr).await;
     let mut body = response.into_body();
     gate.notify_one();
     let (held, _) = annotate_open(&frames, Framing::Sse, InjectMode::Field);
@@ -1925,17 +1923,7 @@ async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_open_streams_finish_and_refuses_new_connections() {
     let frames = frames_of(SINGLE_CALL);
-    let upstream_frames = frames.clone();
-    let upstream = FakeUpstream::start(move |_| {
-        let mut reply = Reply::new(200).header("content-type", "text/event-stream");
-        for frame in &upstream_frames {
-            reply = reply
-                .body(frame.clone())
-                .then(Step::Sleep(Duration::from_millis(40)));
-        }
-        reply
-    })
-    .await;
+    let upstream = FakeUpstream::start(paced_sse(frames.clone(), Duration::from_millis(40))).await;
     let mut config = proxy_config(&upstream.url(""));
     config.shutdown_grace = Duration::from_secs(3);
     let mut proxy = TestProxy::run(config).await;
@@ -1992,17 +1980,8 @@ async fn shutdown_lets_open_streams_finish_and_refuses_new_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_streams_are_cut_when_the_grace_period_is_over() {
     let frames = frames_of(SINGLE_CALL);
-    let upstream_frames = frames.clone();
-    let mut upstream = FakeUpstream::start(move |_| {
-        let mut reply = Reply::new(200).header("content-type", "text/event-stream");
-        for frame in &upstream_frames {
-            reply = reply
-                .body(frame.clone())
-                .then(Step::Sleep(Duration::from_millis(250)));
-        }
-        reply
-    })
-    .await;
+    let mut upstream =
+        FakeUpstream::start(paced_sse(frames.clone(), Duration::from_millis(250))).await;
     let mut config = proxy_config(&upstream.url(""));
     config.shutdown_grace = Duration::from_millis(300);
     let mut proxy = TestProxy::run(config).await;

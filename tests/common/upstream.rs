@@ -36,7 +36,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
@@ -399,6 +399,20 @@ pub fn listener_with_send_buffer(bytes: u32) -> TcpListener {
     socket.listen(16).expect("listen")
 }
 
+/// Reads from `stream` up to the end of a request head (and whatever came
+/// with it); `None` if the connection ended or failed first.
+pub async fn read_request_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    Some(seen)
+}
+
 /// An upstream that answers one connection with `head` (status line and
 /// headers of a chunked response), sends each of `pieces` as a chunk, `gap`
 /// apart, and then resets the connection (RST, not FIN).
@@ -414,14 +428,8 @@ pub async fn raw_reset_upstream(
             return;
         };
         let _ = stream.set_nodelay(true);
-        // Read the request head (and whatever body came with it).
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => seen.extend_from_slice(&buf[..n]),
-            }
+        if read_request_head(&mut stream).await.is_none() {
+            return;
         }
         if stream.write_all(head.as_bytes()).await.is_err() {
             return;
