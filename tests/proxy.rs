@@ -1634,7 +1634,8 @@ enum AfterResponse {
 }
 
 /// A raw HTTP/1.1 upstream: answers `GET /stream` with a chunked SSE body
-/// of two events and anything else with `ok` (content-length), every
+/// of two events, `GET /empty` with `204` and anything else with `ok`
+/// (content-length), every
 /// request of every connection. Counts the connections it accepted and
 /// those it closed.
 async fn counting_upstream(
@@ -1662,7 +1663,9 @@ async fn counting_upstream(
                     };
                     let head = String::from_utf8_lossy(&seen[..end]).into_owned();
                     seen.drain(..end + 4);
-                    let reply: &[u8] = if head.starts_with("GET /stream ") {
+                    let reply: &[u8] = if head.starts_with("GET /empty ") {
+                        b"HTTP/1.1 204 No Content\r\n\r\n"
+                    } else if head.starts_with("GET /stream ") {
                         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
                           transfer-encoding: chunked\r\n\r\n\
                           f\r\ndata: {\"a\":1}\n\n\r\nf\r\ndata: {\"b\":2}\n\n\r\n0\r\n\r\n"
@@ -1684,9 +1687,10 @@ async fn counting_upstream(
     (addr, accepted, closed)
 }
 
-/// An `http://` upstream's keep-alive connections are reused: three
-/// requests in a row (a plain response, a chunked stream, a plain one)
-/// use one connection, each answered whole. An upstream that closes each
+/// An `http://` upstream's keep-alive connections are reused: four
+/// requests in a row (a plain response, a chunked stream, a `204` with no
+/// body, which the client side never polls, and a plain one) use one
+/// connection, each answered whole. An upstream that closes each
 /// connection after its response (no `Connection: close`: an idle
 /// timeout) gets a new connection per request, and no request fails
 /// for finding the old one closed.
@@ -1695,13 +1699,18 @@ async fn upstream_connections_are_reused_and_replaced_when_closed() {
     let (addr, accepted, _) = counting_upstream(AfterResponse::KeepAlive).await;
     let proxy = TestProxy::start(proxy_config(&format!("http://{addr}"))).await;
     let client = client();
-    for (path, expected) in [
-        ("/plain", &b"ok"[..]),
-        ("/stream", b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n"),
-        ("/plain", b"ok"),
+    for (path, status, expected) in [
+        ("/plain", StatusCode::OK, &b"ok"[..]),
+        (
+            "/stream",
+            StatusCode::OK,
+            b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n",
+        ),
+        ("/empty", StatusCode::NO_CONTENT, b""),
+        ("/plain", StatusCode::OK, b"ok"),
     ] {
         let response = send(&client, get(&proxy.url(path))).await;
-        assert_eq!(response.status(), StatusCode::OK, "{path}");
+        assert_eq!(response.status(), status, "{path}");
         let (bytes, end) = read_body(&mut response.into_body(), PATIENCE).await;
         end.expect("clean end");
         assert_eq!(bytes, expected, "{path}");

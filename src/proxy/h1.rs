@@ -31,7 +31,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -80,19 +80,34 @@ type Io = TokioIo<TcpStream>;
 /// the I/O, kept together because whoever uses the one must poll the other.
 struct Conn {
     sender: SendRequest<ProxyBody>,
-    io: Connection<Io, ProxyBody>,
+    /// `None` once it finished (closed or failed). It is dropped at once:
+    /// a finished dispatcher still holds what was queued on it, and only
+    /// dropping it answers a request it never sent (with the request back,
+    /// for a retry) and ends a body it was feeding.
+    io: Option<Connection<Io, ProxyBody>>,
 }
 
 impl Conn {
+    /// Polls the connection future; `Ready` when it finished (it is then
+    /// dropped).
+    fn poll_io(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(io) = self.io.as_mut() else {
+            return Poll::Ready(());
+        };
+        let result = ready!(Pin::new(io).poll(cx));
+        self.io = None;
+        if let Err(err) = result {
+            tracing::debug!("upstream connection ended: {err}");
+        }
+        Poll::Ready(())
+    }
+
     /// Whether it can take a request now. Polls the connection once, with
     /// a waker that does nothing: an upstream that closed it meanwhile
     /// makes it read its end and finish.
     fn usable(&mut self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
-        match Pin::new(&mut self.io).poll(&mut cx) {
-            Poll::Ready(_) => false,
-            Poll::Pending => self.sender.is_ready() && !self.sender.is_closed(),
-        }
+        self.poll_io(&mut cx).is_pending() && self.sender.is_ready() && !self.sender.is_closed()
     }
 }
 
@@ -168,12 +183,17 @@ impl H1Pool {
     }
 
     fn driven(self: &Arc<Self>, conn: Conn, response: Response<Incoming>) -> Response<DrivenBody> {
-        response.map(|body| DrivenBody {
+        let mut driven = response.map(|body| DrivenBody {
             body,
             conn: Some(conn),
-            io_done: false,
             pool: Arc::clone(self),
-        })
+        });
+        // No body to read (HEAD, 204, 304): hyper's server will not poll
+        // it, so the connection goes back now or never.
+        if driven.body().body.is_end_stream() {
+            driven.body_mut().release();
+        }
+        driven
     }
 
     fn checkout(&self) -> Option<Conn> {
@@ -231,7 +251,10 @@ impl H1Pool {
             .max_buf_size(CONN_BUF_BYTES)
             .handshake(io)
             .await?;
-        Ok(Conn { sender, io })
+        Ok(Conn {
+            sender,
+            io: Some(io),
+        })
     }
 }
 
@@ -247,19 +270,15 @@ enum Retry {
 /// response head has come.
 async fn exchange(conn: &mut Conn, req: Request<ProxyBody>) -> Result<Response<Incoming>, Retry> {
     let mut response = std::pin::pin!(conn.sender.try_send_request(req));
-    let mut io_done = false;
-    let io = &mut conn.io;
     let result = std::future::poll_fn(|cx| {
         if let Poll::Ready(result) = response.as_mut().poll(cx) {
             return Poll::Ready(result);
         }
-        if !io_done && let Poll::Ready(result) = Pin::new(&mut *io).poll(cx) {
-            // The connection ended; the response future has (or will
-            // have, on this poll) the error that says why.
-            io_done = true;
-            if let Err(err) = result {
-                tracing::debug!("upstream connection ended: {err}");
-            }
+        if conn.io.is_some() && conn.poll_io(cx).is_ready() {
+            // It ended, and was dropped: the response future now has the
+            // error that says why (with the request back if it was never
+            // sent, as when the upstream closed an idle connection just
+            // as it was taken).
             return response.as_mut().poll(cx);
         }
         Poll::Pending
@@ -298,9 +317,6 @@ pub struct DrivenBody {
     body: Incoming,
     /// `None` once back in the pool (or given up).
     conn: Option<Conn>,
-    /// The connection future finished (closed or failed): only the body's
-    /// own end or error is left to read.
-    io_done: bool,
     pool: Arc<H1Pool>,
 }
 
@@ -308,7 +324,6 @@ impl DrivenBody {
     /// At the body's end: a connection still open and idle is kept.
     fn release(&mut self) {
         if let Some(mut conn) = self.conn.take()
-            && !self.io_done
             && conn.usable()
         {
             self.pool.checkin(conn);
@@ -317,16 +332,17 @@ impl DrivenBody {
 }
 
 impl DrivenBody {
-    /// Passes a polled frame on; at the body's end, releases the
-    /// connection.
+    /// Passes a polled frame on; at the body's end (its last frame, the
+    /// trailers, or nothing more), releases the connection.
     fn seen(
         &mut self,
         polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if let Poll::Ready(frame) = &polled
-            && (frame.is_none() || self.body.is_end_stream())
-        {
-            self.release();
+        if let Poll::Ready(frame) = &polled {
+            let trailers = matches!(frame, Some(Ok(frame)) if frame.is_trailers());
+            if frame.is_none() || trailers || self.body.is_end_stream() {
+                self.release();
+            }
         }
         polled
     }
@@ -343,25 +359,22 @@ impl Body for DrivenBody {
         let this = &mut *self;
         loop {
             let polled = Pin::new(&mut this.body).poll_frame(cx);
-            let Some(conn) = this.conn.as_mut().filter(|_| !this.io_done) else {
+            let Some(conn) = this.conn.as_mut().filter(|c| c.io.is_some()) else {
                 return this.seen(polled);
             };
             if polled.is_ready() {
                 return this.seen(polled);
             }
-            match Pin::new(&mut conn.io).poll(cx) {
+            match conn.poll_io(cx) {
                 // It may have parsed one more chunk (and now waits for the
                 // body to take it), or found nothing more to read yet.
                 Poll::Pending => {
                     let polled = Pin::new(&mut this.body).poll_frame(cx);
                     return this.seen(polled);
                 }
-                Poll::Ready(result) => {
-                    this.io_done = true;
-                    if let Err(err) = result {
-                        tracing::debug!("upstream connection ended: {err}");
-                    }
-                }
+                // It finished and was dropped: the body now has its end or
+                // its error; read it on the next turn.
+                Poll::Ready(()) => {}
             }
         }
     }
@@ -379,18 +392,17 @@ impl Body for DrivenBody {
 mod tests {
     use super::*;
     use http_body_util::{BodyExt, Empty};
+    use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
+    use tokio::sync::oneshot;
 
-    /// An upstream that answers one request with `ok` and keeps the
-    /// connection open until `close` is told; a finished response leaves
-    /// its connection in the pool, a sweep keeps it while it is open and
-    /// drops it once the upstream closed it.
-    #[tokio::test]
-    async fn a_sweep_drops_only_the_idle_connections_the_upstream_closed() {
+    /// An upstream that answers one request on one connection with `ok`
+    /// (keep-alive), then closes that connection when `close` is told.
+    async fn upstream_once() -> (SocketAddr, oneshot::Sender<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let (close, closed) = tokio::sync::oneshot::channel::<()>();
+        let (close, closed) = oneshot::channel::<()>();
         tokio::spawn(async move {
             let Ok((mut stream, _)) = listener.accept().await else {
                 return;
@@ -408,12 +420,19 @@ mod tests {
                 let _ = closed.await;
             }
         });
-        let pool = H1Pool::new(Duration::from_secs(1));
+        (addr, close)
+    }
+
+    fn get(addr: SocketAddr) -> Request<ProxyBody> {
         let body = Empty::new().map_err(|never| match never {}).boxed();
-        let req = Request::get(format!("http://{addr}/x"))
+        Request::get(format!("http://{addr}/x"))
             .body(body)
-            .expect("request");
-        let response = pool.request(req).await.expect("response");
+            .expect("request")
+    }
+
+    /// One request through `pool`, read whole: it must be `ok`.
+    async fn get_ok(pool: &Arc<H1Pool>, addr: SocketAddr) {
+        let response = pool.request(get(addr)).await.expect("response");
         let bytes = response
             .into_body()
             .collect()
@@ -421,6 +440,15 @@ mod tests {
             .expect("body")
             .to_bytes();
         assert_eq!(&bytes[..], b"ok");
+    }
+
+    /// A finished response leaves its connection in the pool; a sweep
+    /// keeps it while it is open and drops it once the upstream closed it.
+    #[tokio::test]
+    async fn a_sweep_drops_only_the_idle_connections_the_upstream_closed() {
+        let (addr, close) = upstream_once().await;
+        let pool = H1Pool::new(Duration::from_secs(1));
+        get_ok(&pool, addr).await;
         assert_eq!(pool.idle_connections(), 1, "kept for reuse");
         pool.sweep();
         assert_eq!(pool.idle_connections(), 1, "an open connection stays");
@@ -432,5 +460,35 @@ mod tests {
             pool.sweep();
         }
         assert_eq!(pool.idle_connections(), 0, "the closed one is dropped");
+    }
+
+    /// The race a pooled connection can lose: the upstream's close arrives
+    /// after the connection was taken as usable and before the request
+    /// went out. The exchange gives the request back (to be sent on a new
+    /// connection) instead of waiting for a response that cannot come.
+    #[tokio::test]
+    async fn a_request_on_a_connection_closed_under_it_comes_back_unsent() {
+        let (addr, close) = upstream_once().await;
+        let pool = H1Pool::new(Duration::from_secs(1));
+        get_ok(&pool, addr).await;
+        let mut conn = pool
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+            .expect("an idle connection")
+            .conn;
+        close.send(()).expect("the upstream waits");
+        // Let its FIN arrive; the connection is not polled meanwhile.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut req = get(addr);
+        *req.uri_mut() = origin_form(req.uri());
+        let outcome = tokio::time::timeout(Duration::from_secs(5), exchange(&mut conn, req))
+            .await
+            .expect("an answer, not a hang");
+        assert!(
+            matches!(outcome, Err(Retry::Again(_))),
+            "the request must come back unsent"
+        );
     }
 }
