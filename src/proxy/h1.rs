@@ -357,25 +357,40 @@ impl Body for DrivenBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
+        // Only these polls of the connection feed the body, so the body's
+        // own wake-ups (a chunk arrived; the reader wants the next) would
+        // only make the task run once more after each event to find
+        // nothing: the body, and the connection while it is being drained,
+        // are polled with a waker that does nothing. The connection is
+        // polled with the task's waker last, before `Pending`, so the task
+        // hears of the next bytes.
+        let mut quiet = Context::from_waker(Waker::noop());
         loop {
-            let polled = Pin::new(&mut this.body).poll_frame(cx);
             let Some(conn) = this.conn.as_mut().filter(|c| c.io.is_some()) else {
+                // Nothing feeds it any more but its own end.
+                let polled = Pin::new(&mut this.body).poll_frame(cx);
                 return this.seen(polled);
             };
+            let polled = Pin::new(&mut this.body).poll_frame(&mut quiet);
             if polled.is_ready() {
                 return this.seen(polled);
             }
-            match conn.poll_io(cx) {
-                // It may have parsed one more chunk (and now waits for the
-                // body to take it), or found nothing more to read yet.
-                Poll::Pending => {
-                    let polled = Pin::new(&mut this.body).poll_frame(cx);
-                    return this.seen(polled);
-                }
-                // It finished and was dropped: the body now has its end or
-                // its error; read it on the next turn.
-                Poll::Ready(()) => {}
+            // It may parse one more chunk (and then wait for the body to
+            // take it), or find nothing more to read yet.
+            if conn.poll_io(&mut quiet).is_ready() {
+                // It finished and was dropped: the body has its end or its
+                // error; read it on the next turn.
+                continue;
             }
+            let polled = Pin::new(&mut this.body).poll_frame(&mut quiet);
+            if polled.is_ready() {
+                return this.seen(polled);
+            }
+            if conn.poll_io(cx).is_ready() {
+                continue;
+            }
+            let polled = Pin::new(&mut this.body).poll_frame(&mut quiet);
+            return this.seen(polled);
         }
     }
 
