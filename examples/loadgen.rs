@@ -28,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 use memchr::memmem;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 #[derive(Parser)]
@@ -146,6 +146,9 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+#[path = "common/http.rs"]
+mod http;
+
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 fn now_ns() -> u64 {
@@ -217,32 +220,11 @@ struct StreamRequest {
 async fn serve_connection(socket: TcpStream, blocks: Arc<Vec<Vec<u8>>>) -> Result<(), Error> {
     socket.set_nodelay(true)?;
     let mut socket = BufReader::new(socket);
-    let mut line = String::new();
     loop {
         // The request head.
-        line.clear();
-        if socket.read_line(&mut line).await? == 0 {
+        let Some(target) = http::read_request(&mut socket).await? else {
             return Ok(());
-        }
-        let target = line.split_whitespace().nth(1).unwrap_or("/").to_owned();
-        let mut content_length = 0usize;
-        loop {
-            line.clear();
-            if socket.read_line(&mut line).await? == 0 {
-                return Ok(());
-            }
-            let header = line.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            if let Some((name, value)) = header.split_once(':')
-                && name.eq_ignore_ascii_case("content-length")
-            {
-                content_length = value.trim().parse()?;
-            }
-        }
-        let mut body = vec![0u8; content_length];
-        socket.read_exact(&mut body).await?;
+        };
         let request = parse_query(&target);
         stream_events(&mut socket, &blocks, &request).await?;
     }

@@ -54,9 +54,12 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use memchr::memmem;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, watch};
+
+#[path = "common/http.rs"]
+mod http;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -233,6 +236,22 @@ struct Report {
     failures: Mutex<Vec<String>>,
     /// Gather without printing (the checker's self-test).
     quiet: bool,
+}
+
+/// Waits for every task of `tasks`, handing each result to `each`; a task
+/// that panicked or was cancelled fails the run ("{what} task failed").
+async fn each_joined<T: 'static>(
+    tasks: &mut tokio::task::JoinSet<T>,
+    report: &Report,
+    what: &str,
+    mut each: impl FnMut(T),
+) {
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(done) => each(done),
+            Err(e) => report.fail(format!("{what} task failed: {e}")),
+        }
+    }
 }
 
 impl Report {
@@ -814,7 +833,8 @@ fn firehose_event(key: u64, i: u64) -> Vec<u8> {
         // Built by hand, not with serde_json: the upstream writes these as
         // fast as the connection takes them, even in a debug build.
         _ => format!(
-            r#"{{"tool_calls":[{{"index":0,"function":{{"arguments":"[{key}:{i}] {FILLER}"}}}}]}}"#
+            r#"{{"tool_calls":[{{"index":0,"function":{{"arguments":"[{key}:{i}] {}"}}}}]}}"#,
+            *FILLER
         ),
     };
     format!(
@@ -823,23 +843,10 @@ fn firehose_event(key: u64, i: u64) -> Vec<u8> {
     .into_bytes()
 }
 
-/// About 1 KiB of argument text for firehose events.
-const FILLER: &str = concat!(
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789 ",
-    "abcdefghijklmnopqrstuvwxyz0123456789 abcdefghijklmnopqrstuvwxyz0123456789",
-);
+/// About 1 KiB of argument text for firehose events: 28 times the
+/// alphabet and the digits, space-separated (1,035 bytes).
+static FILLER: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| ["abcdefghijklmnopqrstuvwxyz0123456789"; 28].join(" "));
 
 /// The bytes of the line phase: position `i` of the line holds
 /// `PATTERN[i % PERIOD]`, any byte but CR and LF. A prime period, so a
@@ -1077,31 +1084,10 @@ enum After {
 async fn upstream_connection(socket: TcpStream, coord: Arc<Coord>) -> Result<(), Error> {
     socket.set_nodelay(true)?;
     let mut socket = BufReader::new(socket);
-    let mut line = String::new();
     loop {
-        line.clear();
-        if socket.read_line(&mut line).await? == 0 {
+        let Some(target) = http::read_request(&mut socket).await? else {
             return Ok(());
-        }
-        let target = line.split_whitespace().nth(1).unwrap_or("/").to_owned();
-        let mut content_length = 0usize;
-        loop {
-            line.clear();
-            if socket.read_line(&mut line).await? == 0 {
-                return Ok(());
-            }
-            let header = line.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            if let Some((name, value)) = header.split_once(':')
-                && name.eq_ignore_ascii_case("content-length")
-            {
-                content_length = value.trim().parse()?;
-            }
-        }
-        let mut body = vec![0u8; content_length];
-        socket.read_exact(&mut body).await?;
+        };
         let plan = Plan::parse(&target)?;
         coord.record(plan.key, |r| r.requests += 1);
         match respond(&mut socket, &plan, &coord).await? {
@@ -2112,14 +2098,10 @@ impl Round {
     async fn finish(mut self, coord: &Coord, report: &Report) -> Tally {
         coord.release.send_replace(true);
         let mut tally = Tally::default();
-        while let Some(joined) = self.tasks.join_next().await {
-            match joined {
-                Ok((kind, checked)) => {
-                    tally.add(kind, checked.ok, checked.body_bytes, checked.progress)
-                }
-                Err(e) => report.fail(format!("a stream task failed: {e}")),
-            }
-        }
+        each_joined(&mut self.tasks, report, "a stream", |(kind, checked)| {
+            tally.add(kind, checked.ok, checked.body_bytes, checked.progress)
+        })
+        .await;
         tally
     }
 }
@@ -2458,12 +2440,10 @@ async fn phase_churn(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
         });
     }
     let mut ok = 0;
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok((_, checked)) => ok += usize::from(checked.ok),
-            Err(e) => report.fail(format!("a churn stream task failed: {e}")),
-        }
-    }
+    each_joined(&mut tasks, report, "a churn stream", |(_, checked)| {
+        ok += usize::from(checked.ok)
+    })
+    .await;
     let wall = started.elapsed();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let after = serve.mem()?;
@@ -2610,16 +2590,12 @@ async fn phase_mock(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
         });
     }
     let (mut ok, mut bytes, mut progress) = (0usize, 0u64, 0usize);
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok((good, b, p)) => {
-                ok += usize::from(good);
-                bytes += b;
-                progress += p;
-            }
-            Err(e) => report.fail(format!("a mock stream task failed: {e}")),
-        }
-    }
+    each_joined(&mut tasks, report, "a mock stream", |(good, b, p)| {
+        ok += usize::from(good);
+        bytes += b;
+        progress += p;
+    })
+    .await;
     let after = serve.mem()?;
     println!(
         "  {ok} of {n} streams equal their capture once the injected members are removed; \
@@ -2901,16 +2877,17 @@ async fn phase_slow(cli: &Cli, report: &Arc<Report>) -> Result<(), Error> {
         });
     }
     let (mut ok, mut read, mut verified) = (0usize, 0usize, 0usize);
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok((good, bytes, whole)) => {
-                ok += usize::from(good);
-                read += bytes;
-                verified += whole;
-            }
-            Err(e) => report.fail(format!("a slow reader task failed: {e}")),
-        }
-    }
+    each_joined(
+        &mut tasks,
+        report,
+        "a slow reader",
+        |(good, bytes, whole)| {
+            ok += usize::from(good);
+            read += bytes;
+            verified += whole;
+        },
+    )
+    .await;
     let read_for = started.elapsed();
     // The clients are gone: serve must drop their upstream requests.
     let keys: Vec<u64> = (0..n).map(|k| 6_000_000 + k as u64).collect();

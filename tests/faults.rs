@@ -1478,6 +1478,74 @@ impl Leave {
     }
 }
 
+/// The upstream of the leave tests: each `Leave`'s path gets that phase's
+/// script, any other path the whole `input` as one chunked stream.
+async fn upstream_for_leaves(input: Vec<u8>) -> RawUpstream {
+    RawUpstream::start(move |head| {
+        let text = String::from_utf8_lossy(head);
+        let path = text
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned();
+        match LEAVES.iter().find(|l| l.path() == path) {
+            Some(leave) => leave.upstream_steps(&input),
+            None => vec![
+                RawStep::Write(chunked_head("text/event-stream")),
+                RawStep::Write(chunk(&input)),
+                RawStep::Write(Bytes::from_static(b"0\r\n\r\n")),
+            ],
+        }
+    })
+    .await
+}
+
+/// After a client left at `leave`: no session kept, no stream counted open.
+async fn assert_released(proxy: &Served, leave: Leave) {
+    let sessions = proxy.sessions().clone();
+    assert!(
+        eventually(PATIENCE, || sessions.is_empty()).await,
+        "{leave:?}: {} sessions kept",
+        sessions.len()
+    );
+    assert!(
+        eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await,
+        "{leave:?}: a stream is still counted open"
+    );
+}
+
+/// The whole stream that follows a departure arrives as `annotate` makes
+/// it, from an upstream connection of its own that then closes.
+async fn assert_whole_stream(
+    response: Response<Incoming>,
+    input: &[u8],
+    upstream: &mut RawUpstream,
+    leave: Leave,
+) {
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+    end.expect("a clean end");
+    assert!(got == annotate(input), "{leave:?}: the next stream differs");
+    assert!(matches!(
+        upstream.next(PATIENCE).await,
+        Some(RawEvent::Head { .. })
+    ));
+    assert!(matches!(
+        upstream.next(PATIENCE).await,
+        Some(RawEvent::Closed { .. })
+    ));
+}
+
+/// No client departure counted as an upstream error of any kind.
+fn assert_no_upstream_error(proxy: &Served) {
+    for kind in ["unreachable", "timeout", "error", "idle_timeout", "reset"] {
+        assert_eq!(
+            proxy.metric(&format!("aalis_upstream_errors_total{{kind=\"{kind}\"}}")),
+            0.0,
+            "a client leaving counted as an upstream {kind}"
+        );
+    }
+}
+
 /// A client that goes away at each phase of a request — in the middle of
 /// its request head; with 100 of its 1,000 body bytes sent; with the
 /// request at the upstream, unanswered; with half a response head from the
@@ -1495,25 +1563,7 @@ impl Leave {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_at_any_phase_releases_everything() {
     let input = fixture(SINGLE_CALL);
-    let for_script = input.clone();
-    let mut upstream = RawUpstream::start(move |head| {
-        let text = String::from_utf8_lossy(head);
-        let path = text
-            .split_whitespace()
-            .nth(1)
-            .unwrap_or_default()
-            .to_owned();
-        match LEAVES.iter().find(|l| l.path() == path) {
-            Some(leave) => leave.upstream_steps(&for_script),
-            // A whole stream.
-            None => vec![
-                RawStep::Write(chunked_head("text/event-stream")),
-                RawStep::Write(chunk(&for_script)),
-                RawStep::Write(Bytes::from_static(b"0\r\n\r\n")),
-            ],
-        }
-    })
-    .await;
+    let mut upstream = upstream_for_leaves(input.clone()).await;
     let proxy = Served::start(proxy_config(&upstream.url())).await;
     let client = client();
     let mut upstream_connections = 0;
@@ -1636,43 +1686,15 @@ async fn a_client_that_leaves_at_any_phase_releases_everything() {
             assert_eq!(clear["sessionId"], session.as_str());
         }
         drop(subscriber);
-        let sessions = proxy.sessions().clone();
-        assert!(
-            eventually(PATIENCE, || sessions.is_empty()).await,
-            "{leave:?}: {} sessions kept",
-            sessions.len()
-        );
-        assert!(
-            eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await,
-            "{leave:?}: a stream is still counted open"
-        );
+        assert_released(&proxy, leave).await;
         // The proxy still serves a whole stream.
         let response = send(&client, post(&proxy.url("/whole"), "after")).await;
-        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
-        end.expect("a clean end");
-        assert!(
-            got == annotate(&input),
-            "{leave:?}: the next stream differs"
-        );
-        assert!(matches!(
-            upstream.next(PATIENCE).await,
-            Some(RawEvent::Head { .. })
-        ));
-        assert!(matches!(
-            upstream.next(PATIENCE).await,
-            Some(RawEvent::Closed { .. })
-        ));
+        assert_whole_stream(response, &input, &mut upstream, leave).await;
         upstream_connections += 1;
     }
     // 3 streams left early, 7 whole ones.
     assert_eq!(proxy.metric("aalis_streams_total"), 10.0);
-    for kind in ["unreachable", "timeout", "error", "idle_timeout", "reset"] {
-        assert_eq!(
-            proxy.metric(&format!("aalis_upstream_errors_total{{kind=\"{kind}\"}}")),
-            0.0,
-            "a client leaving counted as an upstream {kind}"
-        );
-    }
+    assert_no_upstream_error(&proxy);
     assert_no_foreign_panic();
 }
 
@@ -1690,24 +1712,7 @@ type H2Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
     let input = fixture(SINGLE_CALL);
-    let for_script = input.clone();
-    let mut upstream = RawUpstream::start(move |head| {
-        let text = String::from_utf8_lossy(head);
-        let path = text
-            .split_whitespace()
-            .nth(1)
-            .unwrap_or_default()
-            .to_owned();
-        match LEAVES.iter().find(|l| l.path() == path) {
-            Some(leave) => leave.upstream_steps(&for_script),
-            None => vec![
-                RawStep::Write(chunked_head("text/event-stream")),
-                RawStep::Write(chunk(&for_script)),
-                RawStep::Write(Bytes::from_static(b"0\r\n\r\n")),
-            ],
-        }
-    })
-    .await;
+    let mut upstream = upstream_for_leaves(input.clone()).await;
     let proxy = Served::start(proxy_config(&upstream.url())).await;
     let tcp = TcpStream::connect(proxy.addr).await.expect("connect");
     // Without it a reset frame can wait for a delayed ACK (Nagle).
@@ -1795,16 +1800,7 @@ async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
             left.elapsed()
         );
         upstream_connections += 1;
-        let sessions = proxy.sessions().clone();
-        assert!(
-            eventually(PATIENCE, || sessions.is_empty()).await,
-            "{leave:?}: {} sessions kept",
-            sessions.len()
-        );
-        assert!(
-            eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await,
-            "{leave:?}: a stream is still counted open"
-        );
+        assert_released(&proxy, leave).await;
         // The same connection carries a whole stream.
         let response = tokio::time::timeout(
             PATIENCE,
@@ -1813,29 +1809,10 @@ async fn an_http2_client_that_resets_at_any_phase_releases_everything() {
         .await
         .expect("response in time")
         .unwrap_or_else(|e| panic!("{leave:?}: the connection is broken: {e}"));
-        let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
-        end.expect("a clean end");
-        assert!(
-            got == annotate(&input),
-            "{leave:?}: the next stream differs"
-        );
-        assert!(matches!(
-            upstream.next(PATIENCE).await,
-            Some(RawEvent::Head { .. })
-        ));
-        assert!(matches!(
-            upstream.next(PATIENCE).await,
-            Some(RawEvent::Closed { .. })
-        ));
+        assert_whole_stream(response, &input, &mut upstream, leave).await;
         upstream_connections += 1;
     }
-    for kind in ["unreachable", "timeout", "error", "idle_timeout", "reset"] {
-        assert_eq!(
-            proxy.metric(&format!("aalis_upstream_errors_total{{kind=\"{kind}\"}}")),
-            0.0,
-            "a client leaving counted as an upstream {kind}"
-        );
-    }
+    assert_no_upstream_error(&proxy);
     conn.abort();
     assert_no_foreign_panic();
 }

@@ -13,6 +13,7 @@
 //!
 //! The fixtures pass every check too ([`fixtures_pass_every_check`]).
 
+mod common;
 #[path = "../fuzz/src/lib.rs"]
 mod fuzz_checks;
 
@@ -97,24 +98,9 @@ fn saved_inputs_belong_to_a_target() {
 /// pick (168).
 #[test]
 fn fixtures_pass_every_check() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
-    let mut dirs = vec![root];
-    let mut fixtures = Vec::new();
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).expect("fixtures dir") {
-            let path = entry.expect("dir entry").path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if matches!(
-                path.extension().and_then(|e| e.to_str()),
-                Some("sse" | "ndjson")
-            ) {
-                fixtures.push(std::fs::read(&path).expect("read fixture"));
-            }
-        }
-    }
+    let fixtures = common::fixtures();
     assert!(!fixtures.is_empty());
-    for fixture in &fixtures {
+    for (_, fixture) in &fixtures {
         let third = u16::try_from(fixture.len() / 3).expect("fixtures are small");
         for config in 0..168u8 {
             let mut whole = vec![config, 0];

@@ -42,7 +42,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
@@ -1651,18 +1651,10 @@ async fn counting_upstream(
             accepted_in.fetch_add(1, Ordering::SeqCst);
             let closed = closed_in.clone();
             tokio::spawn(async move {
-                let mut seen = Vec::new();
-                let mut buf = [0u8; 4096];
-                loop {
-                    let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => seen.extend_from_slice(&buf[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&seen[..end]).into_owned();
-                    seen.drain(..end + 4);
+                // One request at a time: the proxy sends the next one only
+                // after the response.
+                while let Some(head) = read_request_head(&mut stream).await {
+                    let head = String::from_utf8_lossy(&head);
                     let reply: &[u8] = if head.starts_with("GET /empty ") {
                         b"HTTP/1.1 204 No Content\r\n\r\n"
                     } else if head.starts_with("GET /stream ") {

@@ -291,11 +291,11 @@ impl SseDecoder {
             }
             let from = self.searched.max(self.scan);
             // The blank line that ends most events is found without a call.
-            let at_break = match self.buf.get(from) {
+            let found = match self.buf.get(from) {
                 Some(b'\r' | b'\n') => Some(0),
-                _ => None,
+                _ => memchr2(b'\r', b'\n', &self.buf[from..]),
             };
-            let Some(len) = at_break.or_else(|| memchr2(b'\r', b'\n', &self.buf[from..])) else {
+            let Some(len) = found else {
                 self.searched = self.buf.len();
                 if !self.eof && self.buf.len() - self.start > self.max_event_bytes {
                     self.enter_oversized();

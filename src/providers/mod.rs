@@ -323,7 +323,7 @@ mod tests {
 
     /// Decodes `data` both ways and requires the same chunks and info, or
     /// an error from both. The fast path keeps `state` from frame to frame
-    /// (its memo of the last frame's start), as in a stream.
+    /// (its template of the last valid frame), as in a stream.
     fn same_as_serde(provider: Provider, data: &str, state: &mut DecoderState) {
         let mut fast = Vec::new();
         state.ollama_calls = 0;
@@ -385,8 +385,10 @@ mod tests {
             for at in (0..data.len()).filter(|&i| data.is_char_boundary(i)) {
                 same_as_serde(*provider, &data[..at], &mut state);
                 let next = data[at..].chars().next().map_or(0, char::len_utf8);
-                // Two of the replacements per position, rotating, keeps
-                // the test to seconds in a debug build.
+                // The frame itself again, so that the mutations below meet
+                // its template (the fast path's other branch). Two of the
+                // replacements per position, rotating, keeps the test to
+                // seconds in a debug build.
                 same_as_serde(*provider, data, &mut state);
                 for k in 0..2 {
                     let with = replacements[(at + k * 7) % replacements.len()];

@@ -13,8 +13,8 @@
 //! [`Bail`], and the decoder then parses the frame again with `serde_json`,
 //! which gives the answer (or the error message) it always gave. So the
 //! fast path changes speed, never results: where it answers, the serde path
-//! answers the same (`tests/props.rs` and the unit tests below compare the
-//! two).
+//! answers the same (the unit tests of [`providers`](super) compare the
+//! two on every fixture frame, its truncations and its mutations).
 
 use std::borrow::Cow;
 
@@ -64,6 +64,32 @@ fn string_stops(v: u64) -> u64 {
     let zero_backslash = backslash.wrapping_sub(LO) & !backslash;
     let control = v.wrapping_sub(LO * 0x20) & !v;
     (zero_quote | zero_backslash | control) & HI
+}
+
+/// From `i`, skips eight bytes at a time while none is `"`, `\` or a
+/// control character: the first such byte (exactly), or the start of the
+/// last seven bytes or fewer, which the caller reads one by one.
+#[inline(always)]
+fn skip_plain(b: &[u8], mut i: usize) -> usize {
+    while let Some(word) = b.get(i..i + 8) {
+        let mut buf = [0u8; 8];
+        buf.copy_from_slice(word);
+        let stops = string_stops(u64::from_le_bytes(buf));
+        if stops != 0 {
+            return i + (stops.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    i
+}
+
+/// The end of the run of ASCII digits that starts at `i`.
+#[inline]
+fn digits(b: &[u8], mut i: usize) -> usize {
+    while b.get(i).is_some_and(u8::is_ascii_digit) {
+        i += 1;
+    }
+    i
 }
 
 /// Where a walk through an object or array is.
@@ -125,12 +151,7 @@ impl<'a> Cursor<'a> {
     /// says `None`, consuming each value in between.
     #[inline]
     pub fn object(&mut self) -> Result<Walk, Bail> {
-        if self.peek() != Some(b'{') {
-            return Err(Bail);
-        }
-        self.pos += 1;
-        self.enter()?;
-        Ok(Walk { first: true })
+        self.open(b'{')
     }
 
     /// The next key of the object (its raw text without quotes; keys with
@@ -169,11 +190,20 @@ impl<'a> Cursor<'a> {
     /// it says false, consuming each element in between.
     #[inline]
     pub fn array(&mut self) -> Result<Walk, Bail> {
-        if self.peek() != Some(b'[') {
+        self.open(b'[')
+    }
+
+    /// Steps into the object or array that `bracket` opens.
+    #[inline]
+    fn open(&mut self, bracket: u8) -> Result<Walk, Bail> {
+        if self.peek() != Some(bracket) {
             return Err(Bail);
         }
         self.pos += 1;
-        self.enter()?;
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return Err(Bail);
+        }
         Ok(Walk { first: true })
     }
 
@@ -195,16 +225,6 @@ impl<'a> Cursor<'a> {
                 Ok(true)
             }
             _ => Err(Bail),
-        }
-    }
-
-    #[inline]
-    fn enter(&mut self) -> Result<(), Bail> {
-        self.depth += 1;
-        if self.depth > MAX_DEPTH {
-            Err(Bail)
-        } else {
-            Ok(())
         }
     }
 
@@ -231,15 +251,7 @@ impl<'a> Cursor<'a> {
             b't' => self.literal(b"true")?,
             b'f' => self.literal(b"false")?,
             b'n' => self.literal(b"null")?,
-            b'-' | b'0'..=b'9' => {
-                self.number()?;
-                let span = Span {
-                    start,
-                    end: self.pos,
-                };
-                self.holes.push(span);
-                return Ok(span);
-            }
+            b'-' | b'0'..=b'9' => return self.number_hole(),
             _ => return Err(Bail),
         }
         Ok(Span {
@@ -289,15 +301,17 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    /// A number at the cursor (no whitespace before it), noted as a hole.
-    fn number_hole(&mut self) -> Result<(), Bail> {
+    /// A number at the cursor (no whitespace before it), noted as a hole;
+    /// its span.
+    fn number_hole(&mut self) -> Result<Span, Bail> {
         let start = self.pos;
         self.number()?;
-        self.holes.push(Span {
+        let span = Span {
             start,
             end: self.pos,
-        });
-        Ok(())
+        };
+        self.holes.push(span);
+        Ok(span)
     }
 
     /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
@@ -309,35 +323,26 @@ impl<'a> Cursor<'a> {
         }
         match b.get(i) {
             Some(b'0') => i += 1,
-            Some(b'1'..=b'9') => {
-                while b.get(i).is_some_and(u8::is_ascii_digit) {
-                    i += 1;
-                }
-            }
+            Some(b'1'..=b'9') => i = digits(b, i),
             _ => return Err(Bail),
         }
         if b.get(i) == Some(&b'.') {
-            i += 1;
-            let digits = i;
-            while b.get(i).is_some_and(u8::is_ascii_digit) {
-                i += 1;
-            }
-            if i == digits {
+            let end = digits(b, i + 1);
+            if end == i + 1 {
                 return Err(Bail);
             }
+            i = end;
         }
         if matches!(b.get(i), Some(b'e' | b'E')) {
             i += 1;
             if matches!(b.get(i), Some(b'+' | b'-')) {
                 i += 1;
             }
-            let digits = i;
-            while b.get(i).is_some_and(u8::is_ascii_digit) {
-                i += 1;
-            }
-            if i == digits {
+            let end = digits(b, i);
+            if end == i {
                 return Err(Bail);
             }
+            i = end;
         }
         self.pos = i;
         Ok(())
@@ -359,28 +364,18 @@ impl<'a> Cursor<'a> {
         if b.get(start) != Some(&b'"') {
             return Err(Bail);
         }
-        let mut i = start + 1;
-        // Eight bytes at a time up to the first stop candidate: in chunks,
-        // strings are short and mostly without escapes.
-        while i + 8 <= b.len() {
-            let mut word = [0u8; 8];
-            word.copy_from_slice(&b[i..i + 8]);
-            let stops = string_stops(u64::from_le_bytes(word));
-            if stops != 0 {
-                i += (stops.trailing_zeros() / 8) as usize;
-                if b[i] == b'"' {
-                    self.pos = i + 1;
-                    return Ok((
-                        Span {
-                            start,
-                            end: self.pos,
-                        },
-                        false,
-                    ));
-                }
-                break;
-            }
-            i += 8;
+        // In chunks, strings are short and mostly without escapes: the
+        // first stop is usually the closing quote.
+        let i = skip_plain(b, start + 1);
+        if b.get(i) == Some(&b'"') {
+            self.pos = i + 1;
+            return Ok((
+                Span {
+                    start,
+                    end: self.pos,
+                },
+                false,
+            ));
         }
         self.string_rest(start, i)
     }
@@ -392,16 +387,7 @@ impl<'a> Cursor<'a> {
         let b = self.bytes;
         let mut escaped = false;
         loop {
-            while let Some(word) = b.get(i..i + 8) {
-                let mut buf = [0u8; 8];
-                buf.copy_from_slice(word);
-                let stops = string_stops(u64::from_le_bytes(buf));
-                if stops != 0 {
-                    i += (stops.trailing_zeros() / 8) as usize;
-                    break;
-                }
-                i += 8;
-            }
+            i = skip_plain(b, i);
             match b.get(i) {
                 Some(b'"') => {
                     self.pos = i + 1;
@@ -528,7 +514,7 @@ impl Template {
             c.pos += hole.start - from;
             // A string where a string was, a number where a number was.
             let scanned = if template.get(hole.start) == Some(&b'"') {
-                c.string().map(drop)
+                c.string()
             } else {
                 c.number_hole()
             };

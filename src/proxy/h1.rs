@@ -107,7 +107,8 @@ impl Conn {
     /// makes it read its end and finish.
     fn usable(&mut self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
-        self.poll_io(&mut cx).is_pending() && self.sender.is_ready() && !self.sender.is_closed()
+        // (Ready means wanting a request, which a closed sender never is.)
+        self.poll_io(&mut cx).is_pending() && self.sender.is_ready()
     }
 }
 
@@ -206,9 +207,10 @@ impl H1Pool {
         None
     }
 
+    /// Keeps `conn` for the next request (old ones are dropped by
+    /// [`sweep`](Self::sweep) and at checkout, not here, on every request).
     fn checkin(self: &Arc<Self>, conn: Conn) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        idle.retain(|entry| entry.since.elapsed() < IDLE_KEEP);
         if idle.len() < MAX_IDLE {
             idle.push(Idle {
                 conn,
