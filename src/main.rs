@@ -97,16 +97,16 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         Some(path) => path.display().to_string(),
         None => "stdin".to_owned(),
     };
-    let mut input: Box<dyn Read> = match args.input_path() {
+    let mut input: Box<dyn Read + Send> = match args.input_path() {
         Some(path) => {
             Box::new(File::open(path).with_context(|| format!("cannot open {}", path.display()))?)
         }
-        None => Box::new(io::stdin().lock()),
+        None => Box::new(io::stdin()),
     };
     // A replay reads the whole capture first, then plays it in time.
     let mut capture = Vec::new();
     let source = match args.replay_pace() {
-        None => filter::Source::Live(&mut input),
+        None => filter::Source::Live(input),
         Some(pace) => {
             input
                 .read_to_end(&mut capture)
