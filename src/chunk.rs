@@ -13,10 +13,10 @@ use std::borrow::Cow;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Chunk<'a> {
     /// Answer text for choice `choice`. Never empty.
-    Text { choice: i64, text: Cow<'a, str> },
+    Text { choice: i64, text: ChunkText<'a> },
     /// Reasoning text (`reasoning_content`, `reasoning`, Ollama `thinking`,
     /// Mistral thinking parts). Never empty.
-    Reasoning { choice: i64, text: Cow<'a, str> },
+    Reasoning { choice: i64, text: ChunkText<'a> },
     /// One entry of a `tool_calls` list.
     ToolCallDelta(ToolCallDelta<'a>),
     /// The choice reported a `finish_reason`.
@@ -27,6 +27,60 @@ pub enum Chunk<'a> {
     Error { message: String },
     /// The provider said the stream is over (`[DONE]`, Ollama `done: true`).
     Done,
+}
+
+/// The text of a [`Chunk::Text`] or [`Chunk::Reasoning`]. Progress only
+/// needs to know that text came, so the fast decoders hand over the JSON
+/// string as it stands and it is unescaped only when read ([`get`](Self::get):
+/// the line formats, the proxy's events).
+#[derive(Debug, Clone)]
+pub enum ChunkText<'a> {
+    Decoded(Cow<'a, str>),
+    /// A validated JSON string literal, quotes included.
+    Json(&'a str),
+}
+
+impl<'a> ChunkText<'a> {
+    /// The text, unescaped.
+    pub fn get(&self) -> Cow<'_, str> {
+        match self {
+            ChunkText::Decoded(text) => Cow::Borrowed(text),
+            // A validated literal always decodes.
+            ChunkText::Json(json) => crate::providers::decode_string(json).unwrap_or_default(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        match self {
+            ChunkText::Decoded(text) => text.is_empty(),
+            // Every escape stands for at least one character.
+            ChunkText::Json(json) => json.len() <= 2,
+        }
+    }
+}
+
+impl PartialEq for ChunkText<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl std::fmt::Display for ChunkText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.get())
+    }
+}
+
+impl<'a> From<Cow<'a, str>> for ChunkText<'a> {
+    fn from(text: Cow<'a, str>) -> Self {
+        ChunkText::Decoded(text)
+    }
+}
+
+impl<'a> From<&'a str> for ChunkText<'a> {
+    fn from(text: &'a str) -> Self {
+        ChunkText::Decoded(Cow::Borrowed(text))
+    }
 }
 
 /// One `tool_calls[j]` entry as the provider sent it.
@@ -75,5 +129,26 @@ impl Usage {
             completion_tokens,
             total_tokens: total.unwrap_or(prompt_tokens.saturating_add(completion_tokens)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A text left as JSON reads as the decoded one, and equals it.
+    #[test]
+    fn json_text_is_unescaped_when_read() {
+        let json = ChunkText::Json(r#""a\"b\n\u00e9\ud83d""#);
+        assert_eq!(json.get(), "a\"b\né\u{fffd}");
+        assert_eq!(json.to_string(), "a\"b\né\u{fffd}");
+        assert_eq!(json, ChunkText::from("a\"b\né\u{fffd}"));
+        assert_ne!(json, ChunkText::from(r#"a\"b"#));
+        assert!(!json.is_empty());
+        assert!(matches!(
+            ChunkText::Json(r#""plain""#).get(),
+            Cow::Borrowed("plain")
+        ));
+        assert!(ChunkText::Json(r#""""#).is_empty());
     }
 }

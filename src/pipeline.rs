@@ -548,10 +548,10 @@ impl StreamState {
         let info = providers::decode(provider, data, &mut self.decoder_state, &mut |chunk| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {
-                    lines.text(out, TextField::Content, *choice, text)
+                    lines.text(out, TextField::Content, *choice, &text.get())
                 }
                 Chunk::Reasoning { choice, text } if lines_out => {
-                    lines.text(out, TextField::Reasoning, *choice, text)
+                    lines.text(out, TextField::Reasoning, *choice, &text.get())
                 }
                 Chunk::Error { message } => {
                     upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
-use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, text};
+use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, json_text};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, expect_object, is_set, raw_i64,
     raw_u64,
@@ -106,10 +106,16 @@ pub(super) fn decode_serde<'a>(
     }
     if let Some(message) = view.message {
         if let Some(text) = JsonStr::non_empty(message.thinking) {
-            emit(Chunk::Reasoning { choice: 0, text });
+            emit(Chunk::Reasoning {
+                choice: 0,
+                text: text.into(),
+            });
         }
         if let Some(text) = JsonStr::non_empty(message.content) {
-            emit(Chunk::Text { choice: 0, text });
+            emit(Chunk::Text {
+                choice: 0,
+                text: text.into(),
+            });
         }
         for call in message.tool_calls.into_iter().flatten() {
             emit(Chunk::ToolCallDelta(whole_call(call, state)));
@@ -316,10 +322,10 @@ impl LineSpans {
                 message: error_message(error),
             });
         }
-        if let Some(text) = text(data, self.thinking) {
+        if let Some(text) = json_text(data, self.thinking) {
             emit(Chunk::Reasoning { choice: 0, text });
         }
-        if let Some(text) = text(data, self.content) {
+        if let Some(text) = json_text(data, self.content) {
             emit(Chunk::Text { choice: 0, text });
         }
         if self.done {

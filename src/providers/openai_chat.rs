@@ -16,7 +16,7 @@ use serde_json::value::RawValue;
 
 use serde::de::{self, Deserializer};
 
-use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, text};
+use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, json_text, text};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
@@ -213,7 +213,10 @@ fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chun
     let reasoning =
         JsonStr::non_empty(delta.reasoning_content).or_else(|| JsonStr::non_empty(delta.reasoning));
     if let Some(text) = reasoning {
-        emit(Chunk::Reasoning { choice, text });
+        emit(Chunk::Reasoning {
+            choice,
+            text: text.into(),
+        });
     }
     if let Some(content) = delta.content {
         decode_content(choice, content, emit);
@@ -243,7 +246,10 @@ fn decode_content<'a>(choice: i64, content: ContentView<'a>, emit: &mut dyn FnMu
     match content {
         ContentView::Text(text) => {
             if let Some(text) = JsonStr::non_empty(Some(text)) {
-                emit(Chunk::Text { choice, text });
+                emit(Chunk::Text {
+                    choice,
+                    text: text.into(),
+                });
             }
         }
         ContentView::Parts(parts) => {
@@ -256,7 +262,10 @@ fn decode_content<'a>(choice: i64, content: ContentView<'a>, emit: &mut dyn FnMu
                     }
                     Some("text") | None => {
                         if let Some(text) = JsonStr::non_empty(part.text) {
-                            emit(Chunk::Text { choice, text });
+                            emit(Chunk::Text {
+                                choice,
+                                text: text.into(),
+                            });
                         }
                     }
                     Some(_) => {}
@@ -273,12 +282,18 @@ fn decode_thinking<'a>(choice: i64, thinking: ContentView<'a>, emit: &mut dyn Fn
     match thinking {
         ContentView::Text(text) => {
             if let Some(text) = JsonStr::non_empty(Some(text)) {
-                emit(Chunk::Reasoning { choice, text });
+                emit(Chunk::Reasoning {
+                    choice,
+                    text: text.into(),
+                });
             }
         }
         ContentView::Parts(parts) => {
             for text in parts.into_iter().filter_map(|p| JsonStr::non_empty(p.text)) {
-                emit(Chunk::Reasoning { choice, text });
+                emit(Chunk::Reasoning {
+                    choice,
+                    text: text.into(),
+                });
             }
         }
         ContentView::Other => {}
@@ -634,12 +649,12 @@ impl Spans {
         for choice in &self.choices {
             let k = raw_i64(raw(choice.index)).unwrap_or(0);
             if choice.has_delta {
-                let reasoning =
-                    text(data, choice.reasoning_content).or_else(|| text(data, choice.reasoning));
+                let reasoning = json_text(data, choice.reasoning_content)
+                    .or_else(|| json_text(data, choice.reasoning));
                 if let Some(text) = reasoning {
                     emit(Chunk::Reasoning { choice: k, text });
                 }
-                if let Some(text) = text(data, choice.content) {
+                if let Some(text) = json_text(data, choice.content) {
                     emit(Chunk::Text { choice: k, text });
                 }
                 let (from, to) = choice.calls;

@@ -19,6 +19,7 @@
 use std::borrow::Cow;
 
 use super::decode_string;
+use crate::chunk::ChunkText;
 
 /// The fast path gives up; the caller decodes the frame with serde.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -578,6 +579,14 @@ pub(crate) type SpanMap<'f> = dyn FnMut(Option<Span>) -> Result<Option<Span>, Ba
 pub(crate) fn text(data: &str, span: Option<Span>) -> Option<Cow<'_, str>> {
     span.and_then(|s| decode_string(s.of(data)))
         .filter(|t| !t.is_empty())
+}
+
+/// The text of a string span, if not empty, left escaped until it is read
+/// ([`ChunkText::get`]).
+pub(crate) fn json_text(data: &str, span: Option<Span>) -> Option<ChunkText<'_>> {
+    span.map(|s| s.of(data))
+        .filter(|json| json.len() > 2)
+        .map(ChunkText::Json)
 }
 
 /// Marks a struct's known field as seen; a second one bails, as serde's
