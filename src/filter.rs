@@ -1,11 +1,13 @@
 //! `aalis-proxy annotate`: the pipeline between a reader and a writer.
 //!
 //! Reads whatever the input has (a pipe read returns as soon as bytes
-//! arrive), pushes it through one [`Annotator`], and writes and flushes the
-//! output after every read, so each event goes out as soon as it is
-//! complete; or replays a capture with its recorded timing
-//! ([`Source::Replay`]), so spinners show real elapsed times. Warnings go to the `warnings` writer (stderr), prefixed with
-//! the program name. The clock is a parameter, so tests are deterministic.
+//! arrive) on a thread of its own, so the next read overlaps the work on
+//! the last (`read_ahead`); pushes each piece through one [`Annotator`],
+//! in order, and writes and flushes the output after every piece, so each
+//! event goes out as soon as it is complete. Or replays a capture with its
+//! recorded timing ([`Source::Replay`]), so spinners show real elapsed
+//! times. Warnings go to the `warnings` writer (stderr), prefixed with the
+//! program name. The clock is a parameter, so tests are deterministic.
 
 use std::io::{self, Read, Write};
 use std::ops::Range;
