@@ -36,8 +36,23 @@ pub enum Chunk<'a> {
 #[derive(Debug, Clone)]
 pub enum ChunkText<'a> {
     Decoded(Cow<'a, str>),
-    /// A validated JSON string literal, quotes included.
-    Json(&'a str),
+    Json(JsonLiteral<'a>),
+}
+
+/// A JSON string literal, quotes included, that a decoder of this crate
+/// validated (only they make one), so it always unescapes.
+#[derive(Debug, Clone, Copy)]
+pub struct JsonLiteral<'a>(&'a str);
+
+impl<'a> JsonLiteral<'a> {
+    pub(crate) fn validated(json: &'a str) -> Self {
+        JsonLiteral(json)
+    }
+
+    /// The literal as it is in the frame.
+    pub fn as_str(&self) -> &'a str {
+        self.0
+    }
 }
 
 impl<'a> ChunkText<'a> {
@@ -45,8 +60,11 @@ impl<'a> ChunkText<'a> {
     pub fn get(&self) -> Cow<'_, str> {
         match self {
             ChunkText::Decoded(text) => Cow::Borrowed(text),
-            // A validated literal always decodes.
-            ChunkText::Json(json) => crate::providers::decode_string(json).unwrap_or_default(),
+            // Validated, so it decodes; the literal itself otherwise, rather
+            // than nothing.
+            ChunkText::Json(json) => {
+                crate::providers::decode_string(json.0).unwrap_or(Cow::Borrowed(json.0))
+            }
         }
     }
 
@@ -54,7 +72,7 @@ impl<'a> ChunkText<'a> {
         match self {
             ChunkText::Decoded(text) => text.is_empty(),
             // Every escape stands for at least one character.
-            ChunkText::Json(json) => json.len() <= 2,
+            ChunkText::Json(json) => json.0.len() <= 2,
         }
     }
 }
@@ -139,16 +157,19 @@ mod tests {
     /// A text left as JSON reads as the decoded one, and equals it.
     #[test]
     fn json_text_is_unescaped_when_read() {
-        let json = ChunkText::Json(r#""a\"b\n\u00e9\ud83d""#);
-        assert_eq!(json.get(), "a\"b\né\u{fffd}");
-        assert_eq!(json.to_string(), "a\"b\né\u{fffd}");
-        assert_eq!(json, ChunkText::from("a\"b\né\u{fffd}"));
-        assert_ne!(json, ChunkText::from(r#"a\"b"#));
-        assert!(!json.is_empty());
-        assert!(matches!(
-            ChunkText::Json(r#""plain""#).get(),
-            Cow::Borrowed("plain")
-        ));
-        assert!(ChunkText::Json(r#""""#).is_empty());
+        let json = |literal| ChunkText::Json(JsonLiteral::validated(literal));
+        let text = json(r#""a\"b\n\u00e9\ud83d""#);
+        assert_eq!(text.get(), "a\"b\né\u{fffd}");
+        assert_eq!(text.to_string(), "a\"b\né\u{fffd}");
+        assert_eq!(text, ChunkText::from("a\"b\né\u{fffd}"));
+        assert_ne!(text, ChunkText::from(r#"a\"b\n\u00e9\ud83d"#));
+        assert_eq!(json(r#""\u0061""#), json(r#""a""#));
+        assert!(matches!(json(r#""plain""#).get(), Cow::Borrowed("plain")));
+        // Empty only when the literal is: any escape is a character.
+        assert!(json(r#""""#).is_empty());
+        for literal in [r#""\u0000""#, r#""\ud83d""#, r#""\n""#] {
+            assert!(!json(literal).is_empty(), "{literal}");
+            assert!(!json(literal).get().is_empty(), "{literal}");
+        }
     }
 }

@@ -95,10 +95,10 @@ const READ_AHEAD_BUFFERS: usize = 3;
 /// Reads `input` on a thread of its own and hands each piece, in order, to
 /// `process` on this one, so that the copy out of the kernel overlaps the
 /// pipeline's work on the piece before (a tenth to a quarter more
-/// throughput from a pipe). A piece is handed over as soon as a read returns, whatever its
-/// size, so a live stream is not held back. If `process` fails, this
-/// returns at once; the reading thread ends at its next read, or with the
-/// process.
+/// throughput from a pipe). A piece is handed over as soon as a read
+/// returns, whatever its size, so a live stream is not held back. If
+/// `process` fails, this returns at once; the reading thread ends at its
+/// next read, or with the process.
 fn read_ahead(
     input: Box<dyn Read + Send>,
     mut process: impl FnMut(&[u8]) -> Result<(), FilterError>,
@@ -278,6 +278,8 @@ mod tests {
 
     impl Read for Pieces {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            // Read by the reading thread, not inline on the test's.
+            assert_eq!(std::thread::current().name(), Some("read"));
             self.interrupt = !self.interrupt;
             if self.interrupt {
                 return Err(io::ErrorKind::Interrupted.into());
@@ -369,5 +371,94 @@ mod tests {
             String::from_utf8_lossy(&out),
             String::from_utf8_lossy(&ended)
         );
+    }
+
+    /// Without a thread, the same pieces in the same order, and the same
+    /// end.
+    #[test]
+    fn the_inline_reader_reads_the_same_pieces() {
+        let input = fixture();
+        let mut read = Vec::new();
+        let result = read_inline(Box::new(Inline(pieces(&input, 7, true))), |piece| {
+            read.extend_from_slice(piece);
+            Ok(())
+        });
+        assert!(matches!(result, Err(Stop::Read(e)) if e.to_string() == "the disk went away"));
+        assert_eq!(read, input);
+    }
+
+    /// [`Pieces`] for the inline reader: every read on the caller's thread.
+    struct Inline(Pieces);
+
+    impl Read for Inline {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            match self.0.pieces.pop_front() {
+                Some(piece) => {
+                    buf[..piece.len()].copy_from_slice(&piece);
+                    Ok(piece.len())
+                }
+                None if self.0.fail_at_end => Err(io::Error::other("the disk went away")),
+                None => Ok(0),
+            }
+        }
+    }
+
+    /// A reader that returns one piece, then waits for input that never
+    /// comes (until the test ends).
+    struct Stalls {
+        first: Option<Vec<u8>>,
+        never: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl Read for Stalls {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if let Some(first) = self.first.take() {
+                buf[..first.len()].copy_from_slice(&first);
+                return Ok(first.len());
+            }
+            let _ = self.never.recv();
+            Ok(0)
+        }
+    }
+
+    /// An output whose reader is gone.
+    struct Closed;
+
+    impl Write for Closed {
+        fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+            Err(io::ErrorKind::BrokenPipe.into())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A write that fails ends the filter at once, though the reading
+    /// thread is blocked on an input that stays open.
+    #[test]
+    fn a_failed_write_returns_while_the_input_stays_open() {
+        let input = fixture();
+        let (keep_open, never) = std::sync::mpsc::channel::<()>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let result = run(
+                Source::Live(Box::new(Stalls {
+                    first: Some(input),
+                    never,
+                })),
+                "stdin",
+                &mut Closed,
+                &mut Vec::new(),
+                AnnotatorConfig::default(),
+                &ProgressDisplay::off(),
+                &mut || 0,
+            );
+            let _ = done_tx.send(result.map_err(|e| e.is_broken_pipe()));
+        });
+        let result = done_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the filter returns while its input is still open");
+        assert_eq!(result, Err(true), "a broken pipe");
+        drop(keep_open);
     }
 }

@@ -129,11 +129,11 @@ fn record_event(events: &mut Vec<StreamEvent>, chunk: &Chunk<'_>, applied: &Appl
         })),
         (Chunk::Text { choice, text }, _) => events.push(StreamEvent::Content {
             choice: *choice,
-            text: text.to_string(),
+            text: text.get().into_owned(),
         }),
         (Chunk::Reasoning { choice, text }, _) => events.push(StreamEvent::Reasoning {
             choice: *choice,
-            text: text.to_string(),
+            text: text.get().into_owned(),
         }),
         (Chunk::Done, _) => events.push(StreamEvent::Done),
         (

@@ -564,7 +564,7 @@ fn check_decoded(provider: Provider, data: &[u8], decoded: &Decoded<'_>) {
     for (i, chunk) in decoded.chunks.iter().enumerate() {
         match chunk {
             Chunk::Text { text, .. } | Chunk::Reasoning { text, .. } => {
-                assert!(!text.is_empty(), "text chunks are never empty")
+                assert!(!text.get().is_empty(), "text chunks are never empty")
             }
             Chunk::Done => assert_eq!(i + 1, decoded.chunks.len(), "Done is the last chunk"),
             Chunk::ToolCallDelta(delta) => {

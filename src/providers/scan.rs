@@ -19,7 +19,7 @@
 use std::borrow::Cow;
 
 use super::decode_string;
-use crate::chunk::ChunkText;
+use crate::chunk::{ChunkText, JsonLiteral};
 
 /// The fast path gives up; the caller decodes the frame with serde.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -581,12 +581,12 @@ pub(crate) fn text(data: &str, span: Option<Span>) -> Option<Cow<'_, str>> {
         .filter(|t| !t.is_empty())
 }
 
-/// The text of a string span, if not empty, left escaped until it is read
-/// ([`ChunkText::get`]).
+/// The text of a string span the cursor validated, if not empty, left
+/// escaped until it is read ([`ChunkText::get`]).
 pub(crate) fn json_text(data: &str, span: Option<Span>) -> Option<ChunkText<'_>> {
     span.map(|s| s.of(data))
         .filter(|json| json.len() > 2)
-        .map(ChunkText::Json)
+        .map(|json| ChunkText::Json(JsonLiteral::validated(json)))
 }
 
 /// Marks a struct's known field as seen; a second one bails, as serde's
