@@ -24,7 +24,9 @@ const READ_BYTES: usize = 256 * 1024;
 
 /// Where the filter's input comes from.
 pub enum Source<'a> {
-    /// A reader, read as bytes arrive.
+    /// A reader, read as bytes arrive, on a thread of its own; if [`run`]
+    /// fails before the end of the input (a write error), that thread ends
+    /// at its next read, or with the process.
     Live(Box<dyn Read + Send>),
     /// A whole capture replayed piece by piece, each after its pause
     /// (`--realtime`; see [`crate::capture::schedule`]).
