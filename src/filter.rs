@@ -276,12 +276,15 @@ mod tests {
         pieces: std::collections::VecDeque<Vec<u8>>,
         interrupt: bool,
         fail_at_end: bool,
+        /// The reading thread is the one read on (not the caller's).
+        on_reading_thread: bool,
     }
 
     impl Read for Pieces {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-            // Read by the reading thread, not inline on the test's.
-            assert_eq!(std::thread::current().name(), Some("read"));
+            if self.on_reading_thread {
+                assert_eq!(std::thread::current().name(), Some("read"));
+            }
             self.interrupt = !self.interrupt;
             if self.interrupt {
                 return Err(io::ErrorKind::Interrupted.into());
@@ -325,6 +328,7 @@ mod tests {
             pieces: bytes.chunks(size).map(<[u8]>::to_vec).collect(),
             interrupt: false,
             fail_at_end,
+            on_reading_thread: true,
         }
     }
 
@@ -381,28 +385,16 @@ mod tests {
     fn the_inline_reader_reads_the_same_pieces() {
         let input = fixture();
         let mut read = Vec::new();
-        let result = read_inline(Box::new(Inline(pieces(&input, 7, true))), |piece| {
+        let source = Pieces {
+            on_reading_thread: false,
+            ..pieces(&input, 7, true)
+        };
+        let result = read_inline(Box::new(source), |piece| {
             read.extend_from_slice(piece);
             Ok(())
         });
         assert!(matches!(result, Err(Stop::Read(e)) if e.to_string() == "the disk went away"));
         assert_eq!(read, input);
-    }
-
-    /// [`Pieces`] for the inline reader: every read on the caller's thread.
-    struct Inline(Pieces);
-
-    impl Read for Inline {
-        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-            match self.0.pieces.pop_front() {
-                Some(piece) => {
-                    buf[..piece.len()].copy_from_slice(&piece);
-                    Ok(piece.len())
-                }
-                None if self.0.fail_at_end => Err(io::Error::other("the disk went away")),
-                None => Ok(0),
-            }
-        }
     }
 
     /// A reader that returns one piece, then waits for input that never

@@ -369,16 +369,21 @@ impl<'a> Cursor<'a> {
         // first stop is usually the closing quote.
         let i = skip_plain(b, start + 1);
         if b.get(i) == Some(&b'"') {
-            self.pos = i + 1;
-            return Ok((
-                Span {
-                    start,
-                    end: self.pos,
-                },
-                false,
-            ));
+            return Ok(self.close_string(start, i, false));
         }
         self.string_rest(start, i)
+    }
+
+    /// The string from `start` ends with the quote at `quote`: the cursor
+    /// moves past it.
+    #[inline(always)]
+    fn close_string(&mut self, start: usize, quote: usize, escaped: bool) -> (Span, bool) {
+        self.pos = quote + 1;
+        let span = Span {
+            start,
+            end: self.pos,
+        };
+        (span, escaped)
     }
 
     /// The rest of a string from `i`: escapes, control characters, the
@@ -390,16 +395,7 @@ impl<'a> Cursor<'a> {
         loop {
             i = skip_plain(b, i);
             match b.get(i) {
-                Some(b'"') => {
-                    self.pos = i + 1;
-                    return Ok((
-                        Span {
-                            start,
-                            end: self.pos,
-                        },
-                        escaped,
-                    ));
-                }
+                Some(b'"') => return Ok(self.close_string(start, i, escaped)),
                 Some(b'\\') => {
                     escaped = true;
                     i += 1;
