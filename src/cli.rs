@@ -10,6 +10,7 @@
 #![allow(rustdoc::bare_urls)]
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -280,6 +281,15 @@ pub struct ServeArgs {
     /// Example: --shutdown-grace 30s
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+
+    /// Threads that serve connections [default: one per CPU]
+    ///
+    /// Each thread runs an event loop of its own; connections are handed to
+    /// them in turn, and each stays on the thread it was given.
+    ///
+    /// Example: --threads 1
+    #[arg(long, value_name = "N")]
+    pub threads: Option<NonZeroUsize>,
 
     #[command(flatten)]
     pub stream: StreamFlags,

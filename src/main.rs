@@ -14,10 +14,11 @@ use aalis_proxy::cli::{AnnotateArgs, Cli, Command, DemoArgs, MockArgs, ServeArgs
 use aalis_proxy::error::{EXIT_FAILURE, EXIT_USAGE, FilterError};
 use aalis_proxy::filter;
 use aalis_proxy::mock::{Capture, MockUpstream};
+use aalis_proxy::proxy::server::Workers;
 use aalis_proxy::proxy::service::Proxy;
 use aalis_proxy::proxy::sessions::SessionRegistry;
 use aalis_proxy::proxy::upstream::UpstreamConfigError;
-use aalis_proxy::proxy::{ProxyConfig, serve_proxy};
+use aalis_proxy::proxy::{ProxyConfig, serve_proxy_on};
 use aalis_proxy::render::spinner::{ProgressDisplay, ProgressMode};
 use std::sync::Arc;
 
@@ -147,15 +148,24 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     // the port is taken.
     let sessions = SessionRegistry::with_display(Arc::new(display(args.stream.progress)));
     let proxy = Proxy::from_config(config, sessions)?;
-    runtime()?.block_on(async {
+    // Connections are served on the workers; this thread accepts them and
+    // waits for the signal to stop.
+    let threads = args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN)
+    });
+    let workers = Workers::start(threads).context("cannot start the worker threads")?;
+    let result = current_thread_runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
         tracing::info!(
-            "listening on http://{local}, forwarding to {}",
+            "listening on http://{local}, forwarding to {} (threads: {threads})",
             args.upstream
         );
-        serve_proxy(listener, proxy, shutdown_signal()).await;
+        serve_proxy_on(listener, proxy, shutdown_signal(), workers.handles()).await;
         Ok(())
-    })
+    });
+    // Stops the workers once every connection has finished or been dropped.
+    drop(workers);
+    result
 }
 
 fn mock(args: &MockArgs) -> anyhow::Result<()> {
@@ -199,6 +209,13 @@ fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         println!("{calls} tool calls streamed through the proxy, each with progress");
     }
     Ok(())
+}
+
+fn current_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

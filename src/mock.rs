@@ -130,7 +130,7 @@ impl MockUpstream {
             let mock = self.clone();
             async move { mock.handle(req).await }
         };
-        server::serve(listener, handler, shutdown, Duration::from_secs(1)).await;
+        server::serve(listener, handler, shutdown, Duration::from_secs(1), &[]).await;
     }
 
     /// Answers one request.

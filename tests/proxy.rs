@@ -18,6 +18,7 @@ mod upstream;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,6 +29,7 @@ use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::Framing;
 use aalis_proxy::mock::Capture;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+use aalis_proxy::proxy::server::Workers;
 use aalis_proxy::proxy::service::Proxy;
 use aalis_proxy::proxy::sessions::SessionRegistry;
 use aalis_proxy::proxy::upstream::{Upstream, build_client};
@@ -76,18 +78,23 @@ fn proxy_config(upstream: &str) -> ProxyConfig {
     }
 }
 
-/// A proxy running in this test's runtime.
+/// A proxy whose accept loop runs in this test's runtime.
 struct TestProxy {
     addr: SocketAddr,
     /// The registry the proxy publishes to (`None` when started by `run`).
     sessions: Option<SessionRegistry>,
     shutdown: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
+    /// The threads serving the connections, as `serve` has them (`None`
+    /// when started by `run`, which serves them on this runtime); stopped
+    /// after the accept loop.
+    workers: Option<Workers>,
 }
 
 impl TestProxy {
     /// Serves `config` with a registry the test can read, the way
-    /// `proxy::run` does.
+    /// `proxy::run` does, with the connections on two worker threads, the
+    /// way `aalis-proxy serve` does.
     async fn start(config: ProxyConfig) -> TestProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");
@@ -105,19 +112,26 @@ impl TestProxy {
             let proxy = proxy.clone();
             async move { proxy.handle(req, peer).await }
         };
-        let task = tokio::spawn(server::serve(
-            listener,
-            handler,
-            async move {
-                let _ = rx.await;
-            },
-            grace,
-        ));
+        let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("worker threads");
+        let handles = workers.handles().to_vec();
+        let task = tokio::spawn(async move {
+            server::serve(
+                listener,
+                handler,
+                async move {
+                    let _ = rx.await;
+                },
+                grace,
+                &handles,
+            )
+            .await;
+        });
         TestProxy {
             addr,
             sessions: Some(sessions),
             shutdown: Some(tx),
             task,
+            workers: Some(workers),
         }
     }
 
@@ -138,6 +152,7 @@ impl TestProxy {
             sessions: None,
             shutdown: Some(tx),
             task,
+            workers: None,
         }
     }
 
@@ -155,6 +170,8 @@ impl TestProxy {
 impl Drop for TestProxy {
     fn drop(&mut self) {
         self.task.abort();
+        // Their runtimes drop the connections they still serve.
+        drop(self.workers.take());
     }
 }
 

@@ -714,6 +714,34 @@ fn mock_serve_and_a_client_as_in_the_readme() {
     assert!(ids.contains(&"parallel_tool_calls"));
 }
 
+/// `--threads` sets how many threads serve connections (the log says so):
+/// with one or with three, streams open at the same time each get the
+/// library's annotation of their capture, byte for byte.
+#[test]
+fn streams_at_once_are_the_same_with_one_thread_or_several() {
+    let mock = start_mock(&["--delay-ms", "2"], &[]);
+    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
+    for threads in ["1", "3"] {
+        let mut serve = start_serve(mock.port, &["--threads", threads], &[]);
+        let mut streams: Vec<HttpResponse> = (0..6)
+            .map(|_| post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]))
+            .collect();
+        for (i, stream) in streams.iter_mut().enumerate() {
+            assert_eq!(stream.status, 200, "--threads {threads}, stream {i}");
+            assert_eq!(
+                text(&stream.read_complete()),
+                expected,
+                "--threads {threads}, stream {i}"
+            );
+        }
+        let stderr = serve.stop();
+        assert!(
+            stderr.contains(&format!("(threads: {threads})")),
+            "{stderr}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 2. Logs
 
@@ -1049,6 +1077,22 @@ fn startup_errors() {
     assert!(
         last.starts_with("aalis-proxy: error: cannot read --upstream-ca /nonexistent: "),
         "{stderr}"
+    );
+
+    // No thread to serve on.
+    let out = run_to_end(&[
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--threads",
+        "0",
+    ]);
+    assert_eq!(status_code(&out), Some(2), "{:?}", out.status);
+    assert!(
+        one_line_stderr(&out)
+            .starts_with("aalis-proxy: error: invalid value '0' for '--threads <N>'"),
+        "{}",
+        text(&out.stderr)
     );
 
     // A capture file that does not exist.

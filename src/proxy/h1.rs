@@ -17,7 +17,9 @@
 //! body is polled, that is when the client's side has room.
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
-//! (at most [`MAX_IDLE`], each at most [`IDLE_KEEP`]). An idle connection is
+//! (at most [`MAX_IDLE`] per thread, each at most [`IDLE_KEEP`]), in a list
+//! per thread: a thread takes its own first, whose sockets its runtime's
+//! reactor watches, and another thread's only when it has none. An idle connection is
 //! not polled; it is checked when taken (a connection the upstream closed
 //! meanwhile reads its end and is dropped) and every 15 s by a sweeper task,
 //! and a request that finds it closed before any byte was written is sent
@@ -29,7 +31,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
@@ -68,8 +70,24 @@ async fn sweep_every(period: Duration, pool: Weak<H1Pool>) {
     }
 }
 
-/// Idle connections kept for reuse, at most.
+/// Idle connections kept for reuse, at most, in each thread's list.
 pub const MAX_IDLE: usize = 256;
+
+/// How many lists of idle connections a pool keeps (one per thread, while
+/// there are no more threads than this).
+const SHARDS: usize = 8;
+
+/// This thread's list of idle connections, the same in every pool: threads
+/// take the next number on their first checkout or checkin, so up to
+/// [`SHARDS`] threads (`serve`'s workers, started together) have a list of
+/// their own; more share them, which costs only locality.
+fn own_shard() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    }
+    SHARD.with(|shard| *shard)
+}
 
 /// How long an unused connection is kept (hyper-util's default too).
 pub const IDLE_KEEP: Duration = Duration::from_secs(90);
@@ -135,7 +153,11 @@ pub enum H1Error {
 /// The pool and connector of plain-HTTP upstream connections.
 pub struct H1Pool {
     connector: HttpConnector,
-    idle: Mutex<Vec<Idle>>,
+    /// Idle connections, one list per thread that checks them in
+    /// ([`own_shard`]): each connection's socket is registered with the
+    /// reactor of the runtime that made it, so a connection reused on the
+    /// thread that made it is woken there, not from another thread.
+    idle: Box<[Mutex<Vec<Idle>>]>,
     /// The sweeper task runs (started with the first idle connection,
     /// inside the runtime; it ends with the pool).
     sweeping: AtomicBool,
@@ -148,7 +170,7 @@ impl H1Pool {
         connector.set_connect_timeout(Some(connect_timeout));
         Arc::new(H1Pool {
             connector,
-            idle: Mutex::new(Vec::new()),
+            idle: (0..SHARDS).map(|_| Mutex::new(Vec::new())).collect(),
             sweeping: AtomicBool::new(false),
         })
     }
@@ -197,20 +219,28 @@ impl H1Pool {
         driven
     }
 
+    /// The newest usable idle connection, this thread's first.
     fn checkout(&self) -> Option<Conn> {
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        while let Some(mut entry) = idle.pop() {
-            if entry.since.elapsed() < IDLE_KEEP && entry.conn.usable() {
-                return Some(entry.conn);
+        let own = own_shard();
+        (0..SHARDS).find_map(|k| {
+            let mut idle = self.idle[(own + k) % SHARDS]
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            while let Some(mut entry) = idle.pop() {
+                if entry.since.elapsed() < IDLE_KEEP && entry.conn.usable() {
+                    return Some(entry.conn);
+                }
             }
-        }
-        None
+            None
+        })
     }
 
     /// Keeps `conn` for the next request (old ones are dropped by
     /// [`sweep`](Self::sweep) and at checkout, not here, on every request).
     fn checkin(self: &Arc<Self>, conn: Conn) {
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut idle = self.idle[own_shard()]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if idle.len() < MAX_IDLE {
             idle.push(Idle {
                 conn,
@@ -230,16 +260,18 @@ impl H1Pool {
     /// upstream closed would hold its socket (in CLOSE_WAIT) until the next
     /// request came by.
     pub fn sweep(&self) {
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        idle.retain_mut(|entry| entry.since.elapsed() < IDLE_KEEP && entry.conn.usable());
+        for shard in &self.idle {
+            let mut idle = shard.lock().unwrap_or_else(PoisonError::into_inner);
+            idle.retain_mut(|entry| entry.since.elapsed() < IDLE_KEEP && entry.conn.usable());
+        }
     }
 
     /// How many connections wait for reuse.
     pub fn idle_connections(&self) -> usize {
         self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+            .iter()
+            .map(|shard| shard.lock().unwrap_or_else(PoisonError::into_inner).len())
+            .sum()
     }
 
     async fn connect(&self, uri: Uri) -> Result<Conn, H1Error> {
@@ -488,8 +520,7 @@ mod tests {
         let (addr, close) = upstream_once().await;
         let pool = H1Pool::new(Duration::from_secs(1));
         get_ok(&pool, addr).await;
-        let mut conn = pool
-            .idle
+        let mut conn = pool.idle[own_shard()]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .pop()
@@ -507,5 +538,104 @@ mod tests {
             matches!(outcome, Err(Retry::Again(_))),
             "the request must come back unsent"
         );
+    }
+
+    /// An upstream that numbers its connections from 0 and answers every
+    /// request (keep-alive) with the number of the connection it came on.
+    async fn numbering_upstream() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            for number in 0usize.. {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    loop {
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            let body = number.to_string();
+                            let reply = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                                body.len()
+                            );
+                            if stream.write_all(reply.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// A thread takes back the idle connection it made, not one another
+    /// thread checked in after it (whose socket that thread's reactor
+    /// watches), and takes another thread's only when it has none.
+    #[tokio::test]
+    async fn an_idle_connection_goes_back_to_the_thread_that_made_it() {
+        let addr = numbering_upstream().await;
+        let pool = H1Pool::new(Duration::from_secs(1));
+        let workers =
+            super::super::server::Workers::start(std::num::NonZeroUsize::new(2).expect("2 > 0"))
+                .expect("workers");
+        let [first, second] = workers.handles() else {
+            panic!("two workers");
+        };
+        // On `on`, one response's head; its connection stays taken until
+        // the body is read.
+        let head = |on: &tokio::runtime::Handle| {
+            let pool = Arc::clone(&pool);
+            on.spawn(async move { pool.request(get(addr)).await.expect("response") })
+        };
+        let body = |on: &tokio::runtime::Handle, response: Response<DrivenBody>| {
+            on.spawn(async move {
+                let bytes = response
+                    .into_body()
+                    .collect()
+                    .await
+                    .expect("body")
+                    .to_bytes();
+                String::from_utf8(bytes.to_vec()).expect("a number")
+            })
+        };
+        let on_first = head(first).await.expect("no panic");
+        let on_second = head(second).await.expect("no panic");
+        assert_eq!(body(first, on_first).await.expect("no panic"), "0");
+        assert_eq!(body(second, on_second).await.expect("no panic"), "1");
+        assert_eq!(pool.idle_connections(), 2);
+
+        // The second thread's connection was checked in last.
+        let again = head(first).await.expect("no panic");
+        assert_eq!(
+            body(first, again).await.expect("no panic"),
+            "0",
+            "the first thread's own"
+        );
+        let again = head(second).await.expect("no panic");
+        assert_eq!(
+            body(second, again).await.expect("no panic"),
+            "1",
+            "the second thread's own"
+        );
+
+        // With no idle connection of its own, a thread takes another's.
+        let own = head(first).await.expect("no panic");
+        let other = head(first).await.expect("no panic");
+        assert_eq!(body(first, own).await.expect("no panic"), "0");
+        assert_eq!(
+            body(first, other).await.expect("no panic"),
+            "1",
+            "the second thread's, the first's being taken"
+        );
+        assert_eq!(pool.idle_connections(), 2, "both kept");
+        drop(workers);
     }
 }

@@ -94,6 +94,17 @@ pub async fn run(
 /// Serves a ready [`Proxy`] on `listener` until `shutdown` resolves and the
 /// open streams have drained (or its grace period is over).
 pub async fn serve_proxy(listener: TcpListener, proxy: Proxy, shutdown: impl Future<Output = ()>) {
+    serve_proxy_on(listener, proxy, shutdown, &[]).await;
+}
+
+/// [`serve_proxy`], with each connection served on one of `workers` in turn
+/// (on the current runtime when there are none): see [`server::Workers`].
+pub async fn serve_proxy_on(
+    listener: TcpListener,
+    proxy: Proxy,
+    shutdown: impl Future<Output = ()>,
+    workers: &[tokio::runtime::Handle],
+) {
     let grace = proxy.config().shutdown_grace;
     let _purger = proxy.sessions().spawn_purger(proxy.config().session_ttl);
     let sessions = proxy.sessions().clone();
@@ -105,5 +116,5 @@ pub async fn serve_proxy(listener: TcpListener, proxy: Proxy, shutdown: impl Fut
         let proxy = proxy.clone();
         async move { proxy.handle(req, peer).await }
     };
-    server::serve(listener, handler, shutdown, grace).await;
+    server::serve(listener, handler, shutdown, grace, workers).await;
 }

@@ -3,10 +3,22 @@
 //! (hyper-util `examples/server_graceful.rs`): when `shutdown` resolves the
 //! listener closes, open connections finish their responses, and after
 //! `grace` whatever is left is dropped.
+//!
+//! `serve` hands its connections in turn to [`Workers`]: one thread per
+//! CPU, each running a current-thread runtime, as nginx runs one worker
+//! process per CPU. A connection, the upstream connection it takes (see
+//! [`H1Pool`](super::h1::H1Pool)'s per-thread idle lists) and its timers
+//! stay on one thread, so an event that arrives wakes no other thread: the
+//! multi-thread runtime woke a second worker for about 0.6 events in 1, and
+//! that cost a quarter of `serve`'s CPU per paced event (BENCHMARKS.md,
+//! "Fifth round").
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::thread;
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -16,19 +28,24 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::{self, Handle};
+use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 
 use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains.
-/// The handler never fails: errors are responses.
+/// The handler never fails: errors are responses. Each connection is served
+/// on one of `workers` in turn, or on the current runtime when there are
+/// none.
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
+    workers: &[Handle],
 ) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
@@ -43,6 +60,7 @@ pub async fn serve<H, F>(
     // The connection tasks, so that what outlives the grace period can be
     // stopped (dropping GracefulShutdown does not stop them).
     let mut connections = JoinSet::new();
+    let mut turn = 0usize;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -63,13 +81,36 @@ pub async fn serve<H, F>(
                     let response = handler(req, peer);
                     async move { Ok::<_, Infallible>(response.await) }
                 });
-                let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                let conn = graceful.watch(conn);
-                connections.spawn(async move {
-                    if let Err(err) = conn.await {
+                let builder = builder.clone();
+                let watcher = graceful.watcher();
+                let serve = move |stream| async move {
+                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    if let Err(err) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, "connection ended: {err}");
                     }
-                });
+                };
+                if workers.is_empty() {
+                    connections.spawn(serve(stream));
+                } else {
+                    // The socket leaves this runtime's reactor for the
+                    // worker's, where its task runs.
+                    let worker = &workers[turn % workers.len()];
+                    turn = turn.wrapping_add(1);
+                    match stream.into_std() {
+                        Ok(stream) => {
+                            connections.spawn_on(
+                                async move {
+                                    match TcpStream::from_std(stream) {
+                                        Ok(stream) => serve(stream).await,
+                                        Err(err) => tracing::warn!(%peer, "cannot hand the connection to a worker: {err}"),
+                                    }
+                                },
+                                worker,
+                            );
+                        }
+                        Err(err) => tracing::warn!(%peer, "cannot hand the connection to a worker: {err}"),
+                    }
+                }
                 // Reap finished connections so the set stays as small as
                 // the number of open ones.
                 while connections.try_join_next().is_some() {}
@@ -84,4 +125,140 @@ pub async fn serve<H, F>(
         () = tokio::time::sleep(grace) => tracing::warn!("grace period over: closing open streams"),
     }
     connections.shutdown().await;
+}
+
+/// Threads that serve connections, each running a current-thread runtime
+/// (see the module docs). Dropping it stops them: each runtime drops the
+/// tasks it still has, and the threads are waited for.
+pub struct Workers {
+    handles: Vec<Handle>,
+    /// Dropping a sender ends its thread's `block_on`.
+    stops: Vec<oneshot::Sender<()>>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl Workers {
+    /// Starts `count` threads, named `worker-0`, `worker-1`, …
+    pub fn start(count: NonZeroUsize) -> io::Result<Workers> {
+        let mut workers = Workers {
+            handles: Vec::with_capacity(count.get()),
+            stops: Vec::with_capacity(count.get()),
+            threads: Vec::with_capacity(count.get()),
+        };
+        for i in 0..count.get() {
+            let runtime = runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let handle = runtime.handle().clone();
+            let (stop, stopped) = oneshot::channel::<()>();
+            let thread = thread::Builder::new()
+                .name(format!("worker-{i}"))
+                .spawn(move || {
+                    // Err is the sender dropped: the signal to stop.
+                    let _ = runtime.block_on(stopped);
+                })?;
+            workers.handles.push(handle);
+            workers.stops.push(stop);
+            workers.threads.push(thread);
+        }
+        Ok(workers)
+    }
+
+    /// The runtimes, for [`serve`] (and `spawn_on`).
+    pub fn handles(&self) -> &[Handle] {
+        &self.handles
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.stops.clear();
+        for thread in self.threads.drain(..) {
+            // A worker that panicked has already said so on stderr.
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The names of the threads that served the requests on one connection
+    /// (each response's body is its thread's name), the connection asking
+    /// for `requests` responses, the last with `connection: close`.
+    async fn served_by(addr: SocketAddr, requests: usize) -> Vec<String> {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        for i in 1..=requests {
+            let close = if i == requests {
+                "connection: close\r\n"
+            } else {
+                ""
+            };
+            let request = format!("GET /{i} HTTP/1.1\r\nhost: test\r\n{close}\r\n");
+            stream.write_all(request.as_bytes()).await.expect("request");
+        }
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).await.expect("reply");
+        reply
+            .split("\r\n\r\n")
+            .skip(1)
+            .map(|rest| rest.split("HTTP/1.1").next().unwrap_or("").to_owned())
+            .collect()
+    }
+
+    /// Connections go to the workers in turn and each stays on its worker:
+    /// every request of a keep-alive connection is served by the thread
+    /// that took the connection, none on the accepting runtime.
+    #[tokio::test]
+    async fn connections_are_served_on_the_workers_in_turn() {
+        let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("workers");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let handler = |_req: Request<Incoming>, _peer: SocketAddr| async {
+            let name = thread::current().name().unwrap_or("unnamed").to_owned();
+            let body = Full::new(Bytes::from(name)).map_err(|never| match never {});
+            Response::new(body.boxed())
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let handles = workers.handles().to_vec();
+        let server = tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            serve(
+                listener,
+                handler,
+                shutdown,
+                Duration::from_secs(5),
+                &handles,
+            )
+            .await;
+        });
+
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            seen.push(served_by(addr, 2).await);
+        }
+        let pair = |name: &str| vec![name.to_owned(), name.to_owned()];
+        assert_eq!(
+            seen,
+            [
+                pair("worker-0"),
+                pair("worker-1"),
+                pair("worker-0"),
+                pair("worker-1")
+            ],
+        );
+
+        stop.send(()).expect("the server runs");
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the server stops")
+            .expect("without a panic");
+        drop(workers);
+    }
 }
