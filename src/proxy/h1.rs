@@ -33,7 +33,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::task::{Context, Poll, Waker, ready};
+use std::task::{Context, Poll, Wake, Waker, ready};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -206,11 +206,7 @@ impl H1Pool {
     }
 
     fn driven(self: &Arc<Self>, conn: Conn, response: Response<Incoming>) -> Response<DrivenBody> {
-        let mut driven = response.map(|body| DrivenBody {
-            body,
-            conn: Some(conn),
-            pool: Arc::clone(self),
-        });
+        let mut driven = response.map(|body| DrivenBody::new(body, conn, Arc::clone(self)));
         // No body to read (HEAD, 204, 304): hyper's server will not poll
         // it, so the connection goes back now or never.
         if driven.body().body.is_end_stream() {
@@ -346,15 +342,83 @@ fn origin_form(uri: &Uri) -> Uri {
 }
 
 /// A response body that polls its connection whenever it has no frame
-/// ready, and gives the connection back to the pool at its end.
+/// ready and the connection was woken since it last had nothing, and gives
+/// the connection back to the pool at its end.
 pub struct DrivenBody {
     body: Incoming,
     /// `None` once back in the pool (or given up).
     conn: Option<Conn>,
     pool: Arc<H1Pool>,
+    nudge: Arc<Nudge>,
+    /// `nudge` as the waker the connection is polled with.
+    nudged: Waker,
+}
+
+/// The connection's waker while its body drives it. A connection that
+/// returned `Pending` has nothing to do until it is woken (by its socket,
+/// or by the body taking the chunk it holds); polling it before that costs
+/// a turn of hyper's dispatcher (about 1,000 instructions) for nothing, and
+/// hyper's server polls a body two or three times per event. So the body
+/// polls the connection only when `woken` says it may have something.
+/// Wake-ups that come while the body is being polled (the connection
+/// waking itself as the body takes a chunk) only set `woken`: the body
+/// looks at it before it returns, and the task is not run again for it.
+struct Nudge {
+    woken: AtomicBool,
+    /// A `DrivenBody::poll_frame` is running (and will look at `woken`).
+    polling: AtomicBool,
+    /// The task that polls the body.
+    task: Mutex<Option<Waker>>,
+}
+
+impl Nudge {
+    fn new() -> Arc<Nudge> {
+        Arc::new(Nudge {
+            // Nothing is known yet: the first poll polls the connection.
+            woken: AtomicBool::new(true),
+            polling: AtomicBool::new(false),
+            task: Mutex::new(None),
+        })
+    }
+
+    fn set_task(&self, waker: &Waker) {
+        let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
+        if !task.as_ref().is_some_and(|task| task.will_wake(waker)) {
+            *task = Some(waker.clone());
+        }
+    }
+}
+
+impl Wake for Nudge {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        // SeqCst, with `polling`'s: either the body sees `woken` before it
+        // returns, or this sees it is not polling and wakes the task.
+        self.woken.store(true, Ordering::SeqCst);
+        if !self.polling.load(Ordering::SeqCst) {
+            let task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(task) = task.as_ref() {
+                task.wake_by_ref();
+            }
+        }
+    }
 }
 
 impl DrivenBody {
+    fn new(body: Incoming, conn: Conn, pool: Arc<H1Pool>) -> DrivenBody {
+        let nudge = Nudge::new();
+        DrivenBody {
+            body,
+            conn: Some(conn),
+            pool,
+            nudged: Waker::from(Arc::clone(&nudge)),
+            nudge,
+        }
+    }
+
     /// At the body's end: a connection still open and idle is kept.
     fn release(&mut self) {
         if let Some(mut conn) = self.conn.take()
@@ -363,9 +427,7 @@ impl DrivenBody {
             self.pool.checkin(conn);
         }
     }
-}
 
-impl DrivenBody {
     /// Passes a polled frame on; at the body's end (its last frame, the
     /// trailers, or nothing more), releases the connection.
     fn seen(
@@ -380,6 +442,29 @@ impl DrivenBody {
         }
         polled
     }
+
+    /// The next frame, polling the connection while it has something to do.
+    fn drive(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        // Only the connection feeds the body, so the body's own wake-ups
+        // would only run the task once more to find nothing: it is polled
+        // with a waker that does nothing, and the connection with `nudged`.
+        let mut quiet = Context::from_waker(Waker::noop());
+        let mut nudged = Context::from_waker(&self.nudged);
+        loop {
+            let Some(conn) = self.conn.as_mut().filter(|c| c.io.is_some()) else {
+                // Nothing feeds it any more but its own end.
+                return Pin::new(&mut self.body).poll_frame(cx);
+            };
+            let polled = Pin::new(&mut self.body).poll_frame(&mut quiet);
+            if polled.is_ready() || !self.nudge.woken.swap(false, Ordering::SeqCst) {
+                return polled;
+            }
+            // It may parse one more chunk (and then wait for the body to
+            // take it), find nothing more to read yet, or finish (and be
+            // dropped: the body then has its end or its error).
+            let _ = conn.poll_io(&mut nudged);
+        }
+    }
 }
 
 impl Body for DrivenBody {
@@ -391,39 +476,15 @@ impl Body for DrivenBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
-        // Only these polls of the connection feed the body, so the body's
-        // own wake-ups (a chunk arrived; the reader wants the next) would
-        // only make the task run once more after each event to find
-        // nothing: the body, and the connection while it is being drained,
-        // are polled with a waker that does nothing. The connection is
-        // polled with the task's waker last, before `Pending`, so the task
-        // hears of the next bytes.
-        let mut quiet = Context::from_waker(Waker::noop());
+        this.nudge.set_task(cx.waker());
         loop {
-            let Some(conn) = this.conn.as_mut().filter(|c| c.io.is_some()) else {
-                // Nothing feeds it any more but its own end.
-                let polled = Pin::new(&mut this.body).poll_frame(cx);
-                return this.seen(polled);
-            };
-            let polled = Pin::new(&mut this.body).poll_frame(&mut quiet);
-            if polled.is_ready() {
-                return this.seen(polled);
-            }
-            // It may parse one more chunk (and then wait for the body to
-            // take it), or find nothing more to read yet.
-            if conn.poll_io(&mut quiet).is_ready() {
-                // It finished and was dropped: the body has its end or its
-                // error; read it on the next turn.
+            this.nudge.polling.store(true, Ordering::SeqCst);
+            let polled = this.drive(cx);
+            this.nudge.polling.store(false, Ordering::SeqCst);
+            // A wake-up that came while it ran did not wake the task.
+            if polled.is_pending() && this.nudge.woken.load(Ordering::SeqCst) {
                 continue;
             }
-            let polled = Pin::new(&mut this.body).poll_frame(&mut quiet);
-            if polled.is_ready() {
-                return this.seen(polled);
-            }
-            if conn.poll_io(cx).is_ready() {
-                continue;
-            }
-            let polled = Pin::new(&mut this.body).poll_frame(&mut quiet);
             return this.seen(polled);
         }
     }
@@ -538,6 +599,49 @@ mod tests {
             matches!(outcome, Err(Retry::Again(_))),
             "the request must come back unsent"
         );
+    }
+
+    /// A waker that counts its wake-ups.
+    struct Counter(std::sync::atomic::AtomicUsize);
+
+    impl Wake for Counter {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The connection's wake-ups always say it has something to do; they
+    /// wake the task only when its body is not being polled (which looks
+    /// at `woken` before it returns).
+    #[test]
+    fn a_connection_wake_up_wakes_the_task_only_outside_its_poll() {
+        let nudge = Nudge::new();
+        assert!(
+            nudge.woken.load(Ordering::SeqCst),
+            "the first poll polls the connection"
+        );
+        let counter = Arc::new(Counter(std::sync::atomic::AtomicUsize::new(0)));
+        nudge.set_task(&Waker::from(Arc::clone(&counter)));
+        let waker = Waker::from(Arc::clone(&nudge));
+
+        nudge.woken.store(false, Ordering::SeqCst);
+        nudge.polling.store(true, Ordering::SeqCst);
+        waker.wake_by_ref();
+        assert!(nudge.woken.load(Ordering::SeqCst));
+        assert_eq!(
+            counter.0.load(Ordering::SeqCst),
+            0,
+            "no task wake-up while polling"
+        );
+
+        nudge.woken.store(false, Ordering::SeqCst);
+        nudge.polling.store(false, Ordering::SeqCst);
+        waker.wake();
+        assert!(nudge.woken.load(Ordering::SeqCst));
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1, "the task is woken");
     }
 
     /// An upstream that numbers its connections from 0 and answers every
