@@ -43,7 +43,8 @@ pub struct AnnotatorConfig {
     /// they stream, unparsed, and reported once.
     pub max_event_bytes: usize,
     /// Keep the stream's increments ([`StreamEvent`]) for
-    /// [`Annotator::take_events`] (the proxy's events route needs them).
+    /// [`Annotator::take_events`] and [`Annotator::collected`] (the proxy's
+    /// events route needs them).
     pub collect_events: bool,
 }
 
@@ -206,9 +207,10 @@ struct StreamState {
     done_written: bool,
     /// Frames (SSE events with data, NDJSON lines) handled so far.
     frames: u64,
-    /// Increments for subscribers, when asked for
+    /// Increments for subscribers, kept only when asked for
     /// ([`AnnotatorConfig::collect_events`]).
-    events: Option<Vec<StreamEvent>>,
+    events: Vec<StreamEvent>,
+    collect_events: bool,
 }
 
 impl Annotator {
@@ -242,7 +244,8 @@ impl Annotator {
                 ended_warned: false,
                 done_written: false,
                 frames: 0,
-                events: config.collect_events.then(Vec::new),
+                events: Vec::new(),
+                collect_events: config.collect_events,
             },
         };
         if let Some(framing) = config.framing {
@@ -298,11 +301,7 @@ impl Annotator {
     /// Takes the increments collected since the last call (empty unless
     /// [`AnnotatorConfig::collect_events`]).
     pub fn take_events(&mut self) -> Vec<StreamEvent> {
-        self.state
-            .events
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
+        std::mem::take(&mut self.state.events)
     }
 
     /// Takes the warnings collected since the last call.
@@ -318,6 +317,13 @@ impl Annotator {
     /// The stream's progress state.
     pub fn tracker(&self) -> &ToolCallTracker {
         &self.state.tracker
+    }
+
+    /// The tracker, with the increments collected since they were last
+    /// emptied, in place: a caller that empties them keeps their allocation
+    /// for the next ones (the proxy publishes them on every read).
+    pub fn collected(&mut self) -> (&ToolCallTracker, &mut Vec<StreamEvent>) {
+        (&self.state.tracker, &mut self.state.events)
     }
 
     fn start(&mut self, framing: Framing) {
@@ -544,7 +550,7 @@ impl StreamState {
         let tracker = &mut self.tracker;
         let batch = &mut self.batch;
         let lines = &mut self.lines;
-        let mut events = self.events.as_mut();
+        let mut events = self.collect_events.then_some(&mut self.events);
         let info = providers::decode(provider, data, &mut self.decoder_state, &mut |chunk| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {

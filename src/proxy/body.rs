@@ -331,8 +331,8 @@ impl Body for TapBody {
                     annotator.push(&data, unix_ms(), this.out);
                     log_warnings(annotator, this.log);
                     if let Some(session) = this.session.as_mut() {
-                        let events = annotator.take_events();
-                        session.publish(annotator.tracker(), events);
+                        let (tracker, events) = annotator.collected();
+                        session.publish(tracker, events);
                     }
                     this.metrics.added_latency.observe(work.elapsed());
                     if last {
@@ -401,8 +401,8 @@ fn finish(
         annotator.finish(unix_ms(), out);
         log_warnings(annotator, log);
         if let Some(session) = session.as_mut() {
-            let events = annotator.take_events();
-            session.publish(annotator.tracker(), events);
+            let (tracker, events) = annotator.collected();
+            session.publish(tracker, events);
         }
     }
 }

@@ -106,16 +106,21 @@ impl Default for State {
     }
 }
 
+/// Sends `frame` to the session's subscribers and to those of every
+/// session (`all`).
+fn send(all: &broadcast::Sender<Frame>, session: &Session, frame: Frame) {
+    if all.receiver_count() > 0 {
+        let _ = all.send(frame.clone());
+    }
+    if session.frames.receiver_count() > 0 {
+        let _ = session.frames.send(frame);
+    }
+}
+
 impl State {
-    /// Sends `frame` to the session's subscribers and to those of every
-    /// session.
+    /// [`send`] to this registry's subscribers of every session.
     fn send(&self, session: &Session, frame: Frame) {
-        if self.all.receiver_count() > 0 {
-            let _ = self.all.send(frame.clone());
-        }
-        if session.frames.receiver_count() > 0 {
-            let _ = session.frames.send(frame);
-        }
+        send(&self.all, session, frame);
     }
 
     /// The `sessions_resume` frame: every session with something in
@@ -383,33 +388,35 @@ impl SessionRegistry {
 impl StreamHandle {
     /// Publishes what the stream did since the last call: the tracker's
     /// in-progress calls (when they changed) and `events` for subscribers,
-    /// as long as this stream still owns the session.
-    pub fn publish(&mut self, tracker: &ToolCallTracker, events: Vec<StreamEvent>) {
+    /// as long as this stream still owns the session. Empties `events`,
+    /// keeping its allocation.
+    pub fn publish(&mut self, tracker: &ToolCallTracker, events: &mut Vec<StreamEvent>) {
         let changed = tracker.changes() != self.published;
         if !changed && events.is_empty() {
             return;
         }
         self.published = tracker.changes();
         let mut state = self.registry.lock();
-        let Some(session) = state.sessions.get_mut(&self.session_id) else {
+        let State { sessions, all, .. } = &mut *state;
+        let Some(session) = sessions.get_mut(&self.session_id) else {
+            events.clear();
             return;
         };
         if session.generation != self.generation {
+            events.clear();
             return;
         }
         session.last_active = Instant::now();
         if changed {
             tracker.snapshot_into(&mut session.progress);
         }
-        let Some(session) = state.sessions.get(&self.session_id) else {
-            return;
-        };
         // Frames are rendered only when someone listens.
-        if state.all.receiver_count() > 0 || session.frames.receiver_count() > 0 {
-            for event in &events {
-                state.send(session, event_frame(&self.session_id, event));
+        if all.receiver_count() > 0 || session.frames.receiver_count() > 0 {
+            for event in events.iter() {
+                send(all, session, event_frame(&self.session_id, event));
             }
         }
+        events.clear();
         if changed && let Some(display) = &self.registry.display {
             // Drawn outside the registry's lock.
             let entries = session.progress.clone();

@@ -53,7 +53,7 @@ fn publish_snapshot_and_end() {
     let mut stream = registry.begin_stream("s1");
     stream.publish(
         &tracker_with(&[(1, "b", "xy"), (0, "a", "")], 5),
-        Vec::new(),
+        &mut Vec::new(),
     );
     let names: Vec<_> = registry
         .snapshot("s1")
@@ -72,10 +72,10 @@ fn same_index_keeps_started_at_new_index_gets_its_own() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "x")], 1_000);
-    stream.publish(&tracker, Vec::new());
+    stream.publish(&tracker, &mut Vec::new());
     tracker.apply(&delta(0, "a", "yz"), 2_000);
     tracker.apply(&delta(1, "b", ""), 3_000);
-    stream.publish(&tracker, Vec::new());
+    stream.publish(&tracker, &mut Vec::new());
     let started: Vec<_> = registry
         .snapshot("s1")
         .iter()
@@ -89,15 +89,15 @@ fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
     let registry = SessionRegistry::new();
     let mut sub = registry.subscribe("s1");
     let mut old = registry.begin_stream("s1");
-    old.publish(&tracker_with(&[(0, "a", "abc")], 1), Vec::new());
+    old.publish(&tracker_with(&[(0, "a", "abc")], 1), &mut Vec::new());
     let mut new = registry.begin_stream("s1");
     assert!(registry.snapshot("s1").is_empty());
     old.publish(
         &tracker_with(&[(0, "stale", "")], 2),
-        vec![progress_event(0, "stale", 0, 2)],
+        &mut vec![progress_event(0, "stale", 0, 2)],
     );
     assert!(registry.snapshot("s1").is_empty());
-    new.publish(&tracker_with(&[(0, "fresh", "")], 3), Vec::new());
+    new.publish(&tracker_with(&[(0, "fresh", "")], 3), &mut Vec::new());
     drop(old);
     assert_eq!(registry.snapshot("s1")[0].name, "fresh");
     let frames: Vec<_> = received(&mut sub)
@@ -125,16 +125,17 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
     );
     let mut stream = registry.begin_stream("s1");
     let tracker = tracker_with(&[(0, "get_weather", "{\"c")], 7);
-    stream.publish(
-        &tracker,
-        vec![
-            StreamEvent::Reasoning {
-                choice: 0,
-                text: "hm".into(),
-            },
-            progress_event(0, "get_weather", 3, 7),
-        ],
-    );
+    let mut events = vec![
+        StreamEvent::Reasoning {
+            choice: 0,
+            text: "hm".into(),
+        },
+        progress_event(0, "get_weather", 3, 7),
+    ];
+    stream.publish(&tracker, &mut events);
+    // Published and emptied, its allocation kept for the next read's.
+    assert!(events.is_empty());
+    assert!(events.capacity() >= 2);
     let mut later = ToolCallTracker::new(true);
     later.apply(&delta(0, "get_weather", "{\"c"), 7);
     later.apply(
@@ -146,7 +147,7 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
     );
     stream.publish(
         &later,
-        vec![
+        &mut vec![
             StreamEvent::Cleared(ClearReason::Text),
             StreamEvent::Content {
                 choice: 0,
@@ -178,14 +179,14 @@ fn a_late_subscriber_resumes_mid_call_and_loses_nothing_after() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "12345"), (1, "b", "1")], 100);
-    stream.publish(&tracker, Vec::new());
+    stream.publish(&tracker, &mut Vec::new());
     let mut sub = registry.subscribe("s1");
     assert_eq!(
         without_server_time(&sub.resume),
         r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":5,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":100}]}"#
     );
     tracker.apply(&delta(1, "b", "23"), 200);
-    stream.publish(&tracker, vec![progress_event(1, "b", 3, 100)]);
+    stream.publish(&tracker, &mut vec![progress_event(1, "b", 3, 100)]);
     assert_eq!(received(&mut sub).len(), 1);
 }
 
@@ -193,7 +194,10 @@ fn a_late_subscriber_resumes_mid_call_and_loses_nothing_after() {
 fn tool_execution_clears_and_tells_subscribers() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
-    stream.publish(&tracker_with(&[(0, "a", "x"), (1, "b", "")], 1), Vec::new());
+    stream.publish(
+        &tracker_with(&[(0, "a", "x"), (1, "b", "")], 1),
+        &mut Vec::new(),
+    );
     let mut sub = registry.subscribe("s1");
     assert_eq!(registry.tool_execution_started("s1"), 2);
     assert!(registry.snapshot("s1").is_empty());
@@ -238,7 +242,7 @@ fn a_slow_subscriber_is_told_it_lagged_instead_of_being_buffered_for() {
     let mut stream = registry.begin_stream("s1");
     let tracker = tracker_with(&[(0, "a", "")], 1);
     for i in 0..(SUBSCRIBER_BACKLOG + 10) {
-        stream.publish(&tracker, vec![progress_event(0, "a", i, 1)]);
+        stream.publish(&tracker, &mut vec![progress_event(0, "a", i, 1)]);
     }
     assert!(matches!(
         sub.frames.try_recv(),
