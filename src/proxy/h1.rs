@@ -352,6 +352,8 @@ pub struct DrivenBody {
     nudge: Arc<Nudge>,
     /// `nudge` as the waker the connection is polled with.
     nudged: Waker,
+    /// The connection was polled since the body last had nothing.
+    fed: bool,
 }
 
 /// The connection's waker while its body drives it. A connection that
@@ -416,6 +418,7 @@ impl DrivenBody {
             pool,
             nudged: Waker::from(Arc::clone(&nudge)),
             nudge,
+            fed: true,
         }
     }
 
@@ -455,14 +458,23 @@ impl DrivenBody {
                 // Nothing feeds it any more but its own end.
                 return Pin::new(&mut self.body).poll_frame(cx);
             };
-            let polled = Pin::new(&mut self.body).poll_frame(&mut quiet);
-            if polled.is_ready() || !self.nudge.woken.swap(false, Ordering::SeqCst) {
-                return polled;
+            // The body can have something new only after a poll of the
+            // connection: hyper's server polls a body again and again.
+            if self.fed {
+                let polled = Pin::new(&mut self.body).poll_frame(&mut quiet);
+                if polled.is_ready() {
+                    return polled;
+                }
+                self.fed = false;
+            }
+            if !self.nudge.woken.swap(false, Ordering::SeqCst) {
+                return Poll::Pending;
             }
             // It may parse one more chunk (and then wait for the body to
             // take it), find nothing more to read yet, or finish (and be
             // dropped: the body then has its end or its error).
             let _ = conn.poll_io(&mut nudged);
+            self.fed = true;
         }
     }
 }
