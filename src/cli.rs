@@ -10,7 +10,6 @@
 #![allow(rustdoc::bare_urls)]
 
 use std::net::SocketAddr;
-use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -21,6 +20,9 @@ use crate::pipeline::AnnotatorConfig;
 use crate::proxy::ProxyConfig;
 use crate::proxy::upstream::{Upstream, UpstreamConfigError};
 use crate::render::spinner::ProgressMode;
+
+/// The most `serve --threads` takes (each thread is a runtime of its own).
+pub const MAX_THREADS: i64 = 1024;
 
 /// Tool-call progress for LLM chat streams
 ///
@@ -282,14 +284,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
-    /// Threads that serve connections [default: one per CPU]
+    /// Threads that serve connections, 1 to 1024 [default: one per CPU]
     ///
     /// Each thread runs an event loop of its own; connections are handed to
     /// them in turn, and each stays on the thread it was given.
     ///
     /// Example: --threads 1
-    #[arg(long, value_name = "N")]
-    pub threads: Option<NonZeroUsize>,
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_THREADS))]
+    pub threads: Option<u16>,
 
     #[command(flatten)]
     pub stream: StreamFlags,

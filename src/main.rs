@@ -150,9 +150,12 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     let proxy = Proxy::from_config(config, sessions)?;
     // Connections are served on the workers; this thread accepts them and
     // waits for the signal to stop.
-    let threads = args.threads.unwrap_or_else(|| {
-        std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN)
-    });
+    let threads = args
+        .threads
+        .and_then(|n| std::num::NonZeroUsize::new(n.into()))
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN)
+        });
     let workers = Workers::start(threads).context("cannot start the worker threads")?;
     let result = current_thread_runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;

@@ -210,6 +210,7 @@ struct StreamState {
     /// Increments for subscribers, kept only when asked for
     /// ([`AnnotatorConfig::collect_events`]).
     events: Vec<StreamEvent>,
+    /// [`AnnotatorConfig::collect_events`].
     collect_events: bool,
 }
 

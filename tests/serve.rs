@@ -714,9 +714,20 @@ fn mock_serve_and_a_client_as_in_the_readme() {
     assert!(ids.contains(&"parallel_tool_calls"));
 }
 
-/// `--threads` sets how many threads serve connections (the log says so):
-/// with one or with three, streams open at the same time each get the
-/// library's annotation of their capture, byte for byte.
+/// The threads of process `pid` named `worker-N` (Linux: their names are
+/// in `/proc/PID/task/*/comm`).
+fn worker_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("the process's threads")
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("worker-"))
+        .count()
+}
+
+/// `--threads` sets how many threads serve connections (the process has
+/// that many, and the log says so): with one or with three, streams open
+/// at the same time each get the library's annotation of their capture,
+/// byte for byte.
 #[test]
 fn streams_at_once_are_the_same_with_one_thread_or_several() {
     let mock = start_mock(&["--delay-ms", "2"], &[]);
@@ -734,6 +745,10 @@ fn streams_at_once_are_the_same_with_one_thread_or_several() {
                 "--threads {threads}, stream {i}"
             );
         }
+        assert_eq!(
+            worker_threads(serve.pid()),
+            threads.parse::<usize>().expect("a number")
+        );
         let stderr = serve.stop();
         assert!(
             stderr.contains(&format!("(threads: {threads})")),
@@ -1079,21 +1094,23 @@ fn startup_errors() {
         "{stderr}"
     );
 
-    // No thread to serve on.
-    let out = run_to_end(&[
-        "serve",
-        "--upstream",
-        "http://127.0.0.1:9",
-        "--threads",
-        "0",
-    ]);
-    assert_eq!(status_code(&out), Some(2), "{:?}", out.status);
-    assert!(
-        one_line_stderr(&out)
-            .starts_with("aalis-proxy: error: invalid value '0' for '--threads <N>'"),
-        "{}",
-        text(&out.stderr)
-    );
+    // No thread to serve on, or more than it takes.
+    for threads in ["0", "1025"] {
+        let out = run_to_end(&[
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--threads",
+            threads,
+        ]);
+        assert_eq!(status_code(&out), Some(2), "{:?}", out.status);
+        assert_eq!(
+            one_line_stderr(&out),
+            format!(
+                "aalis-proxy: error: invalid value '{threads}' for '--threads <N>': {threads} is not in 1..=1024 (see 'aalis-proxy serve --help')"
+            ),
+        );
+    }
 
     // A capture file that does not exist.
     let out = run_to_end(&["mock", "/nonexistent.sse", "--listen", "127.0.0.1:0"]);

@@ -17,9 +17,11 @@
 //! body is polled, that is when the client's side has room.
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
-//! (at most [`MAX_IDLE`] per thread, each at most [`IDLE_KEEP`]), in a list
-//! per thread: a thread takes its own first, whose sockets its runtime's
-//! reactor watches, and another thread's only when it has none. An idle connection is
+//! (each at most [`IDLE_KEEP`]) in a list per thread (at most [`MAX_IDLE`]
+//! in each): a connection goes back to the list of the thread that made
+//! it, whose runtime's reactor watches its socket, and a thread takes from
+//! its own list first, from another's only when its own is empty. An idle
+//! connection is
 //! not polled; it is checked when taken (a connection the upstream closed
 //! meanwhile reads its end and is dropped) and every 15 s by a sweeper task,
 //! and a request that finds it closed before any byte was written is sent
@@ -29,6 +31,7 @@
 //! streams buffer several frames anyway); see
 //! [`UpstreamClient`](super::upstream::UpstreamClient).
 
+use std::cell::Cell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -70,23 +73,39 @@ async fn sweep_every(period: Duration, pool: Weak<H1Pool>) {
     }
 }
 
-/// Idle connections kept for reuse, at most, in each thread's list.
+/// Idle connections kept for reuse, at most, in each of the [`SHARDS`]
+/// lists.
 pub const MAX_IDLE: usize = 256;
 
 /// How many lists of idle connections a pool keeps (one per thread, while
-/// there are no more threads than this).
-const SHARDS: usize = 8;
+/// there are no more threads than this): at most `SHARDS * MAX_IDLE` idle
+/// connections in all.
+pub const SHARDS: usize = 8;
 
-/// This thread's list of idle connections, the same in every pool: threads
-/// take the next number on their first checkout or checkin, so up to
-/// [`SHARDS`] threads (`serve`'s workers, started together) have a list of
-/// their own; more share them, which costs only locality.
+/// This thread's list of idle connections, the same in every pool.
+/// `serve`'s worker threads are given theirs ([`pin_shard`]); any other
+/// thread takes the next number on its first checkout or checkin. Threads
+/// past [`SHARDS`] share lists, which costs only locality.
 fn own_shard() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
-    }
-    SHARD.with(|shard| *shard)
+    SHARD.with(|shard| match shard.get() {
+        Some(shard) => shard,
+        None => {
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let next = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
+            shard.set(Some(next));
+            next
+        }
+    })
+}
+
+/// Gives the calling thread the idle list `worker % SHARDS` (for
+/// [`Workers`](super::server::Workers), so that its threads have a list each).
+pub(crate) fn pin_shard(worker: usize) {
+    SHARD.with(|shard| shard.set(Some(worker % SHARDS)));
+}
+
+thread_local! {
+    static SHARD: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
 /// How long an unused connection is kept (hyper-util's default too).
@@ -103,6 +122,9 @@ struct Conn {
     /// dropping it answers a request it never sent (with the request back,
     /// for a retry) and ends a body it was feeding.
     io: Option<Connection<Io, ProxyBody>>,
+    /// The idle list of the thread that made it, whose runtime's reactor
+    /// watches its socket: it goes back there whoever used it last.
+    home: usize,
 }
 
 impl Conn {
@@ -234,7 +256,7 @@ impl H1Pool {
     /// Keeps `conn` for the next request (old ones are dropped by
     /// [`sweep`](Self::sweep) and at checkout, not here, on every request).
     fn checkin(self: &Arc<Self>, conn: Conn) {
-        let mut idle = self.idle[own_shard()]
+        let mut idle = self.idle[conn.home]
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if idle.len() < MAX_IDLE {
@@ -284,6 +306,7 @@ impl H1Pool {
         Ok(Conn {
             sender,
             io: Some(io),
+            home: own_shard(),
         })
     }
 }
@@ -349,6 +372,7 @@ pub struct DrivenBody {
     /// `None` once back in the pool (or given up).
     conn: Option<Conn>,
     pool: Arc<H1Pool>,
+    /// What the connection's wake-ups record (see [`Nudge`]).
     nudge: Arc<Nudge>,
     /// `nudge` as the waker the connection is polled with.
     nudged: Waker,
@@ -366,6 +390,7 @@ pub struct DrivenBody {
 /// waking itself as the body takes a chunk) only set `woken`: the body
 /// looks at it before it returns, and the task is not run again for it.
 struct Nudge {
+    /// The connection was woken since the body last polled it.
     woken: AtomicBool,
     /// A `DrivenBody::poll_frame` is running (and will look at `woken`).
     polling: AtomicBool,
@@ -455,7 +480,10 @@ impl DrivenBody {
         let mut nudged = Context::from_waker(&self.nudged);
         loop {
             let Some(conn) = self.conn.as_mut().filter(|c| c.io.is_some()) else {
-                // Nothing feeds it any more but its own end.
+                // Nothing feeds it any more but its own end (and no
+                // connection's wake-up can matter: `poll_frame` must not
+                // loop on one).
+                self.nudge.woken.store(false, Ordering::SeqCst);
                 return Pin::new(&mut self.body).poll_frame(cx);
             };
             // The body can have something new only after a poll of the
@@ -694,7 +722,8 @@ mod tests {
 
     /// A thread takes back the idle connection it made, not one another
     /// thread checked in after it (whose socket that thread's reactor
-    /// watches), and takes another thread's only when it has none.
+    /// watches), and takes another thread's only when it has none; a
+    /// connection goes back to the list of the thread that made it.
     #[tokio::test]
     async fn an_idle_connection_goes_back_to_the_thread_that_made_it() {
         let addr = numbering_upstream().await;
@@ -752,6 +781,15 @@ mod tests {
             "the second thread's, the first's being taken"
         );
         assert_eq!(pool.idle_connections(), 2, "both kept");
+        // Each went back to the list of the thread that made it.
+        let again = head(first).await.expect("no panic");
+        assert_eq!(
+            body(first, again).await.expect("no panic"),
+            "0",
+            "the first thread's list holds only its own"
+        );
+        let again = head(second).await.expect("no panic");
+        assert_eq!(body(second, again).await.expect("no panic"), "1");
         drop(workers);
     }
 }

@@ -6,9 +6,12 @@
 //!
 //! `serve` hands its connections in turn to [`Workers`]: one thread per
 //! CPU, each running a current-thread runtime, as nginx runs one worker
-//! process per CPU. A connection, the upstream connection it takes (see
-//! [`H1Pool`](super::h1::H1Pool)'s per-thread idle lists) and its timers
-//! stay on one thread, so an event that arrives wakes no other thread: the
+//! process per CPU. A connection, the `http://` upstream connection it
+//! takes (see [`H1Pool`](super::h1::H1Pool)'s per-thread idle lists) and its
+//! timers stay on one thread, so an event that arrives wakes no other
+//! thread. (An `https://` upstream's connections belong to hyper-util's
+//! pooled client, shared by all workers: each runs as a task on the worker
+//! that opened it, and its streams may be read from the others.) The
 //! multi-thread runtime woke a second worker for about 0.6 events in 1, and
 //! that cost a quarter of `serve`'s CPU per paced event (BENCHMARKS.md,
 //! "Fifth round").
@@ -131,14 +134,19 @@ pub async fn serve<H, F>(
 /// (see the module docs). Dropping it stops them: each runtime drops the
 /// tasks it still has, and the threads are waited for.
 pub struct Workers {
+    /// The runtimes, one per thread.
     handles: Vec<Handle>,
     /// Dropping a sender ends its thread's `block_on`.
     stops: Vec<oneshot::Sender<()>>,
+    /// Waited for on drop.
     threads: Vec<thread::JoinHandle<()>>,
 }
 
 impl Workers {
-    /// Starts `count` threads, named `worker-0`, `worker-1`, …
+    /// Starts `count` threads, named `worker-0`, `worker-1`, …, each with
+    /// its own list of idle upstream connections (up to
+    /// [`SHARDS`](super::h1::SHARDS) threads; see
+    /// [`H1Pool`](super::h1::H1Pool)).
     pub fn start(count: NonZeroUsize) -> io::Result<Workers> {
         let mut workers = Workers {
             handles: Vec::with_capacity(count.get()),
@@ -154,6 +162,7 @@ impl Workers {
             let thread = thread::Builder::new()
                 .name(format!("worker-{i}"))
                 .spawn(move || {
+                    super::h1::pin_shard(i);
                     // Err is the sender dropped: the signal to stop.
                     let _ = runtime.block_on(stopped);
                 })?;
