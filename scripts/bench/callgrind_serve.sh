@@ -22,24 +22,9 @@ events=${EVENTS:-200}
 mkdir -p "$work"
 command -v valgrind >/dev/null || { echo "callgrind_serve: valgrind is missing" >&2; exit 1; }
 
-cargo build --locked --release --quiet --bin aalis-proxy --example loadgen
+# shellcheck source=scripts/bench/proxy_setup.sh
+. scripts/bench/proxy_setup.sh
 bin=${BIN:-target/release/aalis-proxy}
-loadgen=target/release/examples/loadgen
-sample="$work/sample.sse"
-[ -s "$sample" ] || python3 scripts/bench/gen_captures.py --kind tool --mb 2 --seed 8 --out "$sample" 2>/dev/null
-
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do timeout 15 tail --pid="$p" -f /dev/null 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-
-"$loadgen" upstream --events "$sample" --max-seconds 600 >"$work/upstream.out" 2>/dev/null &
-pids+=($!)
-timeout 10 bash -c "until [ -s '$work/upstream.out' ]; do sleep 0.05; done"
-up_port=$(sed 's/.*://' "$work/upstream.out")
 
 port=$(free_port)
 out="$work/callgrind.serve.out"
@@ -48,7 +33,7 @@ valgrind --tool=callgrind --callgrind-out-file="$out" \
   >"$work/serve.log" 2>&1 &
 serve_pid=$!
 pids+=($serve_pid)
-timeout 60 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null; do sleep 0.2; done"
+wait_port "$port" 60
 
 total_events=0
 for _ in 1 2; do

@@ -22,24 +22,9 @@ for tool in strace perf; do
   command -v "$tool" >/dev/null || { echo "profile_proxy: $tool is missing" >&2; exit 1; }
 done
 
-cargo build --locked --release --quiet --bin aalis-proxy --example loadgen
+# shellcheck source=scripts/bench/proxy_setup.sh
+. scripts/bench/proxy_setup.sh
 bin=target/release
-sample="$work/sample.sse"
-[ -s "$sample" ] || python3 scripts/bench/gen_captures.py --kind tool --mb 2 --seed 8 --out "$sample" 2>/dev/null
-
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do timeout 15 tail --pid="$p" -f /dev/null 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { timeout 10 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null; do sleep 0.05; done"; }
-
-"$bin/examples/loadgen" upstream --events "$sample" --max-seconds 600 >"$work/upstream.out" 2>/dev/null &
-pids+=($!)
-timeout 10 bash -c "until [ -s '$work/upstream.out' ]; do sleep 0.05; done"
-up_port=$(sed 's/.*://' "$work/upstream.out")
 
 aalis_port=$(free_port)
 "$bin/aalis-proxy" serve --upstream "http://127.0.0.1:$up_port" --listen "127.0.0.1:$aalis_port" \

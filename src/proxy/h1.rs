@@ -735,13 +735,16 @@ mod tests {
             panic!("two workers");
         };
         // On `on`, one response's head; its connection stays taken until
-        // the body is read.
-        let head = |on: &tokio::runtime::Handle| {
+        // `number` reads the body (the number of the connection it came
+        // on), on the same thread.
+        let head = async |on: &tokio::runtime::Handle| {
             let pool = Arc::clone(&pool);
-            on.spawn(async move { pool.request(get(addr)).await.expect("response") })
+            let response =
+                on.spawn(async move { pool.request(get(addr)).await.expect("response") });
+            response.await.expect("no panic")
         };
-        let body = |on: &tokio::runtime::Handle, response: Response<DrivenBody>| {
-            on.spawn(async move {
+        let number = async |on: &tokio::runtime::Handle, response: Response<DrivenBody>| {
+            let read = on.spawn(async move {
                 let bytes = response
                     .into_body()
                     .collect()
@@ -749,47 +752,44 @@ mod tests {
                     .expect("body")
                     .to_bytes();
                 String::from_utf8(bytes.to_vec()).expect("a number")
-            })
+            });
+            read.await.expect("no panic")
         };
-        let on_first = head(first).await.expect("no panic");
-        let on_second = head(second).await.expect("no panic");
-        assert_eq!(body(first, on_first).await.expect("no panic"), "0");
-        assert_eq!(body(second, on_second).await.expect("no panic"), "1");
+        let on_first = head(first).await;
+        let on_second = head(second).await;
+        assert_eq!(number(first, on_first).await, "0");
+        assert_eq!(number(second, on_second).await, "1");
         assert_eq!(pool.idle_connections(), 2);
 
         // The second thread's connection was checked in last.
-        let again = head(first).await.expect("no panic");
         assert_eq!(
-            body(first, again).await.expect("no panic"),
+            number(first, head(first).await).await,
             "0",
             "the first thread's own"
         );
-        let again = head(second).await.expect("no panic");
         assert_eq!(
-            body(second, again).await.expect("no panic"),
+            number(second, head(second).await).await,
             "1",
             "the second thread's own"
         );
 
         // With no idle connection of its own, a thread takes another's.
-        let own = head(first).await.expect("no panic");
-        let other = head(first).await.expect("no panic");
-        assert_eq!(body(first, own).await.expect("no panic"), "0");
+        let own = head(first).await;
+        let other = head(first).await;
+        assert_eq!(number(first, own).await, "0");
         assert_eq!(
-            body(first, other).await.expect("no panic"),
+            number(first, other).await,
             "1",
             "the second thread's, the first's being taken"
         );
         assert_eq!(pool.idle_connections(), 2, "both kept");
         // Each went back to the list of the thread that made it.
-        let again = head(first).await.expect("no panic");
         assert_eq!(
-            body(first, again).await.expect("no panic"),
+            number(first, head(first).await).await,
             "0",
             "the first thread's list holds only its own"
         );
-        let again = head(second).await.expect("no panic");
-        assert_eq!(body(second, again).await.expect("no panic"), "1");
+        assert_eq!(number(second, head(second).await).await, "1");
         drop(workers);
     }
 }
