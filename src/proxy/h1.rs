@@ -580,16 +580,16 @@ mod tests {
             .expect("request")
     }
 
+    /// A response's body, read whole.
+    async fn whole(response: Response<DrivenBody>) -> Bytes {
+        let body = response.into_body().collect().await.expect("body");
+        body.to_bytes()
+    }
+
     /// One request through `pool`, read whole: it must be `ok`.
     async fn get_ok(pool: &Arc<H1Pool>, addr: SocketAddr) {
         let response = pool.request(get(addr)).await.expect("response");
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        assert_eq!(&bytes[..], b"ok");
+        assert_eq!(&whole(response).await[..], b"ok");
     }
 
     /// A finished response leaves its connection in the pool; a sweep
@@ -745,13 +745,7 @@ mod tests {
         };
         let number = async |on: &tokio::runtime::Handle, response: Response<DrivenBody>| {
             let read = on.spawn(async move {
-                let bytes = response
-                    .into_body()
-                    .collect()
-                    .await
-                    .expect("body")
-                    .to_bytes();
-                String::from_utf8(bytes.to_vec()).expect("a number")
+                String::from_utf8(whole(response).await.to_vec()).expect("a number")
             });
             read.await.expect("no panic")
         };
