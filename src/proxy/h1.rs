@@ -175,10 +175,11 @@ pub enum H1Error {
 /// The pool and connector of plain-HTTP upstream connections.
 pub struct H1Pool {
     connector: HttpConnector,
-    /// Idle connections, one list per thread that checks them in
-    /// ([`own_shard`]): each connection's socket is registered with the
-    /// reactor of the runtime that made it, so a connection reused on the
-    /// thread that made it is woken there, not from another thread.
+    /// Idle connections, one list per thread ([`own_shard`]) holding the
+    /// connections that thread made (`Conn::home`): each connection's
+    /// socket is registered with the reactor of the runtime that made it,
+    /// so a connection reused on that thread is woken there, not from
+    /// another thread.
     idle: Box<[Mutex<Vec<Idle>>]>,
     /// The sweeper task runs (started with the first idle connection,
     /// inside the runtime; it ends with the pool).
