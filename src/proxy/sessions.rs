@@ -118,11 +118,6 @@ fn send(all: &broadcast::Sender<Frame>, session: &Session, frame: Frame) {
 }
 
 impl State {
-    /// [`send`] to this registry's subscribers of every session.
-    fn send(&self, session: &Session, frame: Frame) {
-        send(&self.all, session, frame);
-    }
-
     /// The `sessions_resume` frame: every session with something in
     /// progress.
     fn all_resume(&self) -> Frame {
@@ -216,7 +211,7 @@ impl SessionRegistry {
         if cleared {
             let frame = clear_frame(session_id, ClearReason::NewRequest);
             if let Some(session) = state.sessions.get(session_id) {
-                state.send(session, frame);
+                send(&state.all, session, frame);
             }
         }
         drop(state);
@@ -305,15 +300,18 @@ impl SessionRegistry {
     /// were in progress.
     pub fn tool_execution_started(&self, session_id: &str) -> usize {
         let mut state = self.lock();
-        let Some(session) = state.sessions.get_mut(session_id) else {
+        let State { sessions, all, .. } = &mut *state;
+        let Some(session) = sessions.get_mut(session_id) else {
             return 0;
         };
         let cleared = session.progress.len();
         session.progress.clear();
         session.last_active = Instant::now();
-        if let Some(session) = state.sessions.get(session_id) {
-            state.send(session, clear_frame(session_id, ClearReason::ToolExecute));
-        }
+        send(
+            all,
+            session,
+            clear_frame(session_id, ClearReason::ToolExecute),
+        );
         drop(state);
         if let Some(display) = &self.display {
             display.show(session_id, &[], Outcome::Done, unix_ms());
@@ -391,6 +389,12 @@ impl StreamHandle {
     /// as long as this stream still owns the session. Empties `events`,
     /// keeping its allocation.
     pub fn publish(&mut self, tracker: &ToolCallTracker, events: &mut Vec<StreamEvent>) {
+        self.publish_events(tracker, events);
+        events.clear();
+    }
+
+    /// [`publish`](Self::publish), leaving `events` as they were.
+    fn publish_events(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent]) {
         let changed = tracker.changes() != self.published;
         if !changed && events.is_empty() {
             return;
@@ -399,11 +403,9 @@ impl StreamHandle {
         let mut state = self.registry.lock();
         let State { sessions, all, .. } = &mut *state;
         let Some(session) = sessions.get_mut(&self.session_id) else {
-            events.clear();
             return;
         };
         if session.generation != self.generation {
-            events.clear();
             return;
         }
         session.last_active = Instant::now();
@@ -412,11 +414,10 @@ impl StreamHandle {
         }
         // Frames are rendered only when someone listens.
         if all.receiver_count() > 0 || session.frames.receiver_count() > 0 {
-            for event in events.iter() {
+            for event in events {
                 send(all, session, event_frame(&self.session_id, event));
             }
         }
-        events.clear();
         if changed && let Some(display) = &self.registry.display {
             // Drawn outside the registry's lock.
             let entries = session.progress.clone();
@@ -437,7 +438,8 @@ impl StreamHandle {
 impl Drop for StreamHandle {
     fn drop(&mut self) {
         let mut state = self.registry.lock();
-        let Some(session) = state.sessions.get_mut(&self.session_id) else {
+        let State { sessions, all, .. } = &mut *state;
+        let Some(session) = sessions.get_mut(&self.session_id) else {
             return;
         };
         if session.generation != self.generation {
@@ -445,20 +447,16 @@ impl Drop for StreamHandle {
         }
         session.streaming = false;
         session.last_active = Instant::now();
-        let cleared = !session.progress.is_empty();
-        session.progress.clear();
-        if cleared && let Some(session) = state.sessions.get(&self.session_id) {
-            state.send(
+        if !session.progress.is_empty() {
+            session.progress.clear();
+            send(
+                all,
                 session,
                 clear_frame(&self.session_id, ClearReason::StreamEnd),
             );
         }
-        if state
-            .sessions
-            .get(&self.session_id)
-            .is_some_and(Session::unused)
-        {
-            state.sessions.remove(&self.session_id);
+        if session.unused() {
+            sessions.remove(&self.session_id);
         }
         drop(state);
         if let Some(display) = &self.registry.display {
