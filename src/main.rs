@@ -100,9 +100,15 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     };
     let mut input: Box<dyn Read + Send> = match args.input_path() {
         Some(path) => {
-            Box::new(File::open(path).with_context(|| format!("cannot open {}", path.display()))?)
+            let file =
+                File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+            filter::widen_pipe(&file);
+            Box::new(file)
         }
-        None => Box::new(io::stdin()),
+        None => {
+            filter::widen_pipe(io::stdin());
+            Box::new(io::stdin())
+        }
     };
     // A replay reads the whole capture first, then plays it in time.
     let mut capture = Vec::new();

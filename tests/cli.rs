@@ -480,6 +480,57 @@ fn each_event_is_flushed_as_soon_as_it_is_complete() {
     );
 }
 
+/// `annotate` widens the pipe it reads (so a read takes up to a megabyte of
+/// what piled up, not 64 KiB), up to the system's limit for unprivileged
+/// processes, and the stream through the wider pipe is unchanged. The pipe is
+/// shared: its size seen from the writing end is the size annotate set.
+#[test]
+fn annotate_widens_its_input_pipe() {
+    let input = read_fixture(TOOL_CALL_FIXTURE);
+    let whole = run(aalis_proxy_with(&[
+        "annotate",
+        &fixture_arg(TOOL_CALL_FIXTURE),
+    ]));
+    assert!(whole.status.success());
+    let limit: usize = std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
+        .expect("read pipe-max-size")
+        .trim()
+        .parse()
+        .expect("pipe-max-size is a number");
+    let want = limit.min(aalis_proxy::filter::PIPE_BYTES);
+
+    let mut child = aalis_proxy_with(&["annotate"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn aalis-proxy");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let before = rustix::pipe::fcntl_getpipe_size(&stdin).expect("stdin is a pipe");
+    assert!(
+        before < want,
+        "the pipe starts narrower ({before} bytes) than {want}"
+    );
+    let mut output = LiveStdout::new(child.stdout.take().expect("piped stdout"));
+    // Once the first event is out, annotate is reading: the pipe was widened.
+    let head = end_of_event(&input, 0);
+    stdin
+        .write_all(&input[..head])
+        .expect("write the first event");
+    stdin.flush().expect("flush stdin");
+    output.recv_until(end_of_event(&whole.stdout, 0), "the first event");
+    assert_eq!(
+        rustix::pipe::fcntl_getpipe_size(&stdin).expect("stdin is a pipe"),
+        want
+    );
+    stdin.write_all(&input[head..]).expect("write the rest");
+    drop(stdin);
+    let received = output.recv_to_end("the rest");
+    let status = wait_bounded(&mut child, "after the end of input");
+    assert!(status.success(), "{}", describe_status(status));
+    assert_eq!(received, whole.stdout);
+}
+
 /// SIGINT (Ctrl-C) while `annotate` waits for more input ends it the
 /// conventional way: killed by SIGINT, or status 130.
 #[test]
