@@ -18,8 +18,8 @@ use crate::encode::ndjson::{LineEncoder, LineFormat, TextField};
 use crate::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
 use crate::error::{Location, Warning, excerpt};
 use crate::framing::Framing;
-use crate::framing::ndjson::NdjsonDecoder;
-use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlockKind, SseDecoder};
+use crate::framing::ndjson::{NdjsonDecoder, NdjsonLine};
+use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlock, SseBlockKind, SseDecoder};
 use crate::progress::{Applied, ProgressEntry, ToolCallTracker};
 use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
@@ -167,6 +167,8 @@ struct RawFrame<'a> {
     /// The payload to decode, or `None` when the frame is not a chunk
     /// (a named SSE event, a blank NDJSON line).
     data: Option<&'a [u8]>,
+    /// `data` as text, when the framer checked it as UTF-8.
+    text: Option<&'a str>,
     /// Offset in `raw` of the closing `}` of the payload, if any.
     closing_brace: Option<usize>,
     /// The line break to use for added lines.
@@ -285,7 +287,7 @@ impl Annotator {
             Framer::Ndjson(d) => d.finish(),
             Framer::Sniffing(_) => {}
         }
-        self.drain(now_ms, out);
+        self.feed(&[], now_ms, out);
         let state = &mut self.state;
         if !state.deferred.is_empty() {
             state.line_end_tail(b"", out);
@@ -350,99 +352,97 @@ impl Annotator {
     }
 
     fn feed(&mut self, input: &[u8], now_ms: u64, out: &mut impl Sink) {
-        match &mut self.framer {
-            Framer::Sse(d) => d.push(input),
-            Framer::Ndjson(d) => d.push(input),
-            Framer::Sniffing(_) => return,
-        }
-        self.drain(now_ms, out);
-    }
-
-    /// Handles every complete frame the framer holds.
-    fn drain(&mut self, now_ms: u64, out: &mut impl Sink) {
         let state = &mut self.state;
         match &mut self.framer {
-            Framer::Sniffing(_) => {}
             Framer::Sse(decoder) => {
-                while let Some(block) = decoder.next_block() {
-                    match block.kind {
-                        SseBlockKind::Event(event) => {
-                            // Only default-type events are chunks; named
-                            // events (ours, or a provider's) are forwarded.
-                            let is_chunk = matches!(event.event_type, b"" | b"message");
-                            let frame = RawFrame {
-                                raw: block.raw,
-                                data: is_chunk.then_some(event.data),
-                                closing_brace: event.closing_brace,
-                                // An open line ending renders as `\n` now
-                                // and is fixed up at its tail.
-                                line_ending: if event.line_ending_open {
-                                    b"\n"
-                                } else {
-                                    event.line_ending.as_bytes()
-                                },
-                                line_ending_open: event.line_ending_open,
-                                at: Location {
-                                    unit: "SSE event",
-                                    number: event.number,
-                                    offset: block.offset,
-                                },
-                            };
-                            state.handle(Provider::OpenAiChat, &frame, now_ms, out);
-                        }
-                        SseBlockKind::NoData => state.forward(block.raw, out),
-                        SseBlockKind::LineEndTail => state.line_end_tail(block.raw, out),
-                        SseBlockKind::Oversized { number, first, .. } => {
-                            let at = Location {
-                                unit: "SSE event",
-                                number,
-                                offset: block.offset,
-                            };
-                            state.oversized(at, first, block.raw, out);
-                        }
-                        SseBlockKind::Unterminated { has_data, number } => {
-                            if has_data {
-                                state.warnings.push(Warning::Unterminated {
-                                    number,
-                                    offset: block.offset,
-                                });
-                            }
-                            state.forward(block.raw, out);
-                        }
-                    }
-                }
+                decoder.feed(input, &mut |block| state.sse_block(block, now_ms, out));
             }
             Framer::Ndjson(decoder) => {
-                while let Some(line) = decoder.next_line() {
-                    if let Some(piece) = line.oversized {
-                        let at = Location {
-                            unit: "NDJSON line",
-                            number: line.number,
-                            offset: line.offset,
-                        };
-                        state.oversized(at, piece.first, line.raw, out);
-                        continue;
-                    }
-                    let frame = RawFrame {
-                        raw: line.raw,
-                        data: (!line.is_blank()).then_some(line.content),
-                        closing_brace: line.closing_brace(),
-                        line_ending: b"\n",
-                        line_ending_open: false,
-                        at: Location {
-                            unit: "NDJSON line",
-                            number: line.number,
-                            offset: line.offset,
-                        },
-                    };
-                    state.handle(Provider::OllamaChat, &frame, now_ms, out);
-                }
+                decoder.feed(input, &mut |line| state.ndjson_line(line, now_ms, out));
             }
+            Framer::Sniffing(_) => {}
         }
     }
 }
 
 impl StreamState {
+    /// One SSE block: an event is handled, anything else forwarded.
+    fn sse_block(&mut self, block: SseBlock<'_>, now_ms: u64, out: &mut impl Sink) {
+        match block.kind {
+            SseBlockKind::Event(event) => {
+                // Only default-type events are chunks; named events (ours,
+                // or a provider's) are forwarded.
+                let is_chunk = matches!(event.event_type, b"" | b"message");
+                let frame = RawFrame {
+                    raw: block.raw,
+                    data: is_chunk.then_some(event.data),
+                    text: event.text,
+                    closing_brace: event.closing_brace,
+                    // An open line ending renders as `\n` now and is fixed
+                    // up at its tail.
+                    line_ending: if event.line_ending_open {
+                        b"\n"
+                    } else {
+                        event.line_ending.as_bytes()
+                    },
+                    line_ending_open: event.line_ending_open,
+                    at: Location {
+                        unit: "SSE event",
+                        number: event.number,
+                        offset: block.offset,
+                    },
+                };
+                self.handle(Provider::OpenAiChat, &frame, now_ms, out);
+            }
+            SseBlockKind::NoData => self.forward(block.raw, out),
+            SseBlockKind::LineEndTail => self.line_end_tail(block.raw, out),
+            SseBlockKind::Oversized { number, first, .. } => {
+                let at = Location {
+                    unit: "SSE event",
+                    number,
+                    offset: block.offset,
+                };
+                self.oversized(at, first, block.raw, out);
+            }
+            SseBlockKind::Unterminated { has_data, number } => {
+                if has_data {
+                    self.warnings.push(Warning::Unterminated {
+                        number,
+                        offset: block.offset,
+                    });
+                }
+                self.forward(block.raw, out);
+            }
+        }
+    }
+
+    /// One NDJSON line (or a piece of an oversized one).
+    fn ndjson_line(&mut self, line: NdjsonLine<'_>, now_ms: u64, out: &mut impl Sink) {
+        if let Some(piece) = line.oversized {
+            let at = Location {
+                unit: "NDJSON line",
+                number: line.number,
+                offset: line.offset,
+            };
+            self.oversized(at, piece.first, line.raw, out);
+            return;
+        }
+        let frame = RawFrame {
+            raw: line.raw,
+            data: (!line.is_blank()).then_some(line.content),
+            text: line.text,
+            closing_brace: line.closing_brace(),
+            line_ending: b"\n",
+            line_ending_open: false,
+            at: Location {
+                unit: "NDJSON line",
+                number: line.number,
+                offset: line.offset,
+            },
+        };
+        self.handle(Provider::OllamaChat, &frame, now_ms, out);
+    }
+
     /// Forwards bytes that carry no chunk (comments, blank lines).
     fn forward(&mut self, raw: &[u8], out: &mut impl Sink) {
         if self.output == OutputFormat::Sse {
@@ -493,7 +493,7 @@ impl StreamState {
             data => data,
         };
         let decoded = match data {
-            Some(data) => self.decode(provider, data, frame.at, now_ms, out),
+            Some(data) => self.decode(provider, data, frame.text, frame.at, now_ms, out),
             None => Ok(FrameInfo::default()),
         };
         let info = match decoded {
@@ -540,6 +540,7 @@ impl StreamState {
         &mut self,
         provider: Provider,
         data: &'d [u8],
+        text: Option<&'d str>,
         at: Location,
         now_ms: u64,
         out: &mut impl Sink,
@@ -552,7 +553,7 @@ impl StreamState {
         let batch = &mut self.batch;
         let lines = &mut self.lines;
         let mut events = self.collect_events.then_some(&mut self.events);
-        let info = providers::decode(provider, data, &mut self.decoder_state, &mut |chunk| {
+        let mut each = |chunk: Chunk<'d>| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {
                     lines.text(out, TextField::Content, *choice, &text.get())
@@ -583,7 +584,13 @@ impl StreamState {
                 }
                 Applied::Progress(_) | Applied::Cleared | Applied::Unchanged => {}
             }
-        })?;
+        };
+        let info = match text {
+            Some(text) => {
+                providers::decode_text(provider, text, &mut self.decoder_state, &mut each)
+            }
+            None => providers::decode(provider, data, &mut self.decoder_state, &mut each),
+        }?;
         if let Some(message) = upstream_error {
             self.warnings.push(Warning::Upstream { at, message });
         }

@@ -13,6 +13,7 @@ mod common;
 
 use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::Framing;
+use aalis_proxy::framing::ndjson::NdjsonDecoder;
 use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
 use aalis_proxy::js::utf16_len;
 use aalis_proxy::pipeline::AnnotatorConfig;
@@ -250,5 +251,154 @@ proptest! {
             }
         }
         prop_assert_eq!(annotated, names.len() + entries.len());
+    }
+}
+
+/// Bytes with long lines (to make a carried frame outgrow the first step of
+/// [`SseDecoder::feed`]), multi-byte characters (cut anywhere), invalid
+/// UTF-8, and every line break.
+fn long_streamish_bytes() -> impl Strategy<Value = Vec<u8>> {
+    let token = prop_oneof![
+        Just(b"data: ".to_vec()),
+        Just(b"\n".to_vec()),
+        Just(b"\r\n".to_vec()),
+        Just(b"\r".to_vec()),
+        Just(b"\n\n".to_vec()),
+        Just(b": c\n".to_vec()),
+        Just(b"id: 7\n".to_vec()),
+        Just("é😀世".as_bytes().to_vec()),
+        Just(b"\xFF".to_vec()),
+        Just(br#"{"message":{"content":"hi"},"done":false}"#.to_vec()),
+        (1usize..12_000).prop_map(|n| vec![b'x'; n]),
+    ];
+    proptest::collection::vec(token, 0..24).prop_map(|t| t.concat())
+}
+
+/// What a decoder hands out, as far as it does not depend on where the
+/// input was cut: every frame's raw bytes in order, and each dispatched
+/// event or parsed line. A frame whose `text` is set must have that text
+/// as its data.
+#[derive(Debug, Default, PartialEq)]
+struct Framed {
+    raw: Vec<u8>,
+    frames: Vec<String>,
+}
+
+fn sse_framed(max: usize, pieces: &[&[u8]], in_place: bool) -> Result<Framed, TestCaseError> {
+    let mut decoder = SseDecoder::with_max_event_bytes(max);
+    let mut seen = Framed::default();
+    let mut bad_text = None;
+    let mut each = |block: aalis_proxy::framing::sse::SseBlock<'_>| {
+        seen.raw.extend_from_slice(block.raw);
+        if let SseBlockKind::Event(e) = block.kind {
+            if let Some(text) = e.text
+                && text.as_bytes() != e.data
+            {
+                bad_text = Some(format!("{text:?} for {:?}", e.data));
+            }
+            seen.frames.push(format!(
+                "{} {:?} {:?} {:?}",
+                e.number, e.data, e.event_type, e.last_event_id
+            ));
+        }
+    };
+    for piece in pieces {
+        if in_place {
+            decoder.feed(piece, &mut each);
+        } else {
+            decoder.push(piece);
+            while let Some(block) = decoder.next_block() {
+                each(block);
+            }
+        }
+    }
+    decoder.finish();
+    if in_place {
+        decoder.feed(&[], &mut each);
+    } else {
+        while let Some(block) = decoder.next_block() {
+            each(block);
+        }
+    }
+    prop_assert!(bad_text.is_none(), "{:?}", bad_text);
+    Ok(seen)
+}
+
+fn ndjson_framed(max: usize, pieces: &[&[u8]], in_place: bool) -> Result<Framed, TestCaseError> {
+    let mut decoder = NdjsonDecoder::with_max_line_bytes(max);
+    let mut seen = Framed::default();
+    let mut bad_text = None;
+    let mut each = |line: aalis_proxy::framing::ndjson::NdjsonLine<'_>| {
+        seen.raw.extend_from_slice(line.raw);
+        if let Some(text) = line.text
+            && text.as_bytes() != line.content
+        {
+            bad_text = Some(format!("{text:?} for {:?}", line.content));
+        }
+        if line.oversized.is_none() {
+            seen.frames.push(format!(
+                "{} {} {:?}",
+                line.number, line.offset, line.content
+            ));
+        }
+    };
+    for piece in pieces {
+        if in_place {
+            decoder.feed(piece, &mut each);
+        } else {
+            decoder.push(piece);
+            while let Some(line) = decoder.next_line() {
+                each(line);
+            }
+        }
+    }
+    decoder.finish();
+    if in_place {
+        decoder.feed(&[], &mut each);
+    } else {
+        while let Some(line) = decoder.next_line() {
+            each(line);
+        }
+    }
+    prop_assert!(bad_text.is_none(), "{:?}", bad_text);
+    Ok(seen)
+}
+
+/// `input` cut at `cuts` (taken modulo its length).
+fn cut_at<'a>(input: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
+    cuts.sort_unstable();
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    for cut in cuts {
+        pieces.push(&input[start..cut]);
+        start = cut;
+    }
+    pieces.push(&input[start..]);
+    pieces
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Framing in place (`feed`, which keeps only a cut frame) hands out
+    /// the bytes and the events of framing a copy (`push`), however the
+    /// input is cut, with and without an event size limit; the text it
+    /// checked in bulk is the frame's data.
+    #[test]
+    fn framing_in_place_is_framing_a_copy(
+        input in long_streamish_bytes(),
+        cuts in proptest::collection::vec(any::<usize>(), 0..8),
+        small_limit in any::<bool>(),
+    ) {
+        let max = if small_limit { 9_000 } else { 1 << 20 };
+        let pieces = cut_at(&input, &cuts);
+        let whole = sse_framed(max, &[&input], false)?;
+        prop_assert_eq!(&whole.raw, &input);
+        prop_assert_eq!(&sse_framed(max, &pieces, true)?, &whole);
+        prop_assert_eq!(&sse_framed(max, &pieces, false)?, &whole);
+        let whole = ndjson_framed(max, &[&input], false)?;
+        prop_assert_eq!(&whole.raw, &input);
+        prop_assert_eq!(&ndjson_framed(max, &pieces, true)?, &whole);
     }
 }

@@ -2,12 +2,15 @@
 //!
 //! Each decoder takes input in pieces of any size (`push`), hands out
 //! complete frames that borrow its buffer (`next_block` / `next_line`), and
-//! after `finish` hands out what is left. Every frame carries its exact raw
-//! bytes, so forwarding frames in order reproduces the input. Nothing here
-//! parses JSON: that is [`crate::providers`].
+//! after `finish` hands out what is left. Or it frames each piece where it
+//! lies (`feed`, [`window`]), which the pipeline uses: the same frames,
+//! without copying the input. Every frame carries its exact raw bytes, so
+//! forwarding frames in order reproduces the input. Nothing here parses
+//! JSON: that is [`crate::providers`].
 
 pub mod ndjson;
 pub mod sse;
+pub mod window;
 
 /// How a stream is framed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

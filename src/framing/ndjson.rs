@@ -6,9 +6,13 @@
 //! start of the stream is left out of the first line's `content`, and at end
 //! of input a last line without `\n` is still a line.
 //!
-//! It does not parse JSON, decode UTF-8 or limit line length.
+//! It does not parse JSON or decode UTF-8 (under [`NdjsonDecoder::feed`]
+//! a line says when it was checked as text with the rest of its piece).
+//! Lines longer than its limit are handed out in pieces, unparsed.
 
 use memchr::memchr;
+
+use super::window::{self, Cutter, Window};
 
 /// One line of the stream.
 #[derive(Debug)]
@@ -26,6 +30,9 @@ pub struct NdjsonLine<'a> {
     pub oversized: Option<OversizedPiece>,
     /// Offset of `raw[0]` in the whole stream.
     pub offset: u64,
+    /// `content` as text, when it was checked as valid UTF-8 with the rest
+    /// of its window ([`Window::checked`]); `None` says nothing about it.
+    pub text: Option<&'a str>,
 }
 
 /// Which piece of an oversized line this is.
@@ -55,18 +62,27 @@ impl NdjsonLine<'_> {
 /// Incremental NDJSON decoder; see the module docs.
 #[derive(Debug)]
 pub struct NdjsonDecoder {
+    /// Input: lines already handed out (until the next `push` drops them,
+    /// one move per push rather than per line), then the current line.
+    /// Under [`NdjsonDecoder::feed`], only the bytes of a line cut by the
+    /// end of a piece.
+    buf: Vec<u8>,
+    state: NdjsonScan,
+}
+
+/// The decoder's state apart from its bytes ([`Cutter`]): positions count
+/// from the start of the window it reads.
+#[derive(Debug)]
+pub(crate) struct NdjsonScan {
     /// Lines longer than this are handed out as they come, unparsed.
     max_line_bytes: usize,
     /// In an oversized line: `Some(first piece not handed out yet)`.
     oversized: Option<bool>,
-    /// Input: lines already handed out (until the next `push` drops them,
-    /// one move per push rather than per line), then the current line.
-    buf: Vec<u8>,
-    /// Index in `buf` where the current line starts.
+    /// Where the current line starts.
     start: usize,
     /// Where to resume looking for `\n` (everything before it has none).
     scan: usize,
-    /// Stream offset of `buf[0]`.
+    /// Stream offset of the window's first byte.
     base_offset: u64,
     lines: u64,
     eof: bool,
@@ -84,56 +100,89 @@ impl NdjsonDecoder {
     }
 
     /// A decoder that passes lines longer than `max_line_bytes` on as they
-    /// stream, unparsed.
+    /// stream, unparsed ([`NdjsonLine::oversized`]).
     pub fn with_max_line_bytes(max_line_bytes: usize) -> Self {
         NdjsonDecoder {
-            max_line_bytes: max_line_bytes.max(1),
-            oversized: None,
             buf: Vec::new(),
-            start: 0,
-            scan: 0,
-            base_offset: 0,
-            lines: 0,
-            eof: false,
+            state: NdjsonScan {
+                max_line_bytes: max_line_bytes.max(1),
+                oversized: None,
+                start: 0,
+                scan: 0,
+                base_offset: 0,
+                lines: 0,
+                eof: false,
+            },
         }
     }
 
+    /// Adds input. Call [`next_line`](Self::next_line) until it returns
+    /// `None` afterwards.
     pub fn push(&mut self, input: &[u8]) {
-        if self.start > 0 {
-            let n = self.start;
-            self.buf.drain(..n);
-            self.base_offset += n as u64;
-            self.scan -= n;
-            self.start = 0;
-        }
+        window::drop_consumed(&mut self.buf, &mut self.state);
         self.buf.extend_from_slice(input);
     }
 
+    /// Frames `input` where it lies, after what is kept from earlier
+    /// pieces: `each` gets every line that is complete, in order (the same
+    /// lines as [`push`](Self::push) then [`next_line`](Self::next_line)
+    /// until `None`); only the bytes of a line cut by the end of `input`
+    /// are copied ([`window::feed`]).
+    pub fn feed(&mut self, input: &[u8], each: &mut dyn FnMut(NdjsonLine<'_>)) {
+        window::feed(&mut self.buf, &mut self.state, input, each);
+    }
+
+    /// Marks the end of input: a last line without `\n` is then handed out.
     pub fn finish(&mut self) {
-        self.eof = true;
+        self.state.eof = true;
     }
 
     /// The next complete line, or `None` when more input is needed.
     pub fn next_line(&mut self) -> Option<NdjsonLine<'_>> {
+        self.state.next_line(Window::raw(&self.buf))
+    }
+}
+
+impl Cutter for NdjsonScan {
+    type Frame<'a> = NdjsonLine<'a>;
+
+    fn next_frame<'a>(&'a mut self, window: Window<'a>) -> Option<NdjsonLine<'a>> {
+        self.next_line(window)
+    }
+
+    fn consumed(&self) -> usize {
+        self.start
+    }
+
+    fn rebase(&mut self, n: usize) {
+        self.base_offset += n as u64;
+        self.start -= n;
+        self.scan -= n;
+    }
+}
+
+impl NdjsonScan {
+    fn next_line<'a>(&'a mut self, window: Window<'a>) -> Option<NdjsonLine<'a>> {
+        let buf = window.bytes;
         let start = self.start;
-        let newline = memchr(b'\n', &self.buf[self.scan..]).map(|i| self.scan + i + 1);
+        let newline = memchr(b'\n', &buf[self.scan..]).map(|i| self.scan + i + 1);
         // Too long, whether it is complete or still arriving: the same line
         // is oversized however the input was cut.
-        let line_bytes = newline.map_or(self.buf.len(), |end| end - 1) - start;
+        let line_bytes = newline.map_or(buf.len(), |end| end - 1) - start;
         if self.oversized.is_none() && line_bytes > self.max_line_bytes {
             self.lines += 1;
             self.oversized = Some(true);
         }
         if let Some(first) = self.oversized {
             let last = newline.is_some() || self.eof;
-            let end = newline.unwrap_or(self.buf.len());
+            let end = newline.unwrap_or(buf.len());
             if end == start && !last {
                 return None;
             }
             self.start = end;
             self.scan = end;
             self.oversized = (!last).then_some(false);
-            let raw = &self.buf[start..end];
+            let raw = &buf[start..end];
             return Some(NdjsonLine {
                 raw,
                 content: raw,
@@ -141,13 +190,14 @@ impl NdjsonDecoder {
                 number: self.lines,
                 offset: self.base_offset + start as u64,
                 oversized: Some(OversizedPiece { first, last }),
+                text: None,
             });
         }
         let end = match newline {
             Some(end) => end,
-            None if self.eof && start < self.buf.len() => self.buf.len(),
+            None if self.eof && start < buf.len() => buf.len(),
             None => {
-                self.scan = self.buf.len();
+                self.scan = buf.len();
                 return None;
             }
         };
@@ -155,7 +205,7 @@ impl NdjsonDecoder {
         self.scan = end;
         self.lines += 1;
         let offset = self.base_offset + start as u64;
-        let raw = &self.buf[start..end];
+        let raw = &buf[start..end];
         let mut content = raw.strip_suffix(b"\n").unwrap_or(raw);
         content = content.strip_suffix(b"\r").unwrap_or(content);
         let mut content_start = 0;
@@ -165,6 +215,7 @@ impl NdjsonDecoder {
             content = rest;
             content_start = 3;
         }
+        let text = window.text(start + content_start, start + content_start + content.len());
         Some(NdjsonLine {
             raw,
             content,
@@ -172,6 +223,7 @@ impl NdjsonDecoder {
             number: self.lines,
             offset,
             oversized: None,
+            text,
         })
     }
 }

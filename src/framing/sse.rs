@@ -16,13 +16,16 @@
 //! dispatched (it comes back as [`SseBlockKind::Unterminated`] so its bytes
 //! are still forwarded).
 //!
-//! What it does not do: decode UTF-8 (data stays bytes; a character split
-//! across pieces is whole by the time its line is complete), interpret the
-//! data, or limit event size.
+//! What it does not do: decode UTF-8 (data stays bytes, a character split
+//! across pieces whole by the time its line is complete; under
+//! [`SseDecoder::feed`] an event also says when its data was checked as
+//! text with the rest of its piece), or interpret the data.
 //!
-//! Read [`SseDecoder::next_block`] first.
+//! Read `SseScan::next_block` first.
 
 use memchr::memchr2;
+
+use super::window::{self, Cutter, Window};
 
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
@@ -113,6 +116,9 @@ pub struct SseEvent<'a> {
     pub event_type: &'a [u8],
     /// The `data:` lines joined with `\n`.
     pub data: &'a [u8],
+    /// `data` as text, when it was checked as valid UTF-8 with the rest of
+    /// its window ([`Window::checked`]); `None` says nothing about it.
+    pub text: Option<&'a str>,
     /// The last event ID seen so far in the stream (`id:` persists).
     pub last_event_id: &'a [u8],
     /// Offset in `raw` of the last non-whitespace byte of the data when that
@@ -130,24 +136,33 @@ pub struct SseEvent<'a> {
 /// Incremental SSE decoder; see the module docs.
 #[derive(Debug)]
 pub struct SseDecoder {
+    /// Input: blocks already handed out (until the next `push` drops them,
+    /// one move per push rather than per block), then the current block.
+    /// Under [`SseDecoder::feed`], only the bytes of a block cut by the end
+    /// of a piece.
+    buf: Vec<u8>,
+    state: SseScan,
+}
+
+/// The decoder's state apart from its bytes ([`Cutter`]): positions count
+/// from the start of the window it reads.
+#[derive(Debug)]
+pub(crate) struct SseScan {
     /// Events larger than this are handed out as they come, unparsed.
     max_event_bytes: usize,
     /// The current event outgrew `max_event_bytes`.
     oversized: Option<Oversized>,
-    /// Input: blocks already handed out (until the next `push` drops them,
-    /// one move per push rather than per block), then the current block.
-    buf: Vec<u8>,
-    /// Index in `buf` where the current block starts.
+    /// Where the current block starts.
     start: usize,
     /// The block handed out last still borrows the event fields; they are
     /// reset at the next call.
     reset_pending: bool,
-    /// Start of the next line to read, as an index into `buf`.
+    /// Start of the next line to read.
     scan: usize,
-    /// `buf[scan..searched]` holds no line break: a long line arriving in
+    /// `window[scan..searched]` holds no line break: a long line arriving in
     /// pieces is searched once, not once per piece.
     searched: usize,
-    /// Stream offset of `buf[0]`.
+    /// Stream offset of the window's first byte.
     base_offset: u64,
     /// The BOM check at stream start is done.
     started: bool,
@@ -161,7 +176,7 @@ pub struct SseDecoder {
     eof: bool,
     /// The `data` lines joined, once there are two or more…
     data: Vec<u8>,
-    /// … while the only one so far is `buf[.0...1]`, not copied.
+    /// … while the only one so far is `window[.0...1]`, not copied.
     data_line: Option<(usize, usize)>,
     has_data: bool,
     event_type: Vec<u8>,
@@ -174,7 +189,7 @@ pub struct SseDecoder {
     /// The current event has set `last_event_id` (`id_before_event` holds
     /// the value to restore).
     id_changed: bool,
-    /// Index in `buf` of the last non-whitespace data byte, if any.
+    /// Position of the last non-whitespace data byte, if any.
     data_last_byte: Option<usize>,
     events: u64,
 }
@@ -194,59 +209,91 @@ impl SseDecoder {
     /// they stream, unparsed ([`SseBlockKind::Oversized`]).
     pub fn with_max_event_bytes(max_event_bytes: usize) -> Self {
         SseDecoder {
-            max_event_bytes: max_event_bytes.max(1),
-            oversized: None,
             buf: Vec::new(),
-            start: 0,
-            reset_pending: false,
-            scan: 0,
-            searched: 0,
-            base_offset: 0,
-            started: false,
-            skip_lf: false,
-            tail_pending: false,
-            eof: false,
-            data: Vec::new(),
-            data_line: None,
-            has_data: false,
-            event_type: Vec::new(),
-            last_event_id: Vec::new(),
-            id_before_event: Vec::new(),
-            id_changed: false,
-            data_last_byte: None,
-            events: 0,
+            state: SseScan {
+                max_event_bytes: max_event_bytes.max(1),
+                oversized: None,
+                start: 0,
+                reset_pending: false,
+                scan: 0,
+                searched: 0,
+                base_offset: 0,
+                started: false,
+                skip_lf: false,
+                tail_pending: false,
+                eof: false,
+                data: Vec::new(),
+                data_line: None,
+                has_data: false,
+                event_type: Vec::new(),
+                last_event_id: Vec::new(),
+                id_before_event: Vec::new(),
+                id_changed: false,
+                data_last_byte: None,
+                events: 0,
+            },
         }
     }
 
     /// Adds input. Call [`next_block`](Self::next_block) until it returns
     /// `None` afterwards.
     pub fn push(&mut self, input: &[u8]) {
-        self.reset_event();
-        if self.start > 0 {
-            let n = self.start;
-            self.buf.drain(..n);
-            self.base_offset += n as u64;
-            self.scan -= n;
-            self.searched -= n;
-            self.data_last_byte = self.data_last_byte.map(|i| i - n);
-            self.data_line = self.data_line.map(|(a, b)| (a - n, b - n));
-            self.start = 0;
-        }
+        self.state.reset_event();
+        window::drop_consumed(&mut self.buf, &mut self.state);
         self.buf.extend_from_slice(input);
+    }
+
+    /// Frames `input` where it lies, after what is kept from earlier
+    /// pieces: `each` gets every block that is complete, in order (the same
+    /// blocks as [`push`](Self::push) then [`next_block`](Self::next_block)
+    /// until `None`); only the bytes of a block cut by the end of `input`
+    /// are copied ([`window::feed`]).
+    pub fn feed(&mut self, input: &[u8], each: &mut dyn FnMut(SseBlock<'_>)) {
+        self.state.reset_event();
+        window::feed(&mut self.buf, &mut self.state, input, each);
     }
 
     /// Marks the end of input: the next calls hand out whatever is left.
     pub fn finish(&mut self) {
-        self.eof = true;
+        self.state.eof = true;
     }
 
     /// The next complete block, or `None` when more input is needed (or,
     /// after [`finish`](Self::finish), when everything has been handed out).
     pub fn next_block(&mut self) -> Option<SseBlock<'_>> {
+        self.state.next_block(Window::raw(&self.buf))
+    }
+}
+
+impl Cutter for SseScan {
+    type Frame<'a> = SseBlock<'a>;
+
+    fn next_frame<'a>(&'a mut self, window: Window<'a>) -> Option<SseBlock<'a>> {
+        self.next_block(window)
+    }
+
+    fn consumed(&self) -> usize {
+        self.start
+    }
+
+    fn rebase(&mut self, n: usize) {
+        self.reset_event();
+        self.base_offset += n as u64;
+        self.start -= n;
+        self.scan -= n;
+        self.searched -= n;
+        self.data_last_byte = self.data_last_byte.map(|i| i - n);
+        self.data_line = self.data_line.map(|(a, b)| (a - n, b - n));
+    }
+}
+
+impl SseScan {
+    fn next_block<'a>(&'a mut self, window: Window<'a>) -> Option<SseBlock<'a>> {
+        let buf = window.bytes;
         self.reset_event();
         if !self.started {
-            let n = self.buf.len().min(BOM.len());
-            if self.buf[..n] != BOM[..n] {
+            let n = buf.len().min(BOM.len());
+            if buf[..n] != BOM[..n] {
                 self.started = true;
             } else if n == BOM.len() {
                 self.started = true;
@@ -259,7 +306,7 @@ impl SseDecoder {
         }
         loop {
             if self.tail_pending {
-                match self.buf.get(self.scan) {
+                match buf.get(self.scan) {
                     Some(b'\n') => self.scan += 1,
                     Some(_) => {}
                     None if self.eof => {}
@@ -267,13 +314,13 @@ impl SseDecoder {
                 }
                 self.tail_pending = false;
                 self.searched = self.scan;
-                return Some(self.hand_out(SseBlockKind::LineEndTail));
+                return Some(self.hand_out(buf, SseBlockKind::LineEndTail));
             }
             if self.oversized.is_some() {
-                return self.next_oversized_piece();
+                return self.next_oversized_piece(buf);
             }
             if self.skip_lf {
-                match self.buf.get(self.scan) {
+                match buf.get(self.scan) {
                     Some(b'\n') => self.scan += 1,
                     Some(_) => {}
                     None if self.eof => {}
@@ -291,26 +338,26 @@ impl SseDecoder {
             }
             let from = self.searched.max(self.scan);
             // The blank line that ends most events is found without a call.
-            let found = match self.buf.get(from) {
+            let found = match buf.get(from) {
                 Some(b'\r' | b'\n') => Some(0),
-                _ => memchr2(b'\r', b'\n', &self.buf[from..]),
+                _ => memchr2(b'\r', b'\n', &buf[from..]),
             };
             let Some(len) = found else {
-                self.searched = self.buf.len();
-                if !self.eof && self.buf.len() - self.start > self.max_event_bytes {
+                self.searched = buf.len();
+                if !self.eof && buf.len() - self.start > self.max_event_bytes {
                     self.enter_oversized();
                     continue;
                 }
-                return self.unterminated_tail();
+                return self.unterminated_tail(buf);
             };
             let line_start = self.scan;
             let line_end = from + len;
             let mut next = line_end + 1;
             let mut ending = LineEnding::Lf;
             let mut cr_at_end = false;
-            if self.buf[line_end] == b'\r' {
+            if buf[line_end] == b'\r' {
                 ending = LineEnding::Cr;
-                match self.buf.get(next) {
+                match buf.get(next) {
                     Some(b'\n') => {
                         next += 1;
                         ending = LineEnding::CrLf;
@@ -324,10 +371,10 @@ impl SseDecoder {
             if line_start == line_end {
                 let open = cr_at_end && !self.eof;
                 self.tail_pending = open;
-                return Some(self.dispatch(ending, open));
+                return Some(self.dispatch(window, ending, open));
             }
             self.skip_lf = cr_at_end;
-            self.field(line_start, line_end);
+            self.field(buf, line_start, line_end);
             if self.scan - self.start > self.max_event_bytes {
                 self.enter_oversized();
             }
@@ -360,26 +407,26 @@ impl SseDecoder {
 
     /// Hands out what arrived of an oversized event, up to and including its
     /// blank line if that has come.
-    fn next_oversized_piece(&mut self) -> Option<SseBlock<'_>> {
+    fn next_oversized_piece<'a>(&'a mut self, buf: &'a [u8]) -> Option<SseBlock<'a>> {
         let mut state = self.oversized?;
         let mut pos = self.scan;
         if state.closing_cr {
             // As for a normal event: an LF right after its last CR is its.
-            let end = match self.buf.get(pos) {
+            let end = match buf.get(pos) {
                 Some(b'\n') => pos + 1,
                 Some(_) => pos,
                 None if self.eof => pos,
                 None => return None,
             };
-            return Some(self.oversized_piece(state, end, true));
+            return Some(self.oversized_piece(buf, state, end, true));
         }
         let event_end = loop {
-            let Some(offset) = memchr2(b'\r', b'\n', &self.buf[pos..]) else {
-                if pos < self.buf.len() {
+            let Some(offset) = memchr2(b'\r', b'\n', &buf[pos..]) else {
+                if pos < buf.len() {
                     state.line_empty = false;
                     state.cr_pending = false;
                 }
-                pos = self.buf.len();
+                pos = buf.len();
                 break None;
             };
             let i = pos + offset;
@@ -387,7 +434,7 @@ impl SseDecoder {
                 state.line_empty = false;
                 state.cr_pending = false;
             }
-            let byte = self.buf[i];
+            let byte = buf[i];
             if byte == b'\n' && state.cr_pending {
                 // The LF of a CRLF whose CR was already counted.
                 state.cr_pending = false;
@@ -397,14 +444,14 @@ impl SseDecoder {
             if state.line_empty {
                 let mut end = i + 1;
                 if byte == b'\r' {
-                    match self.buf.get(end) {
+                    match buf.get(end) {
                         Some(b'\n') => end += 1,
                         Some(_) => {}
                         None if self.eof => {}
                         None => {
                             // Wait for the next byte before ending it.
                             state.closing_cr = true;
-                            return Some(self.oversized_piece(state, end, false));
+                            return Some(self.oversized_piece(buf, state, end, false));
                         }
                     }
                 }
@@ -420,11 +467,17 @@ impl SseDecoder {
             self.oversized = Some(state);
             return None;
         }
-        Some(self.oversized_piece(state, end, last))
+        Some(self.oversized_piece(buf, state, end, last))
     }
 
     /// Hands out `buf[start..end]` as a piece of the oversized event.
-    fn oversized_piece(&mut self, state: Oversized, end: usize, last: bool) -> SseBlock<'_> {
+    fn oversized_piece<'a>(
+        &'a mut self,
+        buf: &'a [u8],
+        state: Oversized,
+        end: usize,
+        last: bool,
+    ) -> SseBlock<'a> {
         self.scan = end;
         self.searched = end;
         self.oversized = if last {
@@ -435,16 +488,19 @@ impl SseDecoder {
                 ..state
             })
         };
-        self.hand_out(SseBlockKind::Oversized {
-            number: state.number,
-            first: state.first,
-            last,
-        })
+        self.hand_out(
+            buf,
+            SseBlockKind::Oversized {
+                number: state.number,
+                first: state.first,
+                last,
+            },
+        )
     }
 
     /// Interprets one non-empty line `buf[start..end]`.
-    fn field(&mut self, start: usize, end: usize) {
-        let line = &self.buf[start..end];
+    fn field(&mut self, buf: &[u8], start: usize, end: usize) {
+        let line = &buf[start..end];
         if line[0] == b':' {
             return;
         }
@@ -457,14 +513,14 @@ impl SseDecoder {
         let (name, value_start) = match colon {
             Some(colon) => {
                 let mut v = start + colon + 1;
-                if self.buf.get(v) == Some(&b' ') && v < end {
+                if buf.get(v) == Some(&b' ') && v < end {
                     v += 1;
                 }
                 (&line[..colon], v)
             }
             None => (line, end),
         };
-        let value = &self.buf[value_start..end];
+        let value = &buf[value_start..end];
         match name {
             b"data" => {
                 if let Some(i) = value.iter().rposition(|b| !matches!(b, b' ' | b'\t')) {
@@ -477,10 +533,10 @@ impl SseDecoder {
                     return;
                 }
                 if let Some((a, b)) = self.data_line.take() {
-                    self.data.extend_from_slice(&self.buf[a..b]);
+                    self.data.extend_from_slice(&buf[a..b]);
                 }
                 self.data.push(b'\n');
-                self.data.extend_from_slice(&self.buf[value_start..end]);
+                self.data.extend_from_slice(&buf[value_start..end]);
             }
             b"event" => {
                 self.event_type.clear();
@@ -499,7 +555,13 @@ impl SseDecoder {
     }
 
     /// Hands out `buf[start..scan]` as a block ended by a blank line.
-    fn dispatch(&mut self, line_ending: LineEnding, line_ending_open: bool) -> SseBlock<'_> {
+    fn dispatch<'a>(
+        &'a mut self,
+        window: Window<'a>,
+        line_ending: LineEnding,
+        line_ending_open: bool,
+    ) -> SseBlock<'a> {
+        let buf = window.bytes;
         let start = self.start;
         // The block is whole: an `id` it set stays (WHATWG: the last event
         // ID buffer persists, with or without data).
@@ -508,15 +570,16 @@ impl SseDecoder {
             self.events += 1;
             let closing_brace = self
                 .data_last_byte
-                .filter(|&i| self.buf[i] == b'}')
+                .filter(|&i| buf[i] == b'}')
                 .map(|i| i - start);
             SseBlockKind::Event(SseEvent {
                 number: self.events,
                 event_type: &self.event_type,
                 data: match self.data_line {
-                    Some((a, b)) => &self.buf[a..b],
+                    Some((a, b)) => &buf[a..b],
                     None => &self.data,
                 },
+                text: self.data_line.and_then(|(a, b)| window.text(a, b)),
                 last_event_id: &self.last_event_id,
                 closing_brace,
                 line_ending,
@@ -529,41 +592,41 @@ impl SseDecoder {
         self.start = end;
         self.reset_pending = true;
         SseBlock {
-            raw: &self.buf[start..end],
+            raw: &buf[start..end],
             offset: self.base_offset + start as u64,
             kind,
         }
     }
 
     /// Hands out `buf[start..scan]` as a block of `kind`.
-    fn hand_out<'a>(&'a mut self, kind: SseBlockKind<'a>) -> SseBlock<'a> {
+    fn hand_out<'a>(&'a mut self, buf: &'a [u8], kind: SseBlockKind<'a>) -> SseBlock<'a> {
         let start = self.start;
         self.start = self.scan;
         self.reset_pending = true;
         SseBlock {
-            raw: &self.buf[start..self.scan],
+            raw: &buf[start..self.scan],
             offset: self.base_offset + start as u64,
             kind,
         }
     }
 
     /// At end of input, the bytes after the last blank line.
-    fn unterminated_tail(&mut self) -> Option<SseBlock<'_>> {
-        if !self.eof || self.start == self.buf.len() {
+    fn unterminated_tail<'a>(&'a mut self, buf: &'a [u8]) -> Option<SseBlock<'a>> {
+        if !self.eof || self.start == buf.len() {
             return None;
         }
         let start = self.start;
         // A last `data` line cut off before its line break is data lost
         // too (its first bytes are a prefix of `data:`, or it is `data:…`).
-        let partial = &self.buf[self.scan..];
+        let partial = &buf[self.scan..];
         let cut_data_line =
             !partial.is_empty() && b"data:".starts_with(&partial[..partial.len().min(5)]);
         let has_data = self.has_data || cut_data_line;
-        self.scan = self.buf.len();
-        self.start = self.buf.len();
+        self.scan = buf.len();
+        self.start = buf.len();
         self.reset_pending = true;
         Some(SseBlock {
-            raw: &self.buf[start..],
+            raw: &buf[start..],
             offset: self.base_offset + start as u64,
             kind: SseBlockKind::Unterminated {
                 has_data,

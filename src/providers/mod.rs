@@ -84,7 +84,16 @@ pub fn decode<'a>(
     state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
-    let data = utf8(data)?;
+    decode_text(provider, utf8(data)?, state, emit)
+}
+
+/// [`decode`] of a frame already known to be valid UTF-8.
+pub fn decode_text<'a>(
+    provider: Provider,
+    data: &'a str,
+    state: &mut DecoderState,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Result<FrameInfo<'a>, FrameError> {
     match provider {
         Provider::OpenAiChat => openai_chat::decode(data, state, emit),
         Provider::OllamaChat => ollama::decode(data, state, emit),
