@@ -14,6 +14,7 @@ use std::ops::Range;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
+use crate::encode::splice::Splice;
 use crate::error::FilterError;
 use crate::pipeline::{Annotator, AnnotatorConfig};
 use crate::progress::{ProgressEntry, StreamPhase};
@@ -71,7 +72,7 @@ pub fn run(
     let mut filter = Filter {
         annotator: Annotator::new(config),
         spinners: Spinners::new(display),
-        out: Vec::with_capacity(READ_BYTES),
+        out: Splice::with_capacity(READ_BYTES),
         output,
         warnings,
     };
@@ -204,8 +205,8 @@ fn read_retrying(input: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
 struct Filter<'a> {
     annotator: Annotator,
     spinners: Spinners<'a>,
-    /// Output not yet written.
-    out: Vec<u8>,
+    /// Output not yet written: runs of the piece, and what was added.
+    out: Splice,
     output: &'a mut dyn Write,
     warnings: &'a mut dyn Write,
 }
@@ -213,27 +214,27 @@ struct Filter<'a> {
 impl Filter<'_> {
     /// One piece of input: processed, written, flushed, drawn.
     fn feed(&mut self, piece: &[u8], now_ms: u64) -> Result<(), FilterError> {
-        self.annotator.push(piece, now_ms, &mut self.out);
-        self.emit()?;
+        self.annotator
+            .push(piece, now_ms, &mut self.out.sink(piece));
+        self.emit(piece)?;
         self.spinners.update(&self.annotator, now_ms);
         Ok(())
     }
 
     /// End of input.
     fn end(&mut self, now_ms: u64) -> Result<(), FilterError> {
-        self.annotator.finish(now_ms, &mut self.out);
+        self.annotator.finish(now_ms, &mut self.out.sink(&[]));
         self.spinners.update(&self.annotator, now_ms);
-        self.emit()
+        self.emit(&[])
     }
 
-    /// Writes and flushes pending output, then pending warnings.
-    fn emit(&mut self) -> Result<(), FilterError> {
+    /// Writes and flushes the output of `piece`, then pending warnings.
+    fn emit(&mut self, piece: &[u8]) -> Result<(), FilterError> {
         if !self.out.is_empty() {
-            self.output
-                .write_all(&self.out)
+            self.out
+                .write_to(piece, self.output)
                 .map_err(FilterError::Write)?;
             self.output.flush().map_err(FilterError::Write)?;
-            self.out.clear();
         }
         for warning in self.annotator.take_warnings() {
             // A closed stderr must not stop the stream.

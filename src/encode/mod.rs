@@ -10,6 +10,7 @@
 
 pub mod inject;
 pub mod ndjson;
+pub mod splice;
 
 use std::ops::Range;
 
