@@ -261,6 +261,15 @@ impl Annotator {
     pub fn push(&mut self, input: &[u8], now_ms: u64, out: &mut impl Sink) {
         match &mut self.framer {
             Framer::Sniffing(seen) => {
+                // The first piece nearly always tells the framing: it is
+                // then framed where it lies.
+                if seen.is_empty()
+                    && let Some(framing) = Framing::sniff(input)
+                {
+                    self.start(framing);
+                    self.feed(input, now_ms, out);
+                    return;
+                }
                 seen.extend_from_slice(input);
                 let Some(framing) = Framing::sniff(seen) else {
                     return;

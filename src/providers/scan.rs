@@ -686,6 +686,22 @@ mod tests {
     }
 
     #[test]
+    fn common_prefix_is_the_bytewise_one_at_every_length_and_offset() {
+        let a: Vec<u8> = (0..100u8).collect();
+        for len in 0..a.len() {
+            for differ in 0..=len {
+                let mut b = a[..len].to_vec();
+                if let Some(byte) = b.get_mut(differ) {
+                    *byte ^= 0x40;
+                }
+                let naive = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+                assert_eq!(common_prefix(&a, &b), naive, "len {len}, differ {differ}");
+                assert_eq!(common_prefix(&b, &a), naive, "len {len}, differ {differ}");
+            }
+        }
+    }
+
+    #[test]
     fn deep_nesting_bails_instead_of_recursing() {
         let deep = "[".repeat(100_000);
         assert_eq!(Cursor::new(&deep, Vec::new()).value(), Err(Bail));
