@@ -61,7 +61,8 @@ pub enum Command {
 /// FILE or stdin, and writes the result to stdout event by event, flushed,
 /// so it works live in a pipe. Events that cannot be understood are passed
 /// on unchanged and reported on stderr with their event number and byte
-/// offset.
+/// offset. When its input is a pipe, it widens that pipe to 1 MiB (or the
+/// system's limit), so a fast writer is read in large pieces.
 #[derive(Debug, Args)]
 #[command(after_long_help = ANNOTATE_EXAMPLES, display_name = "aalis-proxy")]
 pub struct AnnotateArgs {
