@@ -13,7 +13,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -422,62 +422,99 @@ fn broken_pipe_is_quiet_success() {
     assert_eq!(stderr, "");
 }
 
+/// `annotate` of the tool-call fixture with its input fed live: the fixture,
+/// the output for the file read at once, and a child reading a pipe.
+struct LiveAnnotate {
+    input: Vec<u8>,
+    whole: Vec<u8>,
+    child: Child,
+    stdin: ChildStdin,
+    output: LiveStdout,
+}
+
+impl LiveAnnotate {
+    fn start() -> Self {
+        let input = read_fixture(TOOL_CALL_FIXTURE);
+        let whole = run(aalis_proxy_with(&[
+            "annotate",
+            &fixture_arg(TOOL_CALL_FIXTURE),
+        ]));
+        assert!(whole.status.success());
+        let mut child = aalis_proxy_with(&["annotate"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn aalis-proxy");
+        let stdin = child.stdin.take().expect("piped stdin");
+        let output = LiveStdout::new(child.stdout.take().expect("piped stdout"));
+        LiveAnnotate {
+            input,
+            whole: whole.stdout,
+            child,
+            stdin,
+            output,
+        }
+    }
+
+    /// Writes the input up to `head`, flushed, and waits for the output up
+    /// to `expected_head`, which must be that of the whole file.
+    fn send_head(&mut self, head: usize, expected_head: usize, what: &str) {
+        self.stdin
+            .write_all(&self.input[..head])
+            .expect("write the first events");
+        self.stdin.flush().expect("flush stdin");
+        self.output.recv_until(expected_head, what);
+        assert_eq!(
+            String::from_utf8_lossy(&self.output.received),
+            String::from_utf8_lossy(&self.whole[..expected_head])
+        );
+    }
+
+    /// Writes the rest of the input from `head` and closes stdin: the whole
+    /// output is that of the file, and the status is success.
+    fn finish(mut self, head: usize) {
+        self.stdin
+            .write_all(&self.input[head..])
+            .expect("write the rest");
+        drop(self.stdin);
+        let received = self.output.recv_to_end("the rest");
+        let status = wait_bounded(&mut self.child, "after the end of input");
+        assert!(status.success(), "{}", describe_status(status));
+        assert_eq!(
+            String::from_utf8_lossy(&received),
+            String::from_utf8_lossy(&self.whole)
+        );
+    }
+}
+
 /// Each event is written and flushed as soon as it is complete, before the
 /// end of the input: the first tool-call event comes out, with its
 /// injected `"toolCallProgress"`, while stdin is still open. The whole
 /// output is then the same as for the file at once.
 #[test]
 fn each_event_is_flushed_as_soon_as_it_is_complete() {
-    let input = read_fixture(TOOL_CALL_FIXTURE);
-    let whole = run(aalis_proxy_with(&[
-        "annotate",
-        &fixture_arg(TOOL_CALL_FIXTURE),
-    ]));
-    assert!(whole.status.success());
-
+    let mut live = LiveAnnotate::start();
     // The input up to the end of the first event that carries a tool-call
     // delta, and the output up to the end of its annotated copy.
     let head = end_of_event(
-        &input,
-        find(&input, b"\"tool_calls\"").expect("a tool call"),
+        &live.input,
+        find(&live.input, b"\"tool_calls\"").expect("a tool call"),
     );
     let expected_head = end_of_event(
-        &whole.stdout,
-        find(&whole.stdout, b"\"toolCallProgress\"").expect("injected progress"),
+        &live.whole,
+        find(&live.whole, b"\"toolCallProgress\"").expect("injected progress"),
     );
     assert!(
-        head < input.len(),
+        head < live.input.len(),
         "the fixture must go on after its first tool call"
     );
-
-    let mut child = aalis_proxy_with(&["annotate"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn aalis-proxy");
-    let mut stdin = child.stdin.take().expect("piped stdin");
-    let mut output = LiveStdout::new(child.stdout.take().expect("piped stdout"));
-
-    stdin
-        .write_all(&input[..head])
-        .expect("write the first events");
-    stdin.flush().expect("flush stdin");
-    output.recv_until(expected_head, "first tool-call event, stdin still open");
-    assert_eq!(
-        String::from_utf8_lossy(&output.received),
-        String::from_utf8_lossy(&whole.stdout[..expected_head])
+    live.send_head(
+        head,
+        expected_head,
+        "first tool-call event, stdin still open",
     );
-
-    stdin.write_all(&input[head..]).expect("write the rest");
-    drop(stdin);
-    let received = output.recv_to_end("the rest");
-    let status = wait_bounded(&mut child, "after the end of input");
-    assert!(status.success(), "{}", describe_status(status));
-    assert_eq!(
-        String::from_utf8_lossy(&received),
-        String::from_utf8_lossy(&whole.stdout)
-    );
+    live.finish(head);
 }
 
 /// `annotate` widens the pipe it reads (so a read takes up to a megabyte of
@@ -486,49 +523,27 @@ fn each_event_is_flushed_as_soon_as_it_is_complete() {
 /// shared: its size seen from the writing end is the size annotate set.
 #[test]
 fn annotate_widens_its_input_pipe() {
-    let input = read_fixture(TOOL_CALL_FIXTURE);
-    let whole = run(aalis_proxy_with(&[
-        "annotate",
-        &fixture_arg(TOOL_CALL_FIXTURE),
-    ]));
-    assert!(whole.status.success());
     let limit: usize = std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
         .expect("read pipe-max-size")
         .trim()
         .parse()
         .expect("pipe-max-size is a number");
     let want = limit.min(aalis_proxy::filter::PIPE_BYTES);
-
-    let mut child = aalis_proxy_with(&["annotate"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn aalis-proxy");
-    let mut stdin = child.stdin.take().expect("piped stdin");
-    let before = rustix::pipe::fcntl_getpipe_size(&stdin).expect("stdin is a pipe");
+    let mut live = LiveAnnotate::start();
+    let before = rustix::pipe::fcntl_getpipe_size(&live.stdin).expect("stdin is a pipe");
     assert!(
         before < want,
         "the pipe starts narrower ({before} bytes) than {want}"
     );
-    let mut output = LiveStdout::new(child.stdout.take().expect("piped stdout"));
     // Once the first event is out, annotate is reading: the pipe was widened.
-    let head = end_of_event(&input, 0);
-    stdin
-        .write_all(&input[..head])
-        .expect("write the first event");
-    stdin.flush().expect("flush stdin");
-    output.recv_until(end_of_event(&whole.stdout, 0), "the first event");
+    let head = end_of_event(&live.input, 0);
+    let expected_head = end_of_event(&live.whole, 0);
+    live.send_head(head, expected_head, "the first event");
     assert_eq!(
-        rustix::pipe::fcntl_getpipe_size(&stdin).expect("stdin is a pipe"),
+        rustix::pipe::fcntl_getpipe_size(&live.stdin).expect("stdin is a pipe"),
         want
     );
-    stdin.write_all(&input[head..]).expect("write the rest");
-    drop(stdin);
-    let received = output.recv_to_end("the rest");
-    let status = wait_bounded(&mut child, "after the end of input");
-    assert!(status.success(), "{}", describe_status(status));
-    assert_eq!(received, whole.stdout);
+    live.finish(head);
 }
 
 /// SIGINT (Ctrl-C) while `annotate` waits for more input ends it the

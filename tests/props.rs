@@ -364,20 +364,6 @@ fn ndjson_framed(max: usize, pieces: &[&[u8]], in_place: bool) -> Result<Framed,
     Ok(seen)
 }
 
-/// `input` cut at `cuts` (taken modulo its length).
-fn cut_at<'a>(input: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
-    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
-    cuts.sort_unstable();
-    let mut pieces = Vec::new();
-    let mut start = 0;
-    for cut in cuts {
-        pieces.push(&input[start..cut]);
-        start = cut;
-    }
-    pieces.push(&input[start..]);
-    pieces
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 

@@ -189,6 +189,11 @@ pub fn run_split_at_line_breaks(config: &AnnotatorConfig, input: &[u8]) -> Run {
 
 /// Runs the pipeline with the input cut at `cuts` (sorted or not).
 pub fn run_cut_at(config: &AnnotatorConfig, input: &[u8], cuts: &[usize]) -> Run {
+    run_pieces(config, cut_at(input, cuts))
+}
+
+/// `input` cut at `cuts` (sorted or not, taken modulo its length plus one).
+pub fn cut_at<'a>(input: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
     let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
     cuts.sort_unstable();
     cuts.dedup();
@@ -199,7 +204,7 @@ pub fn run_cut_at(config: &AnnotatorConfig, input: &[u8], cuts: &[usize]) -> Run
         start = cut;
     }
     pieces.push(&input[start..]);
-    run_pieces(config, pieces)
+    pieces
 }
 
 /// What the oracle says for one fixture, rebuilt from our `ndjson` lines.
