@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use crate::encode::splice::Splice;
+use crate::encode::splice::{Splice, SpliceSink};
 use crate::error::FilterError;
 use crate::pipeline::{Annotator, AnnotatorConfig};
 use crate::progress::{ProgressEntry, StreamPhase};
@@ -214,34 +214,41 @@ struct Filter<'a> {
 impl Filter<'_> {
     /// One piece of input: processed, written, flushed, drawn.
     fn feed(&mut self, piece: &[u8], now_ms: u64) -> Result<(), FilterError> {
-        self.annotator
-            .push(piece, now_ms, &mut self.out.sink(piece));
-        self.emit(piece)?;
+        let mut sink = self.out.sink(piece);
+        self.annotator.push(piece, now_ms, &mut sink);
+        write_out(sink, self.output)?;
+        self.warn();
         self.spinners.update(&self.annotator, now_ms);
         Ok(())
     }
 
     /// End of input.
     fn end(&mut self, now_ms: u64) -> Result<(), FilterError> {
-        self.annotator.finish(now_ms, &mut self.out.sink(&[]));
+        let mut sink = self.out.sink(&[]);
+        self.annotator.finish(now_ms, &mut sink);
         self.spinners.update(&self.annotator, now_ms);
-        self.emit(&[])
+        write_out(sink, self.output)?;
+        self.warn();
+        Ok(())
     }
 
-    /// Writes and flushes the output of `piece`, then pending warnings.
-    fn emit(&mut self, piece: &[u8]) -> Result<(), FilterError> {
-        if !self.out.is_empty() {
-            self.out
-                .write_to(piece, self.output)
-                .map_err(FilterError::Write)?;
-            self.output.flush().map_err(FilterError::Write)?;
-        }
+    /// Writes the pending warnings.
+    fn warn(&mut self) {
         for warning in self.annotator.take_warnings() {
             // A closed stderr must not stop the stream.
             let _ = writeln!(self.warnings, "aalis-proxy: warning: {warning}");
         }
-        Ok(())
     }
+}
+
+/// Writes and flushes the output of a piece, if it has any.
+fn write_out(sink: SpliceSink<'_>, output: &mut dyn Write) -> Result<(), FilterError> {
+    if sink.is_empty() {
+        return Ok(());
+    }
+    sink.write_to(output)
+        .and_then(|()| output.flush())
+        .map_err(FilterError::Write)
 }
 
 /// Feeds the spinners when the tracker's state changed.

@@ -52,36 +52,39 @@ impl Splice {
         }
     }
 
-    /// A sink for the output of `input`; [`write_to`](Self::write_to) must
-    /// then get the same `input`.
+    /// A sink for the output of `input`, to write with
+    /// [`SpliceSink::write_to`].
     pub fn sink<'a>(&'a mut self, input: &'a [u8]) -> SpliceSink<'a> {
         SpliceSink {
             input,
             splice: self,
         }
     }
+}
 
+impl SpliceSink<'_> {
     /// Nothing to write.
     pub fn is_empty(&self) -> bool {
-        self.parts.is_empty()
+        self.splice.parts.is_empty()
     }
 
     /// Writes the output, in order, to `out` (vectored: one write for the
-    /// whole piece when `out` takes it), and empties the splice. `input` is
-    /// the piece its sink was made for.
-    pub fn write_to(&mut self, input: &[u8], out: &mut dyn Write) -> io::Result<()> {
-        let mut slices = Vec::with_capacity(self.parts.len());
-        for part in &self.parts {
-            let bytes = match part {
-                Part::Input(range) => input.get(range.clone()),
-                Part::Owned(range) => self.owned.get(range.clone()),
-            };
-            let bytes = bytes.ok_or_else(|| io::Error::other("output refers past its input"))?;
-            slices.push(IoSlice::new(bytes));
-        }
-        let result = write_all_vectored(out, &mut slices);
-        self.owned.clear();
-        self.parts.clear();
+    /// whole piece when `out` takes it), and empties the splice for the
+    /// next piece.
+    pub fn write_to(self, out: &mut dyn Write) -> io::Result<()> {
+        let Splice { owned, parts } = self.splice;
+        let input = self.input;
+        let result = parts
+            .iter()
+            .map(|part| match part {
+                Part::Input(range) => input.get(range.clone()).map(IoSlice::new),
+                Part::Owned(range) => owned.get(range.clone()).map(IoSlice::new),
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| io::Error::other("output refers past its input"))
+            .and_then(|mut slices| write_all_vectored(out, &mut slices));
+        owned.clear();
+        parts.clear();
         result
     }
 }
@@ -108,6 +111,7 @@ fn offset_in(outer: &[u8], inner: &[u8]) -> Option<usize> {
 }
 
 impl SpliceSink<'_> {
+    /// Copies `bytes` into the owned output.
     fn copy(&mut self, bytes: &[u8]) {
         let splice = &mut *self.splice;
         // A short run of the piece before an addition is copied too.
@@ -208,7 +212,7 @@ mod tests {
         sink.insert(b"<more>");
         sink.forward(&input[2 * MIN_RUN + 10..]);
         assert_eq!(
-            splice.parts,
+            sink.splice.parts,
             [
                 Part::Owned(0..22),
                 Part::Input(0..2 * MIN_RUN),
@@ -230,9 +234,9 @@ mod tests {
             max: 1000,
             calls: 0,
         };
-        splice.write_to(&input, &mut out).expect("write");
+        sink.write_to(&mut out).expect("write");
         assert_eq!(out.written, want);
-        assert!(splice.is_empty());
+        assert!(splice.sink(&input).is_empty());
 
         // One that takes everything gets it in one call.
         let mut splice_again = Splice::default();
@@ -244,7 +248,7 @@ mod tests {
             max: usize::MAX,
             calls: 0,
         };
-        splice_again.write_to(&input, &mut out).expect("write");
+        sink.write_to(&mut out).expect("write");
         assert_eq!(out.calls, 1);
         assert_eq!(out.written.len(), input.len() + 3);
     }
