@@ -91,7 +91,9 @@ impl FilterError {
 /// characters are escaped, and an ellipsis marks a cut.
 pub fn excerpt(bytes: &[u8], max_chars: usize) -> String {
     let text = String::from_utf8_lossy(bytes);
-    let mut out = String::with_capacity(max_chars + 8);
+    // Sized for the text, not for the limit: a request path is kept in its
+    // log line for as long as the stream runs.
+    let mut out = String::with_capacity(text.len().min(max_chars) + 8);
     for (n, c) in text.chars().enumerate() {
         if n == max_chars {
             out.push('…');

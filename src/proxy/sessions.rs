@@ -56,8 +56,10 @@ struct Session {
     streaming: bool,
     /// Last publish, stream start or end, or subscription.
     last_active: Instant,
-    /// Increments for live subscribers.
-    frames: broadcast::Sender<Frame>,
+    /// Increments for live subscribers; made by the first subscription
+    /// (its buffer of [`SUBSCRIBER_BACKLOG`] slots is a sixth of what an
+    /// open stream costs, and most sessions are never subscribed to).
+    frames: Option<broadcast::Sender<Frame>>,
 }
 
 impl Session {
@@ -67,13 +69,20 @@ impl Session {
             progress: Vec::new(),
             streaming: false,
             last_active: Instant::now(),
-            frames: broadcast::channel(SUBSCRIBER_BACKLOG).0,
+            frames: None,
         }
+    }
+
+    /// Live subscribers of this session.
+    fn subscribers(&self) -> usize {
+        self.frames
+            .as_ref()
+            .map_or(0, broadcast::Sender::receiver_count)
     }
 
     /// Nothing uses it any more.
     fn unused(&self) -> bool {
-        !self.streaming && self.frames.receiver_count() == 0
+        !self.streaming && self.subscribers() == 0
     }
 }
 
@@ -112,8 +121,10 @@ fn send(all: &broadcast::Sender<Frame>, session: &Session, frame: Frame) {
     if all.receiver_count() > 0 {
         let _ = all.send(frame.clone());
     }
-    if session.frames.receiver_count() > 0 {
-        let _ = session.frames.send(frame);
+    if let Some(frames) = &session.frames
+        && frames.receiver_count() > 0
+    {
+        let _ = frames.send(frame);
     }
 }
 
@@ -258,7 +269,10 @@ impl SessionRegistry {
             .or_insert_with(Session::new);
         session.last_active = Instant::now();
         Subscription {
-            frames: session.frames.subscribe(),
+            frames: session
+                .frames
+                .get_or_insert_with(|| broadcast::channel(SUBSCRIBER_BACKLOG).0)
+                .subscribe(),
             resume: resume_frame(session_id, &session.progress),
         }
     }
@@ -413,7 +427,7 @@ impl StreamHandle {
             tracker.snapshot_into(&mut session.progress);
         }
         // Frames are rendered only when someone listens.
-        if all.receiver_count() > 0 || session.frames.receiver_count() > 0 {
+        if all.receiver_count() > 0 || session.subscribers() > 0 {
             for event in events {
                 send(all, session, event_frame(&self.session_id, event));
             }

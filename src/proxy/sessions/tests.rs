@@ -190,6 +190,35 @@ fn a_late_subscriber_resumes_mid_call_and_loses_nothing_after() {
     assert_eq!(received(&mut sub).len(), 1);
 }
 
+/// Whether `id` holds a subscriber backlog (its broadcast channel).
+fn has_backlog(registry: &SessionRegistry, id: &str) -> bool {
+    registry
+        .lock()
+        .sessions
+        .get(id)
+        .is_some_and(|s| s.frames.is_some())
+}
+
+#[test]
+fn a_session_keeps_a_subscriber_backlog_only_once_subscribed() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "a", "x")], 1);
+    stream.publish(&tracker, &mut vec![progress_event(0, "a", 1, 1)]);
+    assert!(
+        !has_backlog(&registry, "s1"),
+        "no subscriber yet: no channel"
+    );
+    let mut sub = registry.subscribe("s1");
+    assert!(has_backlog(&registry, "s1"));
+    tracker.apply(&delta(0, "a", "yz"), 2);
+    stream.publish(&tracker, &mut vec![progress_event(0, "a", 3, 1)]);
+    assert_eq!(received(&mut sub).len(), 1, "made late, it still delivers");
+    drop(sub);
+    drop(stream);
+    assert!(registry.is_empty());
+}
+
 #[test]
 fn tool_execution_clears_and_tells_subscribers() {
     let registry = SessionRegistry::new();
