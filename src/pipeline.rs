@@ -364,10 +364,14 @@ impl Annotator {
         let state = &mut self.state;
         match &mut self.framer {
             Framer::Sse(decoder) => {
-                decoder.feed(input, &mut |block| state.sse_block(block, now_ms, out));
+                decoder.feed(input, |block: SseBlock<'_>| {
+                    state.sse_block(block, now_ms, out)
+                });
             }
             Framer::Ndjson(decoder) => {
-                decoder.feed(input, &mut |line| state.ndjson_line(line, now_ms, out));
+                decoder.feed(input, |line: NdjsonLine<'_>| {
+                    state.ndjson_line(line, now_ms, out)
+                });
             }
             Framer::Sniffing(_) => {}
         }

@@ -248,9 +248,9 @@ impl SseDecoder {
     /// blocks as [`push`](Self::push) then [`next_block`](Self::next_block)
     /// until `None`); only the bytes of a block cut by the end of `input`
     /// are copied ([`window::feed`]).
-    pub fn feed(&mut self, input: &[u8], each: &mut dyn FnMut(SseBlock<'_>)) {
+    pub fn feed(&mut self, input: &[u8], mut each: impl FnMut(SseBlock<'_>)) {
         self.state.reset_event();
-        window::feed(&mut self.buf, &mut self.state, input, each);
+        window::feed(&mut self.buf, &mut self.state, input, &mut each);
     }
 
     /// Marks the end of input: the next calls hand out whatever is left.
@@ -268,6 +268,7 @@ impl SseDecoder {
 impl Cutter for SseScan {
     type Frame<'a> = SseBlock<'a>;
 
+    #[inline(always)]
     fn next_frame<'a>(&'a mut self, window: Window<'a>) -> Option<SseBlock<'a>> {
         self.next_block(window)
     }
@@ -288,6 +289,9 @@ impl Cutter for SseScan {
 }
 
 impl SseScan {
+    // Inlined into the framing loop, like `NdjsonScan::next_line`: a block
+    // handed back from a call stalls on its way through the stack.
+    #[inline(always)]
     fn next_block<'a>(&'a mut self, window: Window<'a>) -> Option<SseBlock<'a>> {
         let buf = window.bytes;
         self.reset_event();

@@ -103,7 +103,7 @@ pub fn feed<C: Cutter + 'static>(
     carry: &mut Vec<u8>,
     cutter: &mut C,
     input: &[u8],
-    each: &mut dyn FnMut(C::Frame<'_>),
+    each: &mut impl FnMut(C::Frame<'_>),
 ) {
     drop_consumed(carry, cutter);
     let mut taken = 0;
