@@ -15,7 +15,7 @@
 //!
 //! Read [`ToolCallTracker::apply`] first.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 use crate::js::utf16_len;
@@ -106,8 +106,10 @@ struct ChoiceCalls {
     /// Index of the call the last delta went to.
     last_touched: Option<i64>,
     /// Every id seen, with the call it last named (an id keeps naming that
-    /// call even after a later delta gave the call another id).
-    ids: Vec<(String, i64)>,
+    /// call even after a later delta gave the call another id). A map: an
+    /// Ollama stream names every call with a new id, and a linear search
+    /// made a long stream quadratic.
+    ids: HashMap<String, i64>,
     /// The choice reported a `finish_reason`: its calls are whole.
     finished: bool,
 }
@@ -296,9 +298,11 @@ impl ToolCallTracker {
         let index = resolve_index(choice, delta);
         if let Some(id) = &delta.id {
             // The latest call an id named is the one it names.
-            match choice.ids.iter_mut().find(|(seen, _)| seen == id) {
-                Some((_, named)) => *named = index,
-                None => choice.ids.push((id.to_string(), index)),
+            match choice.ids.get_mut(id.as_ref()) {
+                Some(named) => *named = index,
+                None => {
+                    choice.ids.insert(id.to_string(), index);
+                }
             }
         }
         choice.last_touched = Some(index);
@@ -382,9 +386,9 @@ fn resolve_index(choice: &ChoiceCalls, delta: &ToolCallDelta<'_>) -> i64 {
         return index;
     }
     if let Some(id) = &delta.id
-        && let Some((_, index)) = choice.ids.iter().find(|(seen, _)| seen == id)
+        && let Some(&index) = choice.ids.get(id.as_ref())
     {
-        return *index;
+        return index;
     }
     let next = choice.calls.last().map_or(0, |c| c.index.saturating_add(1));
     if delta.id.is_some() || delta.name.is_some() {

@@ -588,7 +588,7 @@ fn check_decoded(provider: Provider, data: &[u8], decoded: &Decoded<'_>) {
     // A frame the decoder reads as an object is JSON: serde_json agrees,
     // but for what JavaScript accepts and serde_json does not.
     if let Ok(info) = &decoded.result
-        && info.is_object
+        && info.is_object()
     {
         let value: Result<Value, _> = serde_json::from_slice(data);
         assert!(
@@ -813,10 +813,12 @@ pub fn inject_field(data: &[u8]) {
         .iter()
         .rposition(|b| !b.is_ascii_whitespace())
         .filter(|&i| raw[i] == b'}');
-    let info = FrameInfo {
-        is_object: !not_object,
-        already_annotated,
-        ..FrameInfo::default()
+    // Only an object can be annotated already: a frame that is not one
+    // has no flags at all.
+    let info = if not_object {
+        FrameInfo::default()
+    } else {
+        FrameInfo::object(already_annotated)
     };
     let frame = Frame {
         raw,

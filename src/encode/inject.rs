@@ -48,14 +48,14 @@ pub fn write_frame(
 ) {
     after.clear();
     let info = match frame.info {
-        Some(info) if !progress.is_empty() && !info.already_annotated => info,
+        Some(info) if !progress.is_empty() && !info.already_annotated() => info,
         _ => return out.forward(frame.raw),
     };
     let scratch = after;
     match mode {
         InjectMode::None => return out.forward(frame.raw),
         InjectMode::Field => {
-            let Some(brace) = frame.closing_brace.filter(|_| info.is_object) else {
+            let Some(brace) = frame.closing_brace.filter(|_| info.is_object()) else {
                 return out.forward(frame.raw);
             };
             let (before, after) = frame.raw.split_at(brace);
@@ -104,7 +104,7 @@ pub fn write_frame(
             }
         }
         InjectMode::Chunk => {
-            if info.finishes || info.has_usage {
+            if info.finishes() || info.has_usage() {
                 scratch.clear();
                 return out.forward(frame.raw);
             }

@@ -34,22 +34,75 @@ pub enum Provider {
 /// What a decoder learned about a frame besides its chunks.
 #[derive(Debug, Default, PartialEq)]
 pub struct FrameInfo<'a> {
-    /// The frame is a JSON object (so a key can be added before its last
-    /// `}`); false for `[DONE]`.
-    pub is_object: bool,
-    /// The frame already has a top-level `toolCallProgress` (the stream was
-    /// annotated before): nothing is added again.
-    pub already_annotated: bool,
-    /// A choice of this frame has a `finish_reason`.
-    pub finishes: bool,
-    /// The frame carries non-null usage.
-    pub has_usage: bool,
+    /// The yes/no facts ([`FrameInfo::is_object`] and the others), a bit
+    /// each. One byte, so that the decoder writes them and the pipeline
+    /// reads them back in one access: as four `bool`s they were written a
+    /// byte at a time and read two at a time, a store-to-load forwarding
+    /// stall on every frame.
+    flags: u8,
     /// Top-level `id`, `object`, `created`, `model`, their raw JSON text
     /// verbatim (absent when `null`), for the `chunk` inject mode.
     pub id: Option<&'a str>,
     pub object: Option<&'a str>,
     pub created: Option<&'a str>,
     pub model: Option<&'a str>,
+}
+
+const IS_OBJECT: u8 = 1;
+const ALREADY_ANNOTATED: u8 = 1 << 1;
+const FINISHES: u8 = 1 << 2;
+const HAS_USAGE: u8 = 1 << 3;
+
+impl FrameInfo<'_> {
+    /// A frame that is a JSON object; `already_annotated` when it has a
+    /// top-level `toolCallProgress`.
+    pub fn object(already_annotated: bool) -> Self {
+        FrameInfo {
+            flags: IS_OBJECT
+                | if already_annotated {
+                    ALREADY_ANNOTATED
+                } else {
+                    0
+                },
+            ..FrameInfo::default()
+        }
+    }
+
+    /// The frame is a JSON object (so a key can be added before its last
+    /// `}`); false for `[DONE]`.
+    pub fn is_object(&self) -> bool {
+        self.flags & IS_OBJECT != 0
+    }
+
+    /// The frame already has a top-level `toolCallProgress` (the stream was
+    /// annotated before): nothing is added again.
+    pub fn already_annotated(&self) -> bool {
+        self.flags & ALREADY_ANNOTATED != 0
+    }
+
+    /// A choice of this frame has a `finish_reason`.
+    pub fn finishes(&self) -> bool {
+        self.flags & FINISHES != 0
+    }
+
+    /// The frame carries non-null usage.
+    pub fn has_usage(&self) -> bool {
+        self.flags & HAS_USAGE != 0
+    }
+
+    /// Notes (when `yes`) that a choice has a `finish_reason`.
+    pub fn set_finishes(&mut self, yes: bool) {
+        if yes {
+            self.flags |= FINISHES;
+        }
+    }
+
+    /// Notes (when `yes`) that the frame carries non-null usage.
+    pub fn set_has_usage(&mut self, yes: bool) {
+        if yes {
+            self.flags |= HAS_USAGE;
+        }
+    }
 }
 
 /// Why a frame's data could not be understood. The frame is forwarded

@@ -93,12 +93,8 @@ pub(super) fn decode_serde<'a>(
     expect_object(data)?;
     let view: LineView<'a> = serde_json::from_str(data)?;
     let done = view.done == Some(true);
-    let mut info = FrameInfo {
-        is_object: true,
-        already_annotated: view.tool_call_progress.is_some(),
-        finishes: done || is_set(view.done_reason),
-        ..FrameInfo::default()
-    };
+    let mut info = FrameInfo::object(view.tool_call_progress.is_some());
+    info.set_finishes(done || is_set(view.done_reason));
     if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
         emit(Chunk::Error {
             message: error_message(error.get()),
@@ -122,7 +118,7 @@ pub(super) fn decode_serde<'a>(
         }
     }
     if done {
-        info.has_usage = true;
+        info.set_has_usage(true);
         emit(Chunk::Finish { choice: 0 });
         emit(Chunk::Usage(Usage::new(
             raw_u64(view.prompt_eval_count.map(RawValue::get)),
@@ -310,13 +306,9 @@ impl LineSpans {
     /// The chunks of a scanned line, in the serde path's order.
     fn emit<'a>(&self, data: &'a str, emit: &mut dyn FnMut(Chunk<'a>)) -> FrameInfo<'a> {
         let raw = |span: Option<Span>| span.map(|s| s.of(data));
-        let info = FrameInfo {
-            is_object: true,
-            already_annotated: self.annotated,
-            finishes: self.done || self.done_reason.is_some(),
-            has_usage: self.done,
-            ..FrameInfo::default()
-        };
+        let mut info = FrameInfo::object(self.annotated);
+        info.set_finishes(self.done || self.done_reason.is_some());
+        info.set_has_usage(self.done);
         if let Some(error) = raw(self.error) {
             emit(Chunk::Error {
                 message: error_message(error),

@@ -174,13 +174,11 @@ pub(super) fn decode_serde<'a>(
     // bad frame emits no chunk at all.
     let view: ChunkView<'a> = serde_json::from_str(data)?;
     let mut info = FrameInfo {
-        is_object: true,
-        already_annotated: view.tool_call_progress.is_some(),
         id: view.id.map(RawValue::get),
         object: view.object.map(RawValue::get),
         created: view.created.map(RawValue::get),
         model: view.model.map(RawValue::get),
-        ..FrameInfo::default()
+        ..FrameInfo::object(view.tool_call_progress.is_some())
     };
     if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
         emit(Chunk::Error {
@@ -193,7 +191,7 @@ pub(super) fn decode_serde<'a>(
             decode_delta(k, delta, emit);
         }
         if is_set(choice.finish_reason) {
-            info.finishes = true;
+            info.set_finishes(true);
             emit(Chunk::Finish { choice: k });
         }
     }
@@ -202,7 +200,7 @@ pub(super) fn decode_serde<'a>(
         .or_else(|| view.x_groq.and_then(|x| x.usage))
         .map(|u| u.usage());
     if let Some(usage) = usage {
-        info.has_usage = true;
+        info.set_has_usage(true);
         emit(Chunk::Usage(usage));
     }
     Ok(info)
@@ -633,13 +631,11 @@ impl Spans {
     ) -> FrameInfo<'a> {
         let raw = |span: Option<Span>| span.map(|s| s.of(data));
         let mut info = FrameInfo {
-            is_object: true,
-            already_annotated: top.annotated,
             id: raw(top.id),
             object: raw(top.object),
             created: raw(top.created),
             model: raw(top.model),
-            ..FrameInfo::default()
+            ..FrameInfo::object(top.annotated)
         };
         if let Some(error) = raw(top.error) {
             emit(Chunk::Error {
@@ -673,12 +669,12 @@ impl Spans {
                 }
             }
             if choice.finish_reason.is_some() {
-                info.finishes = true;
+                info.set_finishes(true);
                 emit(Chunk::Finish { choice: k });
             }
         }
         if let Some(usage) = top.usage.or(top.groq_usage) {
-            info.has_usage = true;
+            info.set_has_usage(true);
             emit(Chunk::Usage(Usage::new(
                 raw_u64(raw(usage.prompt)),
                 raw_u64(raw(usage.completion)),
