@@ -22,6 +22,14 @@ use aalis_proxy::proxy::{ProxyConfig, serve_proxy_on};
 use aalis_proxy::render::spinner::{ProgressDisplay, ProgressMode};
 use std::sync::Arc;
 
+/// jemalloc instead of the system allocator: under steady traffic its
+/// resident memory reaches its working set within a minute and stays there,
+/// where glibc's per-thread arenas kept touching new pages for minutes
+/// (BENCHMARKS.md, "Ninth round"; issue 6's soak).
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
