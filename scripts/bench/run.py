@@ -521,9 +521,14 @@ def soak(cfg, loadgen, port, pid, seconds):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     CHILDREN.append(p)
     samples = []
+    # Anonymous pages (heap, stacks) apart from file-backed ones (the
+    # binary's code as it runs for the first time): which one grows.
+    anon = []
     t0 = time.monotonic()
     while p.poll() is None and time.monotonic() - t0 < seconds + 90:
-        samples.append((time.monotonic() - t0, rss_kib(pid)))
+        t = time.monotonic() - t0
+        samples.append((t, rss_kib(pid)))
+        anon.append((t, status_kib(pid, "RssAnon")))
         time.sleep(interval)
     out, _ = p.communicate(timeout=60)
     result = json.loads(out)
@@ -533,21 +538,30 @@ def soak(cfg, loadgen, port, pid, seconds):
     # the first fifth or the first minute, whichever is longer (at most half
     # the run), is warm-up.
     warmup = min(max(seconds / 5, 60.0), seconds / 2)
+    slope = slope_per_min(samples, warmup)
+    anon_slope = slope_per_min(anon, warmup)
+    steady = [s for s in samples if s[0] >= warmup] or samples
+    row = dict(seconds=seconds, warmup_s=warmup, streams=result["streams"], errors=result["errors"], events=result["events"],
+               rss_start_kib=samples[0][1], rss_steady_start_kib=steady[0][1], rss_end_kib=samples[-1][1],
+               rss_max_kib=max(r for _, r in samples), slope_kib_per_min=slope,
+               anon_slope_kib_per_min=anon_slope, samples=len(samples),
+               rss_samples=[(round(t, 2), r) for t, r in samples])
+    log(f"soak {seconds}s: {result['streams']} streams, RSS {row['rss_steady_start_kib']} → {row['rss_end_kib']} KiB, "
+        f"slope {slope:+.1f} KiB/min (anonymous {anon_slope:+.1f})")
+    if result["errors"]:
+        raise RuntimeError(f"soak: {result['errors']} streams failed")
+    return row
+
+
+def slope_per_min(samples, warmup):
+    """Least-squares slope, KiB per minute, of the (seconds, KiB) samples
+    taken at or after `warmup`."""
     steady = [s for s in samples if s[0] >= warmup] or samples
     n = len(steady)
     mx = sum(t for t, _ in steady) / n
     my = sum(r for _, r in steady) / n
     var = sum((t - mx) ** 2 for t, _ in steady)
-    slope = sum((t - mx) * (r - my) for t, r in steady) / var * 60 if var else 0.0
-    row = dict(seconds=seconds, warmup_s=warmup, streams=result["streams"], errors=result["errors"], events=result["events"],
-               rss_start_kib=samples[0][1], rss_steady_start_kib=steady[0][1], rss_end_kib=samples[-1][1],
-               rss_max_kib=max(r for _, r in samples), slope_kib_per_min=slope, samples=len(samples),
-               rss_samples=[(round(t, 2), r) for t, r in samples])
-    log(f"soak {seconds}s: {result['streams']} streams, RSS {row['rss_steady_start_kib']} → {row['rss_end_kib']} KiB, "
-        f"slope {slope:+.1f} KiB/min")
-    if result["errors"]:
-        raise RuntimeError(f"soak: {result['errors']} streams failed")
-    return row
+    return sum((t - mx) * (r - my) for t, r in steady) / var * 60 if var else 0.0
 
 
 # === 5. criterion ===
@@ -683,7 +697,8 @@ def memory_tables(results, cfg, p):
         p(f"Soak: {s['seconds']} s of {cfg['soak_concurrency']} concurrent paced streams through `serve` "
           f"({s['streams']} streams, {s['events']:,} events, {s['errors']} errors): RSS {s['rss_start_kib']:,} KiB at start, "
           f"{s['rss_steady_start_kib']:,} after the {s['warmup_s']:.0f} s warm-up, {s['rss_end_kib']:,} at the end "
-          f"(max {s['rss_max_kib']:,}); slope after warm-up **{s['slope_kib_per_min']:+.1f} KiB/min**.")
+          f"(max {s['rss_max_kib']:,}); slope after warm-up **{s['slope_kib_per_min']:+.1f} KiB/min**, "
+          f"of anonymous pages alone {s.get('anon_slope_kib_per_min', 0.0):+.1f} KiB/min.")
 
 
 def criterion_targets(results, p):
