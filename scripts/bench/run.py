@@ -532,11 +532,11 @@ def soak(cfg, loadgen, port, pid, seconds):
         time.sleep(interval)
     out, _ = p.communicate(timeout=60)
     result = json.loads(out)
-    # Least-squares slope over the steady part: the allocator takes about a
-    # minute of traffic to reach its working set (measured: a 600 s soak
-    # grows 7.7 → 10.8 MiB in its first two minutes, then +0.3 KiB/min), so
-    # the first fifth or the first minute, whichever is longer (at most half
-    # the run), is warm-up.
+    # Least-squares slope over the steady part: the allocator takes a
+    # minute or two of traffic to reach its working set (BENCHMARKS.md,
+    # "Ninth round": jemalloc within the first minute; glibc's arenas took
+    # about six), so the first fifth or the first minute, whichever is
+    # longer (at most half the run), is warm-up.
     warmup = min(max(seconds / 5, 60.0), seconds / 2)
     slope = slope_per_min(samples, warmup)
     anon_slope = slope_per_min(anon, warmup)
