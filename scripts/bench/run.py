@@ -540,9 +540,9 @@ def soak(cfg, loadgen, port, pid, seconds):
     warmup = min(max(seconds / 5, 60.0), seconds / 2)
     slope = slope_per_min(samples, warmup)
     anon_slope = slope_per_min(anon, warmup)
-    steady = [s for s in samples if s[0] >= warmup] or samples
     row = dict(seconds=seconds, warmup_s=warmup, streams=result["streams"], errors=result["errors"], events=result["events"],
-               rss_start_kib=samples[0][1], rss_steady_start_kib=steady[0][1], rss_end_kib=samples[-1][1],
+               rss_start_kib=samples[0][1], rss_steady_start_kib=steady(samples, warmup)[0][1],
+               rss_end_kib=samples[-1][1],
                rss_max_kib=max(r for _, r in samples), slope_kib_per_min=slope,
                anon_slope_kib_per_min=anon_slope, samples=len(samples),
                rss_samples=[(round(t, 2), r) for t, r in samples])
@@ -553,15 +553,20 @@ def soak(cfg, loadgen, port, pid, seconds):
     return row
 
 
+def steady(samples, warmup):
+    """The (seconds, KiB) samples taken at or after `warmup` (all of them
+    if none was)."""
+    return [s for s in samples if s[0] >= warmup] or samples
+
+
 def slope_per_min(samples, warmup):
-    """Least-squares slope, KiB per minute, of the (seconds, KiB) samples
-    taken at or after `warmup`."""
-    steady = [s for s in samples if s[0] >= warmup] or samples
-    n = len(steady)
-    mx = sum(t for t, _ in steady) / n
-    my = sum(r for _, r in steady) / n
-    var = sum((t - mx) ** 2 for t, _ in steady)
-    return sum((t - mx) * (r - my) for t, r in steady) / var * 60 if var else 0.0
+    """Least-squares slope, KiB per minute, of the steady samples."""
+    kept = steady(samples, warmup)
+    n = len(kept)
+    mx = sum(t for t, _ in kept) / n
+    my = sum(r for _, r in kept) / n
+    var = sum((t - mx) ** 2 for t, _ in kept)
+    return sum((t - mx) * (r - my) for t, r in kept) / var * 60 if var else 0.0
 
 
 # === 5. criterion ===
@@ -698,7 +703,7 @@ def memory_tables(results, cfg, p):
           f"({s['streams']} streams, {s['events']:,} events, {s['errors']} errors): RSS {s['rss_start_kib']:,} KiB at start, "
           f"{s['rss_steady_start_kib']:,} after the {s['warmup_s']:.0f} s warm-up, {s['rss_end_kib']:,} at the end "
           f"(max {s['rss_max_kib']:,}); slope after warm-up **{s['slope_kib_per_min']:+.1f} KiB/min**, "
-          f"of anonymous pages alone {s.get('anon_slope_kib_per_min', 0.0):+.1f} KiB/min.")
+          f"of anonymous pages alone {s['anon_slope_kib_per_min']:+.1f} KiB/min.")
 
 
 def criterion_targets(results, p):
