@@ -94,6 +94,160 @@ pub fn stringify_to_string(value: &Value) -> String {
     out
 }
 
+/// Whether `JSON.stringify(JSON.parse(json))` is `json` itself, for `json`
+/// that is valid JSON (the caller's parser checked it): then its length is
+/// the stringified length, with nothing parsed or printed.
+///
+/// Tool arguments as JSON objects come from servers that print them
+/// compactly (Ollama's encoder, `serde_json`), so this is the usual case,
+/// and it is checked in one pass over the bytes. It holds when there is no
+/// whitespace between tokens, strings are escaped only as [`push_string`]
+/// escapes them, every number is printed as JavaScript prints it (no
+/// exponent, at most 15 significant digits — which a double keeps exactly
+/// and prints back unchanged — no trailing zero in a fraction, not `-0`, at
+/// most five zeros after `0.`), no key is an array index (JavaScript
+/// enumerates those first) or a duplicate (JavaScript keeps one, where it
+/// first appeared) and nesting stays under serde's limit. `false` means
+/// "not sure": the caller parses and stringifies, which also reports what
+/// serde refuses.
+pub fn stringifies_to_itself(json: &str) -> bool {
+    /// Keys compared for duplicates per object; a bigger object is handed
+    /// to the parser (the comparison is quadratic).
+    const MAX_KEYS: usize = 32;
+    /// Nesting below serde_json's recursion limit (128).
+    const MAX_DEPTH: usize = 100;
+    let b = json.as_bytes();
+    // The keys of the open objects, and where each open container's keys
+    // start in it (`None` for an array).
+    let mut keys: Vec<&[u8]> = Vec::new();
+    let mut open: Vec<Option<usize>> = Vec::new();
+    let mut i = 0;
+    while let Some(&byte) = b.get(i) {
+        match byte {
+            b'{' | b'[' => {
+                if open.len() == MAX_DEPTH {
+                    return false;
+                }
+                open.push((byte == b'{').then_some(keys.len()));
+                i += 1;
+            }
+            b'}' | b']' => {
+                if let Some(Some(first)) = open.pop() {
+                    keys.truncate(first);
+                }
+                i += 1;
+            }
+            b',' | b':' => i += 1,
+            b'"' => {
+                let Some(end) = canonical_string_end(b, i) else {
+                    return false;
+                };
+                if b.get(end) == Some(&b':') {
+                    let key = &b[i + 1..end - 1];
+                    let Some(&Some(first)) = open.last() else {
+                        return false;
+                    };
+                    if key.iter().all(u8::is_ascii_digit)
+                        || keys.len() - first == MAX_KEYS
+                        || keys[first..].contains(&key)
+                    {
+                        return false;
+                    }
+                    keys.push(key);
+                }
+                i = end;
+            }
+            b't' | b'f' | b'n' => {
+                i += match byte {
+                    b'f' => 5,
+                    _ => 4,
+                }
+            }
+            b'-' | b'0'..=b'9' => {
+                let end = b[i..]
+                    .iter()
+                    .position(|c| !matches!(c, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'))
+                    .map_or(b.len(), |n| i + n);
+                if !canonical_number(&b[i..end]) {
+                    return false;
+                }
+                i = end;
+            }
+            // Whitespace (or anything else): not what JavaScript prints.
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// The end (past the closing quote) of the string starting at `b[start]`,
+/// if each of its escapes is the one [`push_string`] would write.
+fn canonical_string_end(b: &[u8], start: usize) -> Option<usize> {
+    let mut i = start + 1;
+    loop {
+        i += memchr::memchr2(b'"', b'\\', b.get(i..)?)?;
+        if b[i] == b'"' {
+            return Some(i + 1);
+        }
+        match b.get(i + 1)? {
+            b'"' | b'\\' | b'n' | b'r' | b't' | b'b' | b'f' => i += 2,
+            b'u' => {
+                // `\u00XX`, lowercase, only for the control characters
+                // without a short escape.
+                let hex = b.get(i + 2..i + 6)?;
+                let code = match hex {
+                    [
+                        b'0',
+                        b'0',
+                        hi @ (b'0' | b'1'),
+                        lo @ (b'0'..=b'9' | b'a'..=b'f'),
+                    ] => (hi - b'0') * 16 + (*lo as char).to_digit(16)? as u8,
+                    _ => return None,
+                };
+                if matches!(code, 0x08 | 0x09 | 0x0A | 0x0C | 0x0D) {
+                    return None;
+                }
+                i += 6;
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// A JSON number's text as JavaScript prints the number it stands for; see
+/// [`stringifies_to_itself`].
+fn canonical_number(raw: &[u8]) -> bool {
+    let (negative, n) = match raw.strip_prefix(b"-") {
+        Some(n) => (true, n),
+        None => (false, raw),
+    };
+    let (int, frac) = match n.iter().position(|&c| c == b'.') {
+        Some(dot) => (&n[..dot], Some(&n[dot + 1..])),
+        None => (n, None),
+    };
+    let digits = |s: &[u8]| !s.is_empty() && s.iter().all(u8::is_ascii_digit);
+    if !digits(int) || (int.len() > 1 && int[0] == b'0') {
+        return false;
+    }
+    let Some(frac) = frac else {
+        // `-0` prints as `0`.
+        return int.len() <= 15 && !(negative && int == b"0");
+    };
+    if !digits(frac) || frac.last() == Some(&b'0') {
+        return false;
+    }
+    let significant = if int == b"0" {
+        let zeros = frac.iter().take_while(|&&c| c == b'0').count();
+        if zeros > 5 {
+            return false;
+        }
+        frac.len() - zeros
+    } else {
+        int.len() + frac.len()
+    };
+    significant <= 15
+}
+
 /// Appends `s` as a JSON string literal, escaped as `JSON.stringify` does
 /// (`"`, `\`, and control characters; nothing else, not even `/`).
 pub fn push_string(s: &str, out: &mut String) {
@@ -261,6 +415,110 @@ mod tests {
         );
         // A duplicate key keeps its first position and its last value.
         assert_eq!(js(r#"{"a":1,"b":2,"a":3}"#), r#"{"a":3,"b":2}"#);
+    }
+
+    #[test]
+    fn text_that_stringifies_to_itself_is_recognized() {
+        let itself = [
+            r#"{"city":"東京","days":10,"ratio":1.75,"metric":true,"notes":"a\nb \"c\" 😀"}"#,
+            r#"{"a":[1,-2,0,0.5,-0.25,0.000001,123456789012345,1.23456789012345],"b":{}}"#,
+            r#"{"nested":{"a":{"a":{"a":null}}},"a":false,"x":[[],{},"",[{"k":"v"}]]}"#,
+            "{\"ctl\":\"\\u0001\\u001f\\b\\f\\t\\r\\\\\",\"del\":\"\u{7f}\",\"slash\":\"a/b\"}",
+            r#"{"a":1,"b":{"a":2},"c":[{"a":3},{"a":4}]}"#,
+            r#"[1,"x",null]"#,
+            "0",
+            "-1.5",
+        ];
+        for json in itself {
+            assert!(stringifies_to_itself(json), "{json}");
+            assert_eq!(js(json), json);
+        }
+        // Each differs from what JSON.stringify prints, or might.
+        let not_itself = [
+            r#"{"a": 1}"#,
+            "{\n\"a\":1}",
+            r#"{"a":1.0}"#,
+            r#"{"a":1.50}"#,
+            r#"{"a":1e3}"#,
+            r#"{"a":1E3}"#,
+            r#"{"a":-0}"#,
+            r#"{"a":-0.0}"#,
+            r#"{"a":0.0000001}"#,
+            r#"{"a":1234567890123456}"#,
+            r#"{"a":0.1234567890123456}"#,
+            r#"{"a":"\/"}"#,
+            r#"{"a":"\u0041"}"#,
+            r#"{"a":"\u000a"}"#,
+            r#"{"a":"\u001F"}"#,
+            r#"{"a":"\ud83d\ude00"}"#,
+            r#"{"b":1,"2":2}"#,
+            r#"{"0":1}"#,
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":{"b":1,"b":2}}"#,
+        ];
+        for json in not_itself {
+            assert!(!stringifies_to_itself(json), "{json}");
+        }
+        // An object with more keys than are compared, and nesting near
+        // serde's limit, go to the parser.
+        let many: Vec<String> = (0..40).map(|i| format!("\"k{i}\":{i}")).collect();
+        let many = format!("{{{}}}", many.join(","));
+        assert!(!stringifies_to_itself(&many));
+        assert_eq!(js(&many), many);
+        let deep = format!("{}{}", "[".repeat(120), "]".repeat(120));
+        assert!(!stringifies_to_itself(&deep));
+        let shallow = format!("{}{}", "[".repeat(90), "]".repeat(90));
+        assert!(stringifies_to_itself(&shallow));
+    }
+
+    #[test]
+    fn recognized_text_is_what_stringify_prints() {
+        // Every pairing of number spellings and strings, as members of an
+        // object and an array: whatever is recognized prints back the same.
+        let numbers = [
+            "0",
+            "-0",
+            "7",
+            "-7",
+            "10",
+            "1.5",
+            "1.50",
+            "0.1",
+            "0.01",
+            "0.000001",
+            "0.0000001",
+            "123456789012345",
+            "1234567890123456",
+            "9007199254740993",
+            "99.999999999999",
+            "0.30000000000000004",
+            "1e2",
+            "2.5E-3",
+            "-0.5",
+            "1.0",
+            "100.25",
+            "-0.000012",
+        ];
+        let strings = [
+            "", "a", "東京", "😀", "a\"b", "\\", "\n\t", "\u{1}", "\u{1f}", "/", "\u{7f}", "12",
+        ];
+        let mut recognized = 0;
+        for (i, n) in numbers.iter().enumerate() {
+            for (j, s) in strings.iter().enumerate() {
+                let key = serde_json::to_string(strings[(i + j) % strings.len()]).expect("prints");
+                let s = serde_json::to_string(s).expect("prints");
+                for json in [
+                    format!("{{{key}:{s},\"n\":{n}}}"),
+                    format!("[{n},{s},{{{key}:[{n}]}}]"),
+                ] {
+                    if stringifies_to_itself(&json) {
+                        assert_eq!(js(&json), json);
+                        recognized += 1;
+                    }
+                }
+            }
+        }
+        assert!(recognized > 200, "{recognized}");
     }
 
     #[test]

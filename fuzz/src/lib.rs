@@ -27,6 +27,7 @@ use aalis_proxy::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
 use aalis_proxy::framing::Framing;
 use aalis_proxy::framing::ndjson::NdjsonDecoder;
 use aalis_proxy::framing::sse::{DEFAULT_MAX_EVENT_BYTES, LineEnding, SseBlockKind, SseDecoder};
+use aalis_proxy::js;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig, StreamEvent};
 use aalis_proxy::progress::Progress;
 use aalis_proxy::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
@@ -629,7 +630,9 @@ fn decode_stream<'a>(provider: Provider, frames: &[&'a [u8]]) -> Vec<Decoded<'a>
 /// - no panic; decoding the events twice gives the same chunks and results;
 /// - an event decodes the same after any events as alone;
 /// - a failed frame emits no chunk; text is never empty; `Done` is last;
-///   whole-value arguments are JSON; what decodes as an object is JSON.
+///   whole-value arguments are JSON; what decodes as an object is JSON;
+/// - a frame that `js::stringifies_to_itself` says prints back unchanged
+///   does (the check that spares whole-value arguments a parse).
 pub fn openai_decode(data: &[u8]) {
     let frames: Vec<&[u8]> = data.split(|&b| b == b'\n').collect();
     let first = decode_stream(Provider::OpenAiChat, &frames);
@@ -641,6 +644,25 @@ pub fn openai_decode(data: &[u8]) {
     );
     for (frame, decoded) in frames.iter().zip(&first) {
         check_decoded(Provider::OpenAiChat, frame, decoded);
+        check_stringifies_to_itself(frame);
+    }
+}
+
+/// If `data` is JSON that [`js::stringifies_to_itself`] recognizes,
+/// `JSON.stringify` of its value is `data` again.
+fn check_stringifies_to_itself(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(value) = serde_json::from_str::<Value>(text) else {
+        return;
+    };
+    if js::stringifies_to_itself(text) {
+        assert_eq!(
+            js::stringify_to_string(&value),
+            text,
+            "recognized, but prints otherwise"
+        );
     }
 }
 
@@ -651,7 +673,7 @@ pub fn openai_decode(data: &[u8]) {
 /// - a line decodes the same after any lines as alone (with the same next
 ///   call number);
 /// - per line, what [`openai_decode`] checks (but arguments: Ollama's may
-///   be any text);
+///   be any text), `stringifies_to_itself` included;
 /// - every tool call gets an index, and no two calls of the stream share one
 ///   (`providers::ollama`: "two calls must never share a number").
 pub fn ollama_decode(data: &[u8]) {
@@ -666,6 +688,7 @@ pub fn ollama_decode(data: &[u8]) {
     let mut indexes = HashSet::new();
     for (line, decoded) in lines.iter().zip(&first) {
         check_decoded(Provider::OllamaChat, line, decoded);
+        check_stringifies_to_itself(line);
         for chunk in &decoded.chunks {
             if let Chunk::ToolCallDelta(delta) = chunk {
                 let index = delta.index.expect("every Ollama call gets an index");

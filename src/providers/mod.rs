@@ -299,7 +299,11 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
         if let Some(text) = decode_string(json) {
             return Ok(ArgumentsView(ArgumentsDelta::Append(text)));
         }
-        // A whole value: serialized as JavaScript's JSON.stringify would.
+        // A whole value: serialized as JavaScript's JSON.stringify would,
+        // which for a compact value is usually the text as it came.
+        if crate::js::stringifies_to_itself(json) {
+            return Ok(ArgumentsView(ArgumentsDelta::Replace(json.to_owned())));
+        }
         let value: serde_json::Value = serde_json::from_str(json).map_err(de::Error::custom)?;
         Ok(ArgumentsView(ArgumentsDelta::Replace(
             crate::js::stringify_to_string(&value),
