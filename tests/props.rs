@@ -404,3 +404,83 @@ proptest! {
         prop_assert_eq!(&ndjson_framed(max, &pieces, true)?, &whole);
     }
 }
+
+/// JSON text in the spellings that decide whether `JSON.stringify` prints
+/// it back unchanged: numbers with and without exponents, trailing zeros
+/// and long digit runs; strings with every kind of escape; keys that repeat
+/// or are array indices; some whitespace.
+fn json_text() -> impl Strategy<Value = String> {
+    let number = prop_oneof![
+        "-?(0|[1-9][0-9]{0,17})(\\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?",
+        Just("-0".to_string()),
+        Just("0.000001".to_string()),
+        Just("0.0000001".to_string()),
+        Just("1e21".to_string()),
+    ];
+    let string = proptest::collection::vec(
+        prop_oneof![
+            "[a-z0-9 /]{0,4}",
+            Just("é東😀\u{7f}".to_string()),
+            Just("\\\"".to_string()),
+            Just("\\\\".to_string()),
+            Just("\\/".to_string()),
+            Just("\\n\\r\\t\\b\\f".to_string()),
+            Just("\\u0001".to_string()),
+            Just("\\u001f".to_string()),
+            Just("\\u001F".to_string()),
+            Just("\\u000a".to_string()),
+            Just("\\u0041".to_string()),
+            Just("\\u00e9".to_string()),
+            Just("\\ud83d\\ude00".to_string()),
+        ],
+        0..4,
+    )
+    .prop_map(|parts| format!("\"{}\"", parts.concat()));
+    let key = prop_oneof![
+        Just("\"a\"".to_string()),
+        Just("\"b\"".to_string()),
+        Just("\"0\"".to_string()),
+        Just("\"01\"".to_string()),
+        Just("\"\"".to_string()),
+        string.clone(),
+    ];
+    let space = prop_oneof![8 => Just(""), 1 => Just(" "), 1 => Just("\n")];
+    let leaf = prop_oneof![
+        number,
+        string,
+        Just("true".to_string()),
+        Just("false".to_string()),
+        Just("null".to_string()),
+    ];
+    leaf.prop_recursive(4, 48, 6, move |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..6)
+                .prop_map(|items| format!("[{}]", items.join(","))),
+            proptest::collection::vec((key.clone(), space.clone(), inner), 0..6).prop_map(
+                |members| {
+                    let members: Vec<String> = members
+                        .into_iter()
+                        .map(|(k, s, v)| format!("{k}:{s}{v}"))
+                        .collect();
+                    format!("{{{}}}", members.join(","))
+                }
+            ),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+    /// What `stringifies_to_itself` recognizes is exactly what
+    /// `JSON.stringify` prints: the length the decoders take from the text
+    /// as it came is the length JavaScript would count.
+    #[test]
+    fn recognized_json_is_what_stringify_prints(json in json_text()) {
+        if let Ok(value) = serde_json::from_str::<Value>(&json)
+            && aalis_proxy::js::stringifies_to_itself(&json)
+        {
+            prop_assert_eq!(aalis_proxy::js::stringify_to_string(&value), json);
+        }
+    }
+}
