@@ -18,6 +18,8 @@
 
 use std::borrow::Cow;
 
+use memchr::memchr;
+
 use super::decode_string;
 use crate::chunk::{ChunkText, JsonLiteral};
 
@@ -357,6 +359,22 @@ impl<'a> Cursor<'a> {
         Ok(span)
     }
 
+    /// The rest of a string whose opening quote is at `start` and whose
+    /// bytes before `plain` are known to be plain text (no quote, escape or
+    /// control character), noted as a hole.
+    #[inline]
+    fn string_hole_from(&mut self, start: usize, plain: usize) -> Result<(), Bail> {
+        let b = self.bytes;
+        let i = skip_plain(b, plain);
+        let (span, _) = if b.get(i) == Some(&b'"') {
+            self.close_string(start, i, false)
+        } else {
+            self.string_rest(start, i)?
+        };
+        self.holes.push(span);
+        Ok(())
+    }
+
     /// A string's span, and whether it has escapes.
     #[inline(always)]
     fn string_inner(&mut self) -> Result<(Span, bool), Bail> {
@@ -432,8 +450,26 @@ impl<'a> Cursor<'a> {
 #[derive(Debug, Default)]
 pub(crate) struct Template {
     bytes: Vec<u8>,
-    holes: Vec<Span>,
+    holes: Vec<Hole>,
     ready: bool,
+}
+
+/// A hole of the learned frame.
+#[derive(Debug, Clone, Copy)]
+struct Hole {
+    span: Span,
+    /// A string (else a number).
+    string: bool,
+    /// An equal run that reaches this far holds the whole value: the end
+    /// of a string (its closing quote ends it), one past the end of a
+    /// number (which may go on in the input: `12` where the template had
+    /// `1`).
+    kept_at: usize,
+    /// For a string, where its plain text ends: its first escape, or its
+    /// closing quote. A new value that shares the bytes up to there is
+    /// scanned from where it differs, not from its opening quote (the
+    /// shared bytes are plain text in both). For a number, its start.
+    plain_end: usize,
 }
 
 /// How many leading bytes `a` and `b` share, eight at a time.
@@ -492,51 +528,62 @@ impl Template {
     /// time, and scans only the holes where they differ. Holes inside an
     /// equal run kept their value (an id, a model name, `created`, most
     /// indexes): the same bytes lex the same. A difference inside a hole
-    /// means a new value there: it is scanned from the hole's start (its
-    /// length may differ, which shifts everything after it). A difference
-    /// anywhere else is another shape.
+    /// means a new value there: a number is scanned from its start, a
+    /// string from the difference (or from its first escape, if that comes
+    /// first); its length may differ, which shifts everything after it. A
+    /// difference anywhere else is another shape.
     fn fill(&self, c: &mut Cursor<'_>) -> bool {
         let template = self.bytes.as_slice();
+        // Every hole is pushed once: no reallocation on the way.
+        c.holes.reserve(self.holes.len());
         // Template position of the next byte to match; the input position is
         // `c.pos`.
         let mut from = 0;
-        let mut holes = self.holes.iter().peekable();
-        while holes.peek().is_some() {
+        let mut holes = self.holes.as_slice();
+        while !holes.is_empty() {
             let (Some(input), Some(rest)) = (c.bytes.get(c.pos..), template.get(from..)) else {
                 return false;
             };
             let differs_at = from + common_prefix(input, rest);
-            // Holes wholly in the equal run. A number that ends right where
-            // the run ends may go on in the input (`12` where the template
-            // had `1`): it is scanned like a changed one.
-            while let Some(hole) = holes.next_if(|h| {
-                h.end < differs_at || (h.end == differs_at && template.get(h.start) == Some(&b'"'))
-            }) {
-                c.holes.push(Span {
-                    start: c.pos + (hole.start - from),
-                    end: c.pos + (hole.end - from),
-                });
-            }
-            let Some(hole) = holes.next() else {
+            // Holes wholly in the equal run sit at the same distance from
+            // `from` in the input: a shift (wrapping, as it may be negative;
+            // the shifted positions are not).
+            let kept = holes
+                .iter()
+                .position(|h| h.kept_at > differs_at)
+                .unwrap_or(holes.len());
+            let (equal, changed) = holes.split_at(kept);
+            let shift = c.pos.wrapping_sub(from);
+            c.holes.extend(equal.iter().map(|h| Span {
+                start: h.span.start.wrapping_add(shift),
+                end: h.span.end.wrapping_add(shift),
+            }));
+            let Some((hole, after)) = changed.split_first() else {
                 // The difference (or the end) lies after the last hole.
                 c.pos += differs_at - from;
                 from = differs_at;
                 break;
             };
-            if differs_at < hole.start {
+            if differs_at < hole.span.start {
                 return false; // a literal differs: another shape
             }
-            c.pos += hole.start - from;
+            let start = c.pos + (hole.span.start - from);
             // A string where a string was, a number where a number was.
-            let scanned = if template.get(hole.start) == Some(&b'"') {
-                c.string()
+            let scanned = if !hole.string {
+                c.pos = start;
+                c.number_hole().map(drop)
+            } else if differs_at == hole.span.start {
+                c.pos = start;
+                c.string().map(drop)
             } else {
-                c.number_hole()
+                let plain = c.pos + (differs_at.min(hole.plain_end) - from);
+                c.string_hole_from(start, plain)
             };
             if scanned.is_err() {
                 return false;
             }
-            from = hole.end;
+            from = hole.span.end;
+            holes = after;
         }
         match (c.bytes.get(c.pos..), template.get(from..)) {
             (Some(input), Some(rest)) => short_eq(input, rest),
@@ -549,7 +596,24 @@ impl Template {
         self.bytes.clear();
         self.bytes.extend_from_slice(data.as_bytes());
         self.holes.clear();
-        self.holes.extend_from_slice(holes);
+        let bytes = data.as_bytes();
+        self.holes.extend(holes.iter().map(|&span| {
+            let string = bytes.get(span.start) == Some(&b'"');
+            let plain_end = if string {
+                // Holes are valid strings: between their quotes, the first
+                // stop is a backslash or nothing.
+                let inner = bytes.get(span.start + 1..span.end - 1).unwrap_or_default();
+                span.start + 1 + memchr(b'\\', inner).unwrap_or(inner.len())
+            } else {
+                span.start
+            };
+            Hole {
+                span,
+                string,
+                kept_at: if string { span.end } else { span.end + 1 },
+                plain_end,
+            }
+        }));
         self.ready = true;
     }
 
@@ -566,9 +630,9 @@ impl Template {
         };
         let k = self
             .holes
-            .binary_search_by_key(&span.start, |h| h.start)
+            .binary_search_by_key(&span.start, |h| h.span.start)
             .map_err(|_| Bail)?;
-        if self.holes.get(k).is_some_and(|h| h.end == span.end) {
+        if self.holes.get(k).is_some_and(|h| h.span.end == span.end) {
             Ok(Some(Span {
                 start: k,
                 end: k + 1,
@@ -733,6 +797,59 @@ mod tests {
                 let naive = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
                 assert_eq!(common_prefix(&a, &b), naive, "len {len}, differ {differ}");
                 assert_eq!(common_prefix(&b, &a), naive, "len {len}, differ {differ}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_matched_frame_has_the_holes_a_full_walk_finds() {
+        fn walk(json: &str) -> Option<Vec<Span>> {
+            let mut c = Cursor::new(json, Vec::new());
+            (c.value().is_ok() && c.end().is_ok()).then(|| c.into_holes())
+        }
+        // Raw string contents, some invalid, sharing prefixes with each
+        // other up to and into escapes.
+        let strings = [
+            "",
+            "p",
+            "plain text",
+            "plain texts",
+            "plain\\\"",
+            "pl\\\"ain text",
+            "x\\\"y\\nz",
+            "x\\\"y\\tz",
+            "x\\\"y",
+            "x\\",
+            "\\u00e9 and more",
+            "\\u00",
+            "é",
+            "tab\there",
+            "12345678901234567",
+            "1234567\\\"",
+        ];
+        let numbers = ["1", "12", "1.5", "01"];
+        let mut frames = Vec::new();
+        for a in strings {
+            for n in numbers {
+                for c in strings {
+                    frames.push(format!(r#"{{"a":"{a}","b":{n},"c":["{c}",0]}}"#));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for learned in &frames {
+            let Some(holes) = walk(learned) else {
+                continue;
+            };
+            let mut template = Template::default();
+            template.learn(learned, &holes);
+            for frame in &frames {
+                let walked = walk(frame);
+                let matched = template.matches(frame, &mut out);
+                assert_eq!(matched, walked.is_some(), "{learned} then {frame}");
+                if matched {
+                    assert_eq!(Some(&out), walked.as_ref(), "{learned} then {frame}");
+                }
             }
         }
     }
