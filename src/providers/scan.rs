@@ -59,14 +59,16 @@ const HI: u64 = 0x8080_8080_8080_8080;
 /// Bytes of `v` that are `"`, `\` or below 0x20 have their high bit set in
 /// the result, and the lowest set one is exact (higher ones may be false
 /// alarms from borrows, which the caller checks byte by byte anyway).
+///
+/// Two tests, not three: `"` (0x22) xor 0x02 is 0x20, and xor 0x02 keeps
+/// the control characters below 0x20 (and every other byte at 0x21 or
+/// above), so one "below 0x21" finds both; the other finds `\`. A byte
+/// with its high bit set (UTF-8) is neither.
 #[inline]
 fn string_stops(v: u64) -> u64 {
-    let quote = v ^ (LO * u64::from(b'"'));
-    let backslash = v ^ (LO * u64::from(b'\\'));
-    let zero_quote = quote.wrapping_sub(LO) & !quote;
-    let zero_backslash = backslash.wrapping_sub(LO) & !backslash;
-    let control = v.wrapping_sub(LO * 0x20) & !v;
-    (zero_quote | zero_backslash | control) & HI
+    let below = (v ^ (LO * 0x02)).wrapping_sub(LO * 0x21);
+    let backslash = (v ^ (LO * u64::from(b'\\'))).wrapping_sub(LO);
+    (below | backslash) & !v & HI
 }
 
 /// From `i`, skips eight bytes at a time while none is `"`, `\` or a
@@ -768,6 +770,26 @@ mod tests {
                 ("b".to_owned(), None)
             ]
         );
+    }
+
+    #[test]
+    fn string_stops_finds_the_first_stop_of_any_two_bytes() {
+        let stop = |b: u8| b == b'"' || b == b'\\' || b < 0x20;
+        for first in 0..8 {
+            for second in first + 1..8 {
+                for x in 0..=255u8 {
+                    for y in 0..=255u8 {
+                        let mut word = [b'a'; 8];
+                        word[first] = x;
+                        word[second] = y;
+                        let expected = word.iter().position(|&b| stop(b));
+                        let stops = string_stops(u64::from_le_bytes(word));
+                        let found = (stops != 0).then(|| (stops.trailing_zeros() / 8) as usize);
+                        assert_eq!(found, expected, "{word:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
