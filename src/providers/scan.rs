@@ -319,37 +319,10 @@ impl<'a> Cursor<'a> {
         Ok(span)
     }
 
-    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
+    /// A number at the cursor (no whitespace before it).
+    #[inline]
     fn number(&mut self) -> Result<(), Bail> {
-        let b = self.bytes;
-        let mut i = self.pos;
-        if b.get(i) == Some(&b'-') {
-            i += 1;
-        }
-        match b.get(i) {
-            Some(b'0') => i += 1,
-            Some(b'1'..=b'9') => i = digits(b, i),
-            _ => return Err(Bail),
-        }
-        if b.get(i) == Some(&b'.') {
-            let end = digits(b, i + 1);
-            if end == i + 1 {
-                return Err(Bail);
-            }
-            i = end;
-        }
-        if matches!(b.get(i), Some(b'e' | b'E')) {
-            i += 1;
-            if matches!(b.get(i), Some(b'+' | b'-')) {
-                i += 1;
-            }
-            let end = digits(b, i);
-            if end == i {
-                return Err(Bail);
-            }
-            i = end;
-        }
-        self.pos = i;
+        self.pos = number_end(self.bytes, self.pos)?;
         Ok(())
     }
 
@@ -359,22 +332,6 @@ impl<'a> Cursor<'a> {
         let (span, _) = self.string_inner()?;
         self.holes.push(span);
         Ok(span)
-    }
-
-    /// The rest of a string whose opening quote is at `start` and whose
-    /// bytes before `plain` are known to be plain text (no quote, escape or
-    /// control character), noted as a hole.
-    #[inline]
-    fn string_hole_from(&mut self, start: usize, plain: usize) -> Result<(), Bail> {
-        let b = self.bytes;
-        let i = skip_plain(b, plain);
-        let (span, _) = if b.get(i) == Some(&b'"') {
-            self.close_string(start, i, false)
-        } else {
-            self.string_rest(start, i)?
-        };
-        self.holes.push(span);
-        Ok(())
     }
 
     /// A string's span, and whether it has escapes.
@@ -388,52 +345,87 @@ impl<'a> Cursor<'a> {
         // In chunks, strings are short and mostly without escapes: the
         // first stop is usually the closing quote.
         let i = skip_plain(b, start + 1);
-        if b.get(i) == Some(&b'"') {
-            return Ok(self.close_string(start, i, false));
-        }
-        self.string_rest(start, i)
-    }
-
-    /// The string from `start` ends with the quote at `quote`: the cursor
-    /// moves past it.
-    #[inline(always)]
-    fn close_string(&mut self, start: usize, quote: usize, escaped: bool) -> (Span, bool) {
-        self.pos = quote + 1;
-        let span = Span {
-            start,
-            end: self.pos,
+        let (end, escaped) = if b.get(i) == Some(&b'"') {
+            (i + 1, false)
+        } else {
+            string_rest(b, i)?
         };
-        (span, escaped)
+        self.pos = end;
+        Ok((Span { start, end }, escaped))
     }
+}
 
-    /// The rest of a string from `i`: escapes, control characters, the
-    /// last bytes of the frame.
-    #[inline(never)]
-    fn string_rest(&mut self, start: usize, mut i: usize) -> Result<(Span, bool), Bail> {
-        let b = self.bytes;
-        let mut escaped = false;
-        loop {
-            i = skip_plain(b, i);
-            match b.get(i) {
-                Some(b'"') => return Ok(self.close_string(start, i, escaped)),
-                Some(b'\\') => {
-                    escaped = true;
-                    i += 1;
-                    match b.get(i) {
-                        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => i += 1,
-                        Some(b'u') => {
-                            let hex = b.get(i + 1..i + 5).ok_or(Bail)?;
-                            if !hex.iter().all(u8::is_ascii_hexdigit) {
-                                return Err(Bail);
-                            }
-                            i += 5;
+/// Where a number that starts at `i` ends:
+/// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
+fn number_end(b: &[u8], mut i: usize) -> Result<usize, Bail> {
+    if b.get(i) == Some(&b'-') {
+        i += 1;
+    }
+    match b.get(i) {
+        Some(b'0') => i += 1,
+        Some(b'1'..=b'9') => i = digits(b, i),
+        _ => return Err(Bail),
+    }
+    if b.get(i) == Some(&b'.') {
+        let end = digits(b, i + 1);
+        if end == i + 1 {
+            return Err(Bail);
+        }
+        i = end;
+    }
+    if matches!(b.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(b.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        let end = digits(b, i);
+        if end == i {
+            return Err(Bail);
+        }
+        i = end;
+    }
+    Ok(i)
+}
+
+/// Where a string ends (past its closing quote), scanned from `i`: its
+/// bytes between its opening quote and `i` are known to be plain text (no
+/// quote, escape or control character).
+#[inline(always)]
+fn string_end(b: &[u8], i: usize) -> Result<usize, Bail> {
+    let i = skip_plain(b, i);
+    if b.get(i) == Some(&b'"') {
+        return Ok(i + 1);
+    }
+    string_rest(b, i).map(|(end, _)| end)
+}
+
+/// The rest of a string from `i`: escapes, control characters, the last
+/// bytes of the frame. Where it ends (past its closing quote), and whether
+/// it has escapes.
+#[inline(never)]
+fn string_rest(b: &[u8], mut i: usize) -> Result<(usize, bool), Bail> {
+    let mut escaped = false;
+    loop {
+        i = skip_plain(b, i);
+        match b.get(i) {
+            Some(b'"') => return Ok((i + 1, escaped)),
+            Some(b'\\') => {
+                escaped = true;
+                i += 1;
+                match b.get(i) {
+                    Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => i += 1,
+                    Some(b'u') => {
+                        let hex = b.get(i + 1..i + 5).ok_or(Bail)?;
+                        if !hex.iter().all(u8::is_ascii_hexdigit) {
+                            return Err(Bail);
                         }
-                        _ => return Err(Bail),
+                        i += 5;
                     }
+                    _ => return Err(Bail),
                 }
-                Some(0..=0x1f) | None => return Err(Bail),
-                Some(_) => i += 1,
             }
+            Some(0..=0x1f) | None => return Err(Bail),
+            Some(_) => i += 1,
         }
     }
 }
@@ -517,13 +509,8 @@ fn short_eq(a: &[u8], b: &[u8]) -> bool {
 impl Template {
     /// Whether `data` has this shape; if so, `out` holds its holes.
     pub fn matches(&self, data: &str, out: &mut Vec<Span>) -> bool {
-        if !self.ready {
-            return false;
-        }
-        let mut c = Cursor::new(data, std::mem::take(out));
-        let fits = self.fill(&mut c);
-        *out = c.into_holes();
-        fits
+        out.clear();
+        self.ready && self.fill(data.as_bytes(), out)
     }
 
     /// One pass that compares the frame with the template a word at a
@@ -534,19 +521,20 @@ impl Template {
     /// string from the difference (or from its first escape, if that comes
     /// first); its length may differ, which shifts everything after it. A
     /// difference anywhere else is another shape.
-    fn fill(&self, c: &mut Cursor<'_>) -> bool {
+    fn fill(&self, input: &[u8], out: &mut Vec<Span>) -> bool {
         let template = self.bytes.as_slice();
         // Every hole is pushed once: no reallocation on the way.
-        c.holes.reserve(self.holes.len());
-        // Template position of the next byte to match; the input position is
-        // `c.pos`.
+        out.reserve(self.holes.len());
+        // The position of the next byte to match, in the template and in
+        // the input.
         let mut from = 0;
+        let mut pos = 0;
         let mut holes = self.holes.as_slice();
         while !holes.is_empty() {
-            let (Some(input), Some(rest)) = (c.bytes.get(c.pos..), template.get(from..)) else {
+            let (Some(rest_in), Some(rest)) = (input.get(pos..), template.get(from..)) else {
                 return false;
             };
-            let differs_at = from + common_prefix(input, rest);
+            let differs_at = from + common_prefix(rest_in, rest);
             // Holes wholly in the equal run sit at the same distance from
             // `from` in the input: a shift (wrapping, as it may be negative;
             // the shifted positions are not).
@@ -555,40 +543,41 @@ impl Template {
                 .position(|h| h.kept_at > differs_at)
                 .unwrap_or(holes.len());
             let (equal, changed) = holes.split_at(kept);
-            let shift = c.pos.wrapping_sub(from);
-            c.holes.extend(equal.iter().map(|h| Span {
+            let shift = pos.wrapping_sub(from);
+            out.extend(equal.iter().map(|h| Span {
                 start: h.span.start.wrapping_add(shift),
                 end: h.span.end.wrapping_add(shift),
             }));
             let Some((hole, after)) = changed.split_first() else {
                 // The difference (or the end) lies after the last hole.
-                c.pos += differs_at - from;
+                pos += differs_at - from;
                 from = differs_at;
                 break;
             };
             if differs_at < hole.span.start {
                 return false; // a literal differs: another shape
             }
-            let start = c.pos + (hole.span.start - from);
+            let start = pos + (hole.span.start - from);
             // A string where a string was, a number where a number was.
-            let scanned = if !hole.string {
-                c.pos = start;
-                c.number_hole().map(drop)
-            } else if differs_at == hole.span.start {
-                c.pos = start;
-                c.string().map(drop)
+            let end = if !hole.string {
+                number_end(input, start)
+            } else if differs_at > hole.span.start {
+                string_end(input, pos + (differs_at.min(hole.plain_end) - from))
+            } else if input.get(start) == Some(&b'"') {
+                string_end(input, start + 1)
             } else {
-                let plain = c.pos + (differs_at.min(hole.plain_end) - from);
-                c.string_hole_from(start, plain)
+                Err(Bail)
             };
-            if scanned.is_err() {
+            let Ok(end) = end else {
                 return false;
-            }
+            };
+            out.push(Span { start, end });
+            pos = end;
             from = hole.span.end;
             holes = after;
         }
-        match (c.bytes.get(c.pos..), template.get(from..)) {
-            (Some(input), Some(rest)) => short_eq(input, rest),
+        match (input.get(pos..), template.get(from..)) {
+            (Some(rest_in), Some(rest)) => short_eq(rest_in, rest),
             _ => false,
         }
     }
