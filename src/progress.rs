@@ -142,6 +142,13 @@ impl ToolCallTracker {
     }
 
     /// Applies one chunk at time `now_ms`.
+    ///
+    /// Always inlined into its caller, the pipeline's per-chunk closure
+    /// (the only one outside tests), where the chunk's kind was just
+    /// matched: a text or reasoning chunk, nearly every chunk of a stream,
+    /// is then a store and a test, not a call that returns its `Applied`
+    /// through memory. The tool-call work stays out of line
+    /// (`apply_delta`).
     pub fn apply(&mut self, chunk: &Chunk<'_>, now_ms: u64) -> Applied<'_> {
         match chunk {
             Chunk::Text { .. } => {
