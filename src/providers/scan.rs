@@ -538,17 +538,17 @@ impl Template {
             // Holes wholly in the equal run sit at the same distance from
             // `from` in the input: a shift (wrapping, as it may be negative;
             // the shifted positions are not).
-            let kept = holes
-                .iter()
-                .position(|h| h.kept_at > differs_at)
-                .unwrap_or(holes.len());
-            let (equal, changed) = holes.split_at(kept);
             let shift = pos.wrapping_sub(from);
-            out.extend(equal.iter().map(|h| Span {
-                start: h.span.start.wrapping_add(shift),
-                end: h.span.end.wrapping_add(shift),
-            }));
-            let Some((hole, after)) = changed.split_first() else {
+            while let Some((hole, after)) = holes.split_first()
+                && hole.kept_at <= differs_at
+            {
+                out.push(Span {
+                    start: hole.span.start.wrapping_add(shift),
+                    end: hole.span.end.wrapping_add(shift),
+                });
+                holes = after;
+            }
+            let Some((hole, after)) = holes.split_first() else {
                 // The difference (or the end) lies after the last hole.
                 pos += differs_at - from;
                 from = differs_at;
