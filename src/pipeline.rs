@@ -169,7 +169,9 @@ struct RawFrame<'a> {
     data: Option<&'a [u8]>,
     /// `data` as text, when the framer checked it as UTF-8.
     text: Option<&'a str>,
-    /// Offset in `raw` of the closing `}` of the payload, if any.
+    /// Offset in `raw` of the closing `}` of the payload, if any (of an
+    /// NDJSON line, only under field injection, the one mode that writes
+    /// there).
     closing_brace: Option<usize>,
     /// The line break to use for added lines.
     line_ending: &'static [u8],
@@ -444,7 +446,14 @@ impl StreamState {
             raw: line.raw,
             data: (!line.is_blank()).then_some(line.content),
             text: line.text,
-            closing_brace: line.closing_brace(),
+            // Only field injection writes before the brace: other modes
+            // need not look for it.
+            closing_brace: match self.inject {
+                InjectMode::Field => line.closing_brace(),
+                InjectMode::None | InjectMode::Comment | InjectMode::Event | InjectMode::Chunk => {
+                    None
+                }
+            },
             line_ending: b"\n",
             line_ending_open: false,
             at: Location {
