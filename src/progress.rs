@@ -149,6 +149,7 @@ impl ToolCallTracker {
     /// is then a store and a test, not a call that returns its `Applied`
     /// through memory. The tool-call work stays out of line
     /// (`apply_delta`).
+    #[inline(always)]
     pub fn apply(&mut self, chunk: &Chunk<'_>, now_ms: u64) -> Applied<'_> {
         match chunk {
             Chunk::Text { .. } => {
