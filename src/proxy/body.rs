@@ -283,7 +283,11 @@ impl Body for TapBody {
                     Some(Err(Box::new(IdleTimeout(*this.idle_timeout)) as BoxError))
                 }
             };
-            *this.heard = tokio::time::Instant::now();
+            // One clock read for all that needs the time of this frame:
+            // when it was heard, the start of its annotation, its session's
+            // last activity.
+            let now = tokio::time::Instant::now();
+            *this.heard = now;
             match event {
                 Some(Ok(frame)) => {
                     let data = match frame.into_data() {
@@ -327,14 +331,13 @@ impl Body for TapBody {
                             .fetch_add(data.len() as u64, Ordering::Relaxed);
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     };
-                    let work = Instant::now();
                     annotator.push(&data, unix_ms(), this.out);
                     log_warnings(annotator, this.log);
                     if let Some(session) = this.session.as_mut() {
                         let (tracker, events) = annotator.collected();
-                        session.publish(tracker, events);
+                        session.publish_at(tracker, events, now.into_std());
                     }
-                    this.metrics.added_latency.observe(work.elapsed());
+                    this.metrics.added_latency.observe(now.elapsed());
                     if last {
                         finish(this.annotator, this.session, this.out, this.log);
                     }

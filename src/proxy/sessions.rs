@@ -403,12 +403,24 @@ impl StreamHandle {
     /// as long as this stream still owns the session. Empties `events`,
     /// keeping its allocation.
     pub fn publish(&mut self, tracker: &ToolCallTracker, events: &mut Vec<StreamEvent>) {
-        self.publish_events(tracker, events);
+        self.publish_at(tracker, events, Instant::now());
+    }
+
+    /// [`publish`](Self::publish), with `now` (a moment ago) as the
+    /// session's last activity: a caller that has just read the clock
+    /// passes that, and publishing costs no clock read of its own.
+    pub fn publish_at(
+        &mut self,
+        tracker: &ToolCallTracker,
+        events: &mut Vec<StreamEvent>,
+        now: Instant,
+    ) {
+        self.publish_events(tracker, events, now);
         events.clear();
     }
 
-    /// [`publish`](Self::publish), leaving `events` as they were.
-    fn publish_events(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent]) {
+    /// [`publish_at`](Self::publish_at), leaving `events` as they were.
+    fn publish_events(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent], now: Instant) {
         let changed = tracker.changes() != self.published;
         if !changed && events.is_empty() {
             return;
@@ -422,7 +434,7 @@ impl StreamHandle {
         if session.generation != self.generation {
             return;
         }
-        session.last_active = Instant::now();
+        session.last_active = now;
         if changed {
             tracker.snapshot_into(&mut session.progress);
         }
