@@ -22,7 +22,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -118,6 +118,9 @@ pin_project! {
         recording: Option<Recording>,
         #[pin]
         idle: Sleep,
+        // The waker `idle` was last polled with while it had not fired
+        // (see `idle_fired`); `None` after it fired or was moved.
+        idle_waker: Option<Waker>,
         idle_timeout: Duration,
         // When the upstream last sent a frame (or the body began).
         heard: tokio::time::Instant,
@@ -217,6 +220,7 @@ impl TapBody {
             session,
             recording: None,
             idle: tokio::time::sleep_until(deadline_after(now, idle_timeout)),
+            idle_waker: None,
             idle_timeout,
             heard: now,
             out: BytesMut::new(),
@@ -268,7 +272,10 @@ impl Body for TapBody {
                     return Poll::Ready(Some(Ok(Frame::data(chunk))));
                 }
                 Poll::Pending => {
-                    ready!(this.idle.as_mut().poll(cx));
+                    if !idle_fired(this.idle.as_mut(), this.idle_waker, cx) {
+                        return Poll::Pending;
+                    }
+                    *this.idle_waker = None;
                     // The timer is moved only when it fires (moving it on
                     // every frame costs a timer-wheel update per event):
                     // if something was heard since it was set, it now
@@ -382,6 +389,40 @@ impl Body for TapBody {
             Some(_) => SizeHint::default(),
         }
     }
+}
+
+/// Whether the idle timer fired. It is polled only when it may have to
+/// tell something new: the first time, after it fired or was moved, or for
+/// a new waker. Otherwise it already holds `cx`'s waker, which it wakes
+/// when it fires, and a look at its state is enough: hyper's server polls
+/// a body two or three times per event, and each poll of the timer costs
+/// about a hundred instructions (budget, state, waker) that say nothing new.
+fn idle_fired(
+    mut idle: Pin<&mut Sleep>,
+    polled_with: &mut Option<Waker>,
+    cx: &mut Context<'_>,
+) -> bool {
+    if let Some(waker) = polled_with.as_ref()
+        && waker.will_wake(cx.waker())
+        && !idle.is_elapsed()
+    {
+        return false;
+    }
+    // A task out of budget gets `Pending` from the timer before the timer
+    // keeps its waker: that poll does not count as one that registered it.
+    let registers = tokio::task::coop::has_budget_remaining();
+    if idle.as_mut().poll(cx).is_ready() {
+        return true;
+    }
+    if !registers {
+        *polled_with = None;
+    } else if !polled_with
+        .as_ref()
+        .is_some_and(|w| w.will_wake(cx.waker()))
+    {
+        *polled_with = Some(cx.waker().clone());
+    }
+    false
 }
 
 /// `idle_timeout` after `heard`; a huge `--idle-timeout` means "never",
