@@ -10,6 +10,10 @@
 //! JSON.
 
 mod common;
+// The fuzz targets' checks: `javascript_accepts` is shared, so that the
+// two never disagree on what JSON JavaScript reads and serde_json refuses.
+#[path = "../fuzz/src/lib.rs"]
+mod fuzz_checks;
 
 use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::Framing;
@@ -18,6 +22,7 @@ use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
 use aalis_proxy::js::utf16_len;
 use aalis_proxy::pipeline::AnnotatorConfig;
 use common::*;
+use fuzz_checks::javascript_accepts;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -79,16 +84,6 @@ fn check_injected_json(run: &Run, mode: InjectMode) -> Result<(), TestCaseError>
         }
     }
     Ok(())
-}
-
-/// serde_json refuses two things in JSON that JavaScript's `JSON.parse`
-/// takes, and so do the decoders (SPEC.md): lone surrogate escapes
-/// (`"\ud83d"`) and numbers beyond `f64` (`1e400`, `1E67227122`).
-fn javascript_accepts(err: &serde_json::Error) -> bool {
-    let message = err.to_string();
-    message.contains("surrogate")
-        || message.starts_with("unexpected end of hex escape")
-        || message.starts_with("number out of range")
 }
 
 /// Bytes that look like SSE or NDJSON often enough to reach the decoders.

@@ -546,7 +546,7 @@ fn decode_frame<'a>(provider: Provider, data: &'a [u8], state: &mut DecoderState
 /// so do our decoders (SPEC.md): lone surrogate escapes (`"\ud83d"`, from a
 /// UTF-16 server cutting a fragment inside a pair) and numbers beyond `f64`
 /// (`1e400`, Infinity). Values copied verbatim from upstream can hold them.
-fn javascript_accepts(err: &serde_json::Error) -> bool {
+pub fn javascript_accepts(err: &serde_json::Error) -> bool {
     let message = err.to_string();
     message.contains("surrogate")
         || message.starts_with("unexpected end of hex escape")
