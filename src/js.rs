@@ -147,7 +147,9 @@ pub fn stringifies_to_itself(json: &str) -> bool {
                     let Some(&Some(first)) = open.last() else {
                         return false;
                     };
-                    if key.iter().all(u8::is_ascii_digit)
+                    // An index key has no escape: its raw text is the key.
+                    let index = json.get(i + 1..end - 1).and_then(array_index);
+                    if index.is_some()
                         || keys.len() - first == MAX_KEYS
                         || keys[first..].contains(&key)
                     {

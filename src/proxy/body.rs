@@ -275,7 +275,6 @@ impl Body for TapBody {
                     if !idle_fired(this.idle.as_mut(), this.idle_waker, cx) {
                         return Poll::Pending;
                     }
-                    *this.idle_waker = None;
                     // The timer is moved only when it fires (moving it on
                     // every frame costs a timer-wheel update per event):
                     // if something was heard since it was set, it now
@@ -412,6 +411,8 @@ fn idle_fired(
     // keeps its waker: that poll does not count as one that registered it.
     let registers = tokio::task::coop::has_budget_remaining();
     if idle.as_mut().poll(cx).is_ready() {
+        // It is moved or dropped next: the next poll registers again.
+        *polled_with = None;
         return true;
     }
     if !registers {
