@@ -18,11 +18,12 @@
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
 //! (each at most [`IDLE_KEEP`]) in a list per thread (at most [`MAX_IDLE`]
-//! in each): a connection goes back to the list of the thread that made
-//! it, whose runtime's reactor watches its socket, and a thread takes from
-//! its own list first, from another's only when its own is empty. An idle
-//! connection is
-//! not polled; it is checked when taken (a connection the upstream closed
+//! in each): a connection goes back to the list of the thread whose
+//! runtime's reactor watches its socket, and a thread takes from its own
+//! list first. When its own is empty it takes another thread's connection
+//! and moves its socket to its own reactor (see [`Conn::rehome`]); left
+//! with the other's, every event of the stream woke that thread to wake
+//! this one. An idle connection is not polled; it is checked when taken (a connection the upstream closed
 //! meanwhile reads its end and is dropped) and every 15 s by a sweeper task,
 //! and a request that finds it closed before any byte was written is sent
 //! again on a new connection, as hyper-util's client does.
@@ -122,8 +123,9 @@ struct Conn {
     /// dropping it answers a request it never sent (with the request back,
     /// for a retry) and ends a body it was feeding.
     io: Option<Connection<Io, ProxyBody>>,
-    /// The idle list of the thread that made it, whose runtime's reactor
-    /// watches its socket: it goes back there whoever used it last.
+    /// The idle list of the thread whose runtime's reactor watches its
+    /// socket (the thread that made it, or the one it was moved to): it
+    /// goes back there.
     home: usize,
 }
 
@@ -140,6 +142,44 @@ impl Conn {
             tracing::debug!("upstream connection ended: {err}");
         }
         Poll::Ready(())
+    }
+
+    /// This idle connection, made on another thread, moved to this one: its
+    /// socket leaves the other runtime's reactor for this thread's, and a
+    /// new HTTP/1.1 connection state takes it over (hyper's handshake does
+    /// no I/O). Left on the other reactor, each of its wake-ups would wake
+    /// the other thread only for it to wake this one: a second wake-up per
+    /// event, about 25 µs of CPU at C=1 here (BENCHMARKS.md, "Eleventh
+    /// round"). `None`, and the connection is dropped, when it cannot be
+    /// moved: it holds bytes read ahead of a request (never, when idle), or
+    /// the socket cannot be registered here.
+    async fn rehome(self) -> Option<Conn> {
+        let parts = self.io?.into_parts();
+        if !parts.read_buf.is_empty() {
+            return None;
+        }
+        let moved = parts
+            .io
+            .into_inner()
+            .into_std()
+            .and_then(TcpStream::from_std);
+        let stream = match moved {
+            Ok(stream) => stream,
+            Err(err) => {
+                tracing::debug!("cannot move an idle upstream connection to this thread: {err}");
+                return None;
+            }
+        };
+        let (sender, io) = http1::Builder::new()
+            .max_buf_size(CONN_BUF_BYTES)
+            .handshake(TokioIo::new(stream))
+            .await
+            .ok()?;
+        Some(Conn {
+            sender,
+            io: Some(io),
+            home: own_shard(),
+        })
     }
 
     /// Whether it can take a request now. Polls the connection once, with
@@ -211,7 +251,7 @@ impl H1Pool {
                 .or_insert_with(|| host_value(authority));
         }
         *req.uri_mut() = origin_form(&uri);
-        if let Some(mut conn) = self.checkout() {
+        if let Some(mut conn) = self.checkout().await {
             match exchange(&mut conn, req).await {
                 Ok(response) => return Ok(self.driven(conn, response)),
                 // Closed before a byte of it was written: an upstream that
@@ -238,10 +278,11 @@ impl H1Pool {
         driven
     }
 
-    /// The newest usable idle connection, this thread's first.
-    fn checkout(&self) -> Option<Conn> {
+    /// The newest usable idle connection, this thread's first; another
+    /// thread's is moved to this one.
+    async fn checkout(&self) -> Option<Conn> {
         let own = own_shard();
-        (0..SHARDS).find_map(|k| {
+        let conn = (0..SHARDS).find_map(|k| {
             let mut idle = self.idle[(own + k) % SHARDS]
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
@@ -251,7 +292,12 @@ impl H1Pool {
                 }
             }
             None
-        })
+        })?;
+        if conn.home == own {
+            Some(conn)
+        } else {
+            conn.rehome().await
+        }
     }
 
     /// Keeps `conn` for the next request (old ones are dropped by
@@ -546,6 +592,7 @@ mod tests {
     use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
+    use tokio::runtime;
     use tokio::sync::oneshot;
 
     /// An upstream that answers one request on one connection with `ok`
@@ -723,8 +770,9 @@ mod tests {
 
     /// A thread takes back the idle connection it made, not one another
     /// thread checked in after it (whose socket that thread's reactor
-    /// watches), and takes another thread's only when it has none; a
-    /// connection goes back to the list of the thread that made it.
+    /// watches), and takes another thread's only when it has none; that
+    /// one then belongs to the thread that took it and goes back to its
+    /// list.
     #[tokio::test]
     async fn an_idle_connection_goes_back_to_the_thread_that_made_it() {
         let addr = numbering_upstream().await;
@@ -778,13 +826,85 @@ mod tests {
             "the second thread's, the first's being taken"
         );
         assert_eq!(pool.idle_connections(), 2, "both kept");
-        // Each went back to the list of the thread that made it.
+        // Both went back to the first thread's list, the taken one last:
+        // the second thread, with none of its own, takes the newest.
         assert_eq!(
-            number(first, head(first).await).await,
-            "0",
-            "the first thread's list holds only its own"
+            number(second, head(second).await).await,
+            "1",
+            "the first thread's newest"
         );
-        assert_eq!(number(second, head(second).await).await, "1");
+        // It went back to the second thread's list: the first has its own
+        // only, and takes the second's after it.
+        let both = (head(first).await, head(first).await);
+        assert_eq!(
+            (number(first, both.0).await, number(first, both.1).await),
+            ("0".to_owned(), "1".to_owned()),
+            "the first thread's own, then the one the second thread took",
+        );
+        assert_eq!(pool.idle_connections(), 2, "no new connection made");
         drop(workers);
+    }
+
+    /// A connection taken from another thread's list is woken on the thread
+    /// that took it: here the thread that made it stops driving its runtime
+    /// (whose reactor still holds the socket, unpolled), and the other
+    /// thread's request on that connection still gets its whole response,
+    /// on the same connection. Left on the first reactor, the response
+    /// would never be read.
+    #[test]
+    fn a_connection_taken_from_another_thread_is_woken_where_it_is_used() {
+        let upstream = runtime::Runtime::new().expect("upstream runtime");
+        let addr = upstream.block_on(numbering_upstream());
+        let pool = H1Pool::new(Duration::from_secs(1));
+        let current = || {
+            runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+        };
+        async fn in_time(
+            response: impl Future<Output = Response<DrivenBody>>,
+        ) -> Result<String, tokio::time::error::Elapsed> {
+            tokio::time::timeout(Duration::from_secs(5), async move {
+                let response = response.await;
+                String::from_utf8(whole(response).await.to_vec()).expect("a number")
+            })
+            .await
+        }
+
+        // The first thread makes the connection, then its runtime is
+        // kept but no longer driven.
+        let made = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || {
+                pin_shard(0);
+                let runtime = current();
+                let number = runtime.block_on(in_time(async move {
+                    pool.request(get(addr)).await.expect("response")
+                }));
+                (runtime, number)
+            })
+        };
+        let (stopped, number) = made.join().expect("the first thread");
+        assert_eq!(number.expect("in time"), "0");
+        assert_eq!(pool.idle_connections(), 1);
+
+        let taken = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || {
+                pin_shard(1);
+                current().block_on(in_time(async move {
+                    pool.request(get(addr)).await.expect("response")
+                }))
+            })
+        };
+        let number = taken.join().expect("the second thread");
+        assert_eq!(
+            number.expect("the response comes while the first runtime sleeps"),
+            "0",
+            "the first thread's connection"
+        );
+        assert_eq!(pool.idle_connections(), 1);
+        drop(stopped);
     }
 }
