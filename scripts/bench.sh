@@ -56,6 +56,12 @@ if [ "$mode" = full ]; then
   # Release builds: what users run.
   cargo build --locked --release --quiet --bin aalis-proxy --example loadgen
   bin=target/release
+  # The forward-only build (`--cfg aalis_forward_only`: serve annotates
+  # nothing), a fourth proxy target: what the HTTP path costs without
+  # parsing. Its own target directory, as the flag rebuilds everything.
+  RUSTFLAGS="${RUSTFLAGS:-} --cfg aalis_forward_only" CARGO_TARGET_DIR=target/forward-only \
+    cargo build --locked --release --quiet --bin aalis-proxy
+  args+=(--forward-only target/forward-only/release/aalis-proxy)
   limit=45m
 else
   # The test profile's builds (CI has them from `cargo test` already): the

@@ -317,10 +317,10 @@ def start_upstream(loadgen, sample, workdir):
     return p, int(line.split(":")[-1])
 
 
-def start_aalis(aalis, up_port, workdir):
+def start_aalis(aalis, up_port, workdir, log_name="serve.log"):
     port = free_port()
     p = start([aalis, "serve", "--upstream", f"http://127.0.0.1:{up_port}", "--listen", f"127.0.0.1:{port}"],
-              os.path.join(workdir, "serve.log"))
+              os.path.join(workdir, log_name))
     wait_port(port)
     return p, port
 
@@ -398,7 +398,25 @@ def drive(loadgen, port, concurrency, events, delay_us, timeout):
     return r
 
 
-def proxy_overhead(cfg, loadgen, targets, notes):
+def tree_cpu_s(pid):
+    """CPU time (user and system) of every thread of `pid` and of its
+    children (nginx's workers), in seconds, from schedstat: nanoseconds,
+    not the 10 ms ticks of /proc/PID/stat."""
+    total = 0
+    for p in [pid] + children(pid):
+        for task in glob.glob(f"/proc/{p}/task/*/schedstat"):
+            try:
+                with open(task) as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
+
+
+def proxy_overhead(cfg, loadgen, targets, pids, notes):
+    """Drives every target (name → port) in turn, repetition after
+    repetition; `pids` (name → pid) are the processes whose CPU time per
+    event is measured over each drive."""
     rows = []
     reps = cfg["proxy_reps"]
     for mode in ("paced", "unpaced"):
@@ -410,10 +428,15 @@ def proxy_overhead(cfg, loadgen, targets, notes):
             else:
                 events, delay = max(cfg["unpaced_total_events"] // c, 50), 0
             runs = {name: [] for name in targets}
+            cpu = {name: [] for name in targets}
             for rep in range(reps):
                 for name, port in targets.items():
                     check_deadline(f"proxy {mode} C={c}")
-                    runs[name].append(drive(loadgen, port, c, events, delay, timeout=min(left(), 300)))
+                    before = tree_cpu_s(pids[name]) if name in pids else None
+                    r = drive(loadgen, port, c, events, delay, timeout=min(left(), 300))
+                    if before is not None and r["events"]:
+                        cpu[name].append((tree_cpu_s(pids[name]) - before) / r["events"] * 1e6)
+                    runs[name].append(r)
             direct = runs["direct"]
             for name in targets:
                 rs = runs[name]
@@ -436,6 +459,7 @@ def proxy_overhead(cfg, loadgen, targets, notes):
                     events_per_s_max=max(r["events_per_s"] for r in rs),
                     mb_per_s=median([r["mb_per_s"] for r in rs]),
                     throughput_ratio=median([r["events_per_s"] / d["events_per_s"] for r, d in zip(rs, direct)]),
+                    cpu_us_per_event=median(cpu[name]),
                 ))
             log(f"proxy {mode} C={c}: " + ", ".join(
                 f"{r['target']} p50 {r['p50']:.0f}µs p99 {r['p99']:.0f}µs {r['events_per_s']:.0f} ev/s"
@@ -663,8 +687,8 @@ def proxy_tables(results, cfg, p):
     p("")
     p("## Proxy overhead, paced (one event every %d ms per stream, max(%d, %d/C) events per stream; "
       "µs, median of %d)\n" % (cfg["delay_us"] // 1000, cfg["paced_events"], cfg["paced_samples"], cfg["proxy_reps"]))
-    p("| C | target | p50 | p99 | max | added p50 | added p99 | added max | TTFB p50 | TTFB p99 | SYN drops |")
-    p("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    p("| C | target | p50 | p99 | max | added p50 | added p99 | added max | TTFB p50 | TTFB p99 | CPU µs/event | SYN drops |")
+    p("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results["proxy"]:
         if r["mode"] != "paced":
             continue
@@ -672,17 +696,17 @@ def proxy_tables(results, cfg, p):
         p(f"| {r['concurrency']} | {r['target']} | {fmt(r['p50'])} | {fmt(r['p99'])} | {fmt(r['max'])} | "
           f"{'—' if direct else '%+.0f' % r['added_p50']} | {'—' if direct else '%+.0f' % r['added_p99']} | "
           f"{'—' if direct else '%+.0f' % r['added_max']} | {fmt(r['ttfb_p50'])} | {fmt(r['ttfb_p99'])} | "
-          f"{r['listen_overflows']} |")
+          f"{fmt(r['cpu_us_per_event'])} | {r['listen_overflows']} |")
     p("")
     p("## Proxy throughput, unpaced (median of %d; min–max)\n" % cfg["proxy_reps"])
-    p("| C | target | events/s | min–max | MB/s | × direct | p50 µs | p99 µs |")
-    p("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    p("| C | target | events/s | min–max | MB/s | × direct | p50 µs | p99 µs | CPU µs/event |")
+    p("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results["proxy"]:
         if r["mode"] != "unpaced":
             continue
         p(f"| {r['concurrency']} | {r['target']} | {fmt(r['events_per_s'])} | "
           f"{fmt(r['events_per_s_min'])}–{fmt(r['events_per_s_max'])} | {fmt(r['mb_per_s'])} | "
-          f"{r['throughput_ratio']:.2f} | {fmt(r['p50'])} | {fmt(r['p99'])} |")
+          f"{r['throughput_ratio']:.2f} | {fmt(r['p50'])} | {fmt(r['p99'])} | {fmt(r['cpu_us_per_event'])} |")
 
 
 def memory_tables(results, cfg, p):
@@ -764,7 +788,13 @@ def targets(results):
                 ok = a["added_p50"] <= n["added_p50"] and a["added_p99"] <= n["added_p99"]
                 lines.append(f"paced C={c}: added latency ≤ nginx's: {'MET' if ok else 'MISSED'} "
                              f"(p50 {a['added_p50']:+.0f} vs {n['added_p50']:+.0f} µs, "
-                             f"p99 {a['added_p99']:+.0f} vs {n['added_p99']:+.0f} µs)")
+                             f"p99 {a['added_p99']:+.0f} vs {n['added_p99']:+.0f} µs; "
+                             f"CPU {fmt(a['cpu_us_per_event'])} vs {fmt(n['cpu_us_per_event'])} µs per event)")
+                if "forward-only" in get:
+                    f = get["forward-only"]
+                    lines.append(f"  (not a target) the forward-only build at C={c}: "
+                                 f"p50 {f['added_p50']:+.0f}, p99 {f['added_p99']:+.0f} µs, "
+                                 f"CPU {fmt(f['cpu_us_per_event'])} µs per event")
     for c in sorted({r["concurrency"] for r in prox}):
         get = {r["target"]: r for r in prox if r["mode"] == "unpaced" and r["concurrency"] == c}
         if "aalis" in get and "nginx" in get:
@@ -799,6 +829,8 @@ def main():
     ap.add_argument("--mode", choices=sorted(MODES), default="full")
     ap.add_argument("--aalis", required=True, help="the aalis-proxy binary")
     ap.add_argument("--loadgen", required=True, help="the examples/loadgen binary")
+    ap.add_argument("--forward-only", help="a build made with --cfg aalis_forward_only (annotates nothing): "
+                    "a fourth proxy target, the HTTP path's cost without parsing")
     ap.add_argument("--workdir", default="/tmp/aalis-bench")
     ap.add_argument("--soak-seconds", type=int)
     ap.add_argument("--reps", type=int)
@@ -835,14 +867,23 @@ def main():
             upstream, up_port = start_upstream(a.loadgen, sample, a.workdir)
             aalis, aalis_port = start_aalis(a.aalis, up_port, a.workdir)
             targets_ = {"direct": up_port, "aalis": aalis_port}
+            pids = {"aalis": aalis.pid}
+            forward = None
+            if a.forward_only and "proxy" in only:
+                forward, forward_port = start_aalis(a.forward_only, up_port, a.workdir, "serve-forward-only.log")
+                targets_["forward-only"] = forward_port
+                pids["forward-only"] = forward.pid
             nginx = None
             if have_nginx:
                 nginx, nginx_port = start_nginx(up_port, a.workdir)
                 targets_["nginx"] = nginx_port
+                pids["nginx"] = nginx.pid
             else:
                 notes.append("nginx is not available: no nginx comparison.")
             if "proxy" in only:
-                results["proxy"] = proxy_overhead(cfg, a.loadgen, targets_, notes)
+                results["proxy"] = proxy_overhead(cfg, a.loadgen, targets_, pids, notes)
+                if forward:
+                    stop(forward)
                 # High-water RSS after the unpaced runs: what buffering cost.
                 results["peak_rss"] = [dict(target="aalis", vm_hwm_kib=hwm_kib(aalis.pid),
                                             rss_kib=tree_rss_kib(aalis.pid))]

@@ -342,6 +342,14 @@ impl Proxy {
 /// through untouched: not a stream, or compressed despite our
 /// `Accept-Encoding: identity`.
 fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
+    // The benchmark's lower bound (scripts/bench.sh builds it; BENCHMARKS.md,
+    // "Eleventh round"): a build made with `--cfg aalis_forward_only`
+    // forwards every response as it came, so that what the HTTP path costs
+    // without any parsing can be measured against nginx. Never a build for
+    // use: it annotates nothing.
+    if cfg!(aalis_forward_only) {
+        return None;
+    }
     let encoded = headers
         .get(header::CONTENT_ENCODING)
         .and_then(|v| v.to_str().ok())
