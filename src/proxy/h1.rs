@@ -21,12 +21,13 @@
 //! in each): a connection goes back to the list of the thread whose
 //! runtime's reactor watches its socket, and a thread takes from its own
 //! list first. When its own is empty it takes another thread's connection
-//! and moves its socket to its own reactor (see [`Conn::rehome`]); left
+//! and moves its socket to its own reactor (see `Conn::rehome`); left
 //! with the other's, every event of the stream woke that thread to wake
-//! this one. An idle connection is not polled; it is checked when taken (a connection the upstream closed
-//! meanwhile reads its end and is dropped) and every 15 s by a sweeper task,
-//! and a request that finds it closed before any byte was written is sent
-//! again on a new connection, as hyper-util's client does.
+//! this one. An idle connection is not polled; it is checked when taken
+//! (a connection the upstream closed meanwhile reads its end and is
+//! dropped) and every 15 s by a sweeper task, and a request that finds it
+//! closed before any byte was written is sent again on a new connection,
+//! as hyper-util's client does.
 //!
 //! TLS upstreams keep hyper-util's client (they mostly speak HTTP/2, whose
 //! streams buffer several frames anyway); see
@@ -149,10 +150,12 @@ impl Conn {
     /// new HTTP/1.1 connection state takes it over (hyper's handshake does
     /// no I/O). Left on the other reactor, each of its wake-ups would wake
     /// the other thread only for it to wake this one: a second wake-up per
-    /// event, about 25 µs of CPU at C=1 here (BENCHMARKS.md, "Eleventh
-    /// round"). `None`, and the connection is dropped, when it cannot be
-    /// moved: it holds bytes read ahead of a request (never, when idle), or
-    /// the socket cannot be registered here.
+    /// event, about 30 µs of CPU at C=1 here (BENCHMARKS.md, "Eleventh
+    /// round"). (The threads of a multi-thread runtime share one reactor:
+    /// there the move changes only the list it goes back to.) `None`, and
+    /// the connection is dropped, when it cannot be moved: it holds bytes
+    /// read ahead of a request (never, when idle), or the socket cannot be
+    /// registered here.
     async fn rehome(self) -> Option<Conn> {
         let parts = self.io?.into_parts();
         if !parts.read_buf.is_empty() {
