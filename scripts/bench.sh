@@ -58,10 +58,22 @@ if [ "$mode" = full ]; then
   bin=target/release
   # The forward-only build (`--cfg aalis_forward_only`: serve annotates
   # nothing), a fourth proxy target: what the HTTP path costs without
-  # parsing. Its own target directory, as the flag rebuilds everything.
-  RUSTFLAGS="${RUSTFLAGS:-} --cfg aalis_forward_only" CARGO_TARGET_DIR=target/forward-only \
-    cargo build --locked --release --quiet --bin aalis-proxy
-  args+=(--forward-only target/forward-only/release/aalis-proxy)
+  # parsing. Its own target directory, as the flag rebuilds everything;
+  # only when the proxy part runs.
+  only=proxy
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[i]}" in
+      --only) only=${args[i + 1]:-} ;;
+      --only=*) only=${args[i]#--only=} ;;
+    esac
+  done
+  case ",$only," in
+    *,proxy,*)
+      RUSTFLAGS="${RUSTFLAGS:-} --cfg aalis_forward_only" CARGO_TARGET_DIR=target/forward-only \
+        cargo build --locked --release --quiet --bin aalis-proxy
+      args+=(--forward-only target/forward-only/release/aalis-proxy)
+      ;;
+  esac
   limit=45m
 else
   # The test profile's builds (CI has them from `cargo test` already): the

@@ -173,12 +173,17 @@ impl Conn {
                 return None;
             }
         };
+        Conn::start(TokioIo::new(stream)).await.ok()
+    }
+
+    /// An HTTP/1.1 connection on `io`, at home on this thread (hyper's
+    /// HTTP/1.1 handshake does no I/O: it only builds the state).
+    async fn start(io: Io) -> Result<Conn, hyper::Error> {
         let (sender, io) = http1::Builder::new()
             .max_buf_size(CONN_BUF_BYTES)
-            .handshake(TokioIo::new(stream))
-            .await
-            .ok()?;
-        Some(Conn {
+            .handshake(io)
+            .await?;
+        Ok(Conn {
             sender,
             io: Some(io),
             home: own_shard(),
@@ -349,15 +354,7 @@ impl H1Pool {
             .call(uri)
             .await
             .map_err(|err| H1Error::Connect(err.into()))?;
-        let (sender, io) = http1::Builder::new()
-            .max_buf_size(CONN_BUF_BYTES)
-            .handshake(io)
-            .await?;
-        Ok(Conn {
-            sender,
-            io: Some(io),
-            home: own_shard(),
-        })
+        Ok(Conn::start(io).await?)
     }
 }
 
