@@ -827,19 +827,25 @@ mod tests {
         );
         assert_eq!(pool.idle_connections(), 2, "both kept");
         // Both went back to the first thread's list, the taken one last:
-        // the second thread, with none of its own, takes the newest.
-        assert_eq!(
-            number(second, head(second).await).await,
-            "1",
-            "the first thread's newest"
-        );
-        // It went back to the second thread's list: the first has its own
-        // only, and takes the second's after it.
+        // the first thread now takes both without taking the second's.
         let both = (head(first).await, head(first).await);
         assert_eq!(
             (number(first, both.0).await, number(first, both.1).await),
-            ("0".to_owned(), "1".to_owned()),
-            "the first thread's own, then the one the second thread took",
+            ("1".to_owned(), "0".to_owned()),
+            "the first thread's list holds both, newest first",
+        );
+        // The second thread, with none of its own, takes the first's newest
+        // (`0`, checked in last), which then goes back to the second's list.
+        assert_eq!(number(second, head(second).await).await, "0");
+        assert_eq!(
+            number(first, head(first).await).await,
+            "1",
+            "the first thread's list holds only the other one"
+        );
+        assert_eq!(
+            number(second, head(second).await).await,
+            "0",
+            "the second thread's own now"
         );
         assert_eq!(pool.idle_connections(), 2, "no new connection made");
         drop(workers);
