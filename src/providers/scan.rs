@@ -462,20 +462,20 @@ struct Hole {
     plain_end: usize,
 }
 
-/// How many leading bytes `a` and `b` share, eight at a time.
+/// How many leading bytes `a` and `b` share, sixteen at a time.
 fn common_prefix(a: &[u8], b: &[u8]) -> usize {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut same = 0;
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        let (Ok(x), Ok(y)) = (<[u8; 8]>::try_from(x), <[u8; 8]>::try_from(y)) else {
+    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        let (Ok(x), Ok(y)) = (<[u8; 16]>::try_from(x), <[u8; 16]>::try_from(y)) else {
             break;
         };
-        let diff = u64::from_le_bytes(x) ^ u64::from_le_bytes(y);
+        let diff = u128::from_le_bytes(x) ^ u128::from_le_bytes(y);
         if diff != 0 {
             return same + (diff.trailing_zeros() / 8) as usize;
         }
-        same += 8;
+        same += 16;
     }
     same + a[same..]
         .iter()
