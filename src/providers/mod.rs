@@ -315,6 +315,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
 /// `Number.isInteger` would say) within `i64`; anything else is `None`.
 pub(crate) fn raw_i64(raw: Option<&str>) -> Option<i64> {
     let text = raw?;
+    // Nearly every index is one digit: no parser for it.
+    if let &[digit @ b'0'..=b'9'] = text.as_bytes() {
+        return Some(i64::from(digit - b'0'));
+    }
     if let Ok(n) = text.parse::<i64>() {
         return Some(n);
     }
@@ -376,6 +380,9 @@ mod tests {
     #[test]
     fn integers_as_javascript_sees_them() {
         assert_eq!(raw_i64(Some("3")), Some(3));
+        assert_eq!(raw_i64(Some("0")), Some(0));
+        assert_eq!(raw_i64(Some("9")), Some(9));
+        assert_eq!(raw_i64(Some("-")), None);
         assert_eq!(raw_i64(Some("-1")), Some(-1));
         assert_eq!(raw_i64(Some("2.0")), Some(2));
         assert_eq!(raw_i64(Some("4294967296")), Some(4_294_967_296));
