@@ -233,7 +233,10 @@ impl Annotator {
                 output: config.output,
                 inject: config.inject,
                 max_event_bytes: config.max_event_bytes,
-                decoder_state: DecoderState::default(),
+                decoder_state: DecoderState {
+                    without_frame_head: config.inject != InjectMode::Chunk,
+                    ..DecoderState::default()
+                },
                 // Only the NDJSON output lists the assembled calls; the
                 // others need counts, not the arguments text.
                 tracker: ToolCallTracker::new(config.output == OutputFormat::Ndjson),

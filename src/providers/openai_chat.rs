@@ -158,7 +158,7 @@ pub fn decode<'a>(
     }
     let spans = &mut state.spans;
     match spans.scan(data) {
-        Ok(top) => Ok(spans.emit(data, &top, emit)),
+        Ok(top) => Ok(spans.emit(data, &top, !state.without_frame_head, emit)),
         Err(Bail) => decode_serde(data, emit),
     }
 }
@@ -627,16 +627,17 @@ impl Spans {
         &self,
         data: &'a str,
         top: &TopSpans,
+        head: bool,
         emit: &mut dyn FnMut(Chunk<'a>),
     ) -> FrameInfo<'a> {
         let raw = |span: Option<Span>| span.map(|s| s.of(data));
-        let mut info = FrameInfo {
-            id: raw(top.id),
-            object: raw(top.object),
-            created: raw(top.created),
-            model: raw(top.model),
-            ..FrameInfo::object(top.annotated)
-        };
+        let mut info = FrameInfo::object(top.annotated);
+        if head {
+            info.id = raw(top.id);
+            info.object = raw(top.object);
+            info.created = raw(top.created);
+            info.model = raw(top.model);
+        }
         if let Some(error) = raw(top.error) {
             emit(Chunk::Error {
                 message: error_message(error),
