@@ -177,9 +177,9 @@ pub struct DecoderState {
     /// Reused by the fast paths: no allocation per frame in steady state.
     pub(crate) spans: openai_chat::Spans,
     pub(crate) lines: ollama::Lines,
-    /// The reader needs no [`FrameInfo::id`], `object`, `created` or
+    /// Set when nothing reads [`FrameInfo::id`], `object`, `created` or
     /// `model` (only the `chunk` inject mode writes them): the fast path
-    /// leaves them `None`, four string slices fewer per frame.
+    /// then leaves them `None`, four string slices fewer per frame.
     pub without_frame_head: bool,
 }
 
