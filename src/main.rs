@@ -173,11 +173,12 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     let workers = Workers::start(threads).context("cannot start the worker threads")?;
     let result = current_thread_runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
+        let stop = shutdown_signal();
         tracing::info!(
             "listening on http://{local}, forwarding to {} (threads: {threads})",
             args.upstream
         );
-        serve_proxy_on(listener, proxy, shutdown_signal(), workers.handles()).await;
+        serve_proxy_on(listener, proxy, stop, workers.handles()).await;
         Ok(())
     });
     // Stops the workers once every connection has finished or been dropped.
@@ -199,10 +200,11 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
     init_logging(args.verbose);
     runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
+        let stop = shutdown_signal();
         let names: Vec<&str> = captures.iter().map(|c| c.name.as_str()).collect();
         tracing::info!("mock upstream on http://{local}: {}", names.join(", "));
         MockUpstream::new(captures, Duration::from_millis(args.delay_ms))
-            .run(listener, shutdown_signal())
+            .run(listener, stop)
             .await;
         Ok(())
     })
@@ -294,26 +296,42 @@ fn init_logging(verbose: u8) {
         .init();
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+/// Resolves on SIGINT or SIGTERM. The handlers are installed by this
+/// call, not when the future is first polled: a signal sent as soon as the
+/// "listening on" line appears then stops the process cleanly instead of
+/// killing it (a loaded CI machine once delivered SIGTERM in between).
+/// Call it inside the runtime, before that line is logged.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = interrupt => {}
-                    _ = term.recv() => {}
+        use tokio::signal::unix::{Signal, SignalKind, signal};
+        let install = |kind: SignalKind, name: &str| {
+            signal(kind)
+                .inspect_err(|e| tracing::warn!("cannot handle {name}: {e}"))
+                .ok()
+        };
+        let interrupt = install(SignalKind::interrupt(), "SIGINT");
+        let terminate = install(SignalKind::terminate(), "SIGTERM");
+        async fn next(signal: Option<Signal>) {
+            match signal {
+                Some(mut signal) => {
+                    signal.recv().await;
                 }
+                // Not handled: the signal's default action ends the process.
+                None => std::future::pending().await,
             }
-            Err(_) => {
-                let _ = interrupt.await;
+        }
+        async move {
+            tokio::select! {
+                () = next(interrupt) => {}
+                () = next(terminate) => {}
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = interrupt.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
