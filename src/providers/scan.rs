@@ -505,8 +505,13 @@ fn short_eq(a: &[u8], b: &[u8]) -> bool {
 impl Template {
     /// Whether `data` has this shape; if so, `out` holds its holes.
     pub fn matches(&self, data: &str, out: &mut Vec<Span>) -> bool {
-        out.clear();
-        self.ready && self.fill(data.as_bytes(), out)
+        if !self.ready {
+            return false;
+        }
+        // One slot per hole, written by rank: the buffer keeps its length
+        // from one matched frame to the next, so this is a comparison.
+        out.resize(self.holes.len(), Span { start: 0, end: 0 });
+        self.fill(data.as_bytes(), out)
     }
 
     /// One pass that compares the frame with the template a word at a
@@ -517,16 +522,18 @@ impl Template {
     /// string from the difference (or from its first escape, if that comes
     /// first); its length may differ, which shifts everything after it. A
     /// difference anywhere else is another shape.
-    fn fill(&self, input: &[u8], out: &mut Vec<Span>) -> bool {
+    fn fill(&self, input: &[u8], out: &mut [Span]) -> bool {
         let template = self.bytes.as_slice();
-        // Every hole is pushed once: no reallocation on the way.
-        out.reserve(self.holes.len());
+        let holes = self.holes.as_slice();
+        let Some(out) = out.get_mut(..holes.len()) else {
+            return false;
+        };
         // The position of the next byte to match, in the template and in
-        // the input.
+        // the input, and the rank of the next hole.
         let mut from = 0;
         let mut pos = 0;
-        let mut holes = self.holes.as_slice();
-        while !holes.is_empty() {
+        let mut k = 0;
+        while k < holes.len() {
             let (Some(rest_in), Some(rest)) = (input.get(pos..), template.get(from..)) else {
                 return false;
             };
@@ -535,16 +542,16 @@ impl Template {
             // `from` in the input: a shift (wrapping, as it may be negative;
             // the shifted positions are not).
             let shift = pos.wrapping_sub(from);
-            while let Some((hole, after)) = holes.split_first()
+            while let (Some(hole), Some(slot)) = (holes.get(k), out.get_mut(k))
                 && hole.kept_at <= differs_at
             {
-                out.push(Span {
+                *slot = Span {
                     start: hole.span.start.wrapping_add(shift),
                     end: hole.span.end.wrapping_add(shift),
-                });
-                holes = after;
+                };
+                k += 1;
             }
-            let Some((hole, after)) = holes.split_first() else {
+            let (Some(hole), Some(slot)) = (holes.get(k), out.get_mut(k)) else {
                 // The difference (or the end) lies after the last hole.
                 pos += differs_at - from;
                 from = differs_at;
@@ -567,10 +574,10 @@ impl Template {
             let Ok(end) = end else {
                 return false;
             };
-            out.push(Span { start, end });
+            *slot = Span { start, end };
             pos = end;
             from = hole.span.end;
-            holes = after;
+            k += 1;
         }
         match (input.get(pos..), template.get(from..)) {
             (Some(rest_in), Some(rest)) => short_eq(rest_in, rest),
