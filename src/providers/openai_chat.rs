@@ -157,8 +157,9 @@ pub fn decode<'a>(
         return Ok(FrameInfo::default());
     }
     let spans = &mut state.spans;
-    match spans.scan(data) {
-        Ok(top) => Ok(spans.emit(data, &top, !state.without_frame_head, emit)),
+    let head = !state.without_frame_head;
+    match spans.scan(data, head) {
+        Ok(top) => Ok(spans.emit(data, &top, head, emit)),
         Err(Bail) => decode_serde(data, emit),
     }
 }
@@ -378,9 +379,12 @@ struct CallSpans {
 }
 
 impl Spans {
-    fn scan(&mut self, data: &str) -> Result<TopSpans, Bail> {
+    /// The spans of `data`'s values; those of the frame head (`id`,
+    /// `object`, `created`, `model`) only when `head` asks for them, or
+    /// the frame was walked.
+    fn scan(&mut self, data: &str, head: bool) -> Result<TopSpans, Bail> {
         if self.template.matches(data, &mut self.holes)
-            && let Ok(top) = self.moved_from_template()
+            && let Ok(top) = self.moved_from_template(head)
         {
             return Ok(top);
         }
@@ -396,10 +400,10 @@ impl Spans {
 
     /// The frame at hand has the learned shape: the learned spans, moved
     /// to its holes.
-    fn moved_from_template(&mut self) -> Result<TopSpans, Bail> {
+    fn moved_from_template(&mut self, head: bool) -> Result<TopSpans, Bail> {
         let holes = self.holes.as_slice();
         let mut moved = |span| from_rank(holes, span);
-        let top = self.learned_top.map(&mut moved)?;
+        let top = self.learned_top.map(&mut moved, head)?;
         self.choices.clear();
         for choice in &self.learned_choices {
             self.choices.push(choice.map(&mut moved)?);
@@ -419,7 +423,7 @@ impl Spans {
         let t = &self.template;
         let mut rank = |span| t.to_rank(span);
         let mut learn = || -> Result<(), Bail> {
-            self.learned_top = top.map(&mut rank)?;
+            self.learned_top = top.map(&mut rank, true)?;
             self.learned_choices.clear();
             for choice in &self.choices {
                 self.learned_choices.push(choice.map(&mut rank)?);
@@ -687,13 +691,25 @@ impl Spans {
 }
 
 impl TopSpans {
-    fn map(&self, f: &mut SpanMap<'_>) -> Result<TopSpans, Bail> {
+    /// The spans through `f`; the frame head's only with `head` (else
+    /// `None`).
+    fn map(&self, f: &mut SpanMap<'_>, head: bool) -> Result<TopSpans, Bail> {
+        let (id, object, created, model) = if head {
+            (
+                f(self.id)?,
+                f(self.object)?,
+                f(self.created)?,
+                f(self.model)?,
+            )
+        } else {
+            (None, None, None, None)
+        };
         Ok(TopSpans {
+            id,
+            object,
+            created,
+            model,
             error: f(self.error)?,
-            id: f(self.id)?,
-            object: f(self.object)?,
-            created: f(self.created)?,
-            model: f(self.model)?,
             annotated: self.annotated,
             usage: self.usage.map(|u| u.map(f)).transpose()?,
             groq_usage: self.groq_usage.map(|u| u.map(f)).transpose()?,
