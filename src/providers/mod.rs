@@ -216,7 +216,15 @@ impl<'a> JsonStr<'a> {
 /// which is one UTF-16 unit like the surrogate, so lengths stay JavaScript's.
 pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
     let inner = json.strip_prefix('"')?.strip_suffix('"')?;
-    if memchr::memchr(b'\\', inner.as_bytes()).is_none() {
+    let bytes = inner.as_bytes();
+    // A tool call's argument delta is a few bytes: a plain loop finds its
+    // escapes in less than `memchr`'s set-up costs.
+    let plain = if bytes.len() < 16 {
+        !bytes.iter().any(|&b| b == b'\\')
+    } else {
+        memchr::memchr(b'\\', bytes).is_none()
+    };
+    if plain {
         // A validated JSON string without escapes is its own text.
         return Some(Cow::Borrowed(inner));
     }
