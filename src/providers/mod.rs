@@ -217,10 +217,11 @@ impl<'a> JsonStr<'a> {
 pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
     let inner = json.strip_prefix('"')?.strip_suffix('"')?;
     let bytes = inner.as_bytes();
-    // A tool call's argument delta is a few bytes: a plain loop finds its
-    // escapes in less than `memchr`'s set-up costs.
+    // A tool call's argument delta is a few bytes: the slice's own search
+    // (a plain loop at that length) finds its escapes in less than
+    // `memchr`'s set-up costs.
     let plain = if bytes.len() < 16 {
-        !bytes.iter().any(|&b| b == b'\\')
+        !bytes.contains(&b'\\')
     } else {
         memchr::memchr(b'\\', bytes).is_none()
     };
