@@ -503,7 +503,8 @@ fn short_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 impl Template {
-    /// Whether `data` has this shape; if so, `out` holds its holes.
+    /// Whether `data` has this shape; if so, `out` holds its holes, one
+    /// per rank (if not, what `out` holds means nothing: a walk clears it).
     pub fn matches(&self, data: &str, out: &mut Vec<Span>) -> bool {
         if !self.ready {
             return false;
