@@ -5,7 +5,8 @@
 # over a soak; instruction counts; criterion micro-benchmarks). See
 # BENCHMARKS.md for the method and the latest results.
 #
-#   scripts/bench.sh                      # the full suite (~10 min of machine time after the builds)
+#   scripts/bench.sh                      # the full suite (~10 min of machine time after the builds,
+#                                         # which include scripts/pgo.sh's)
 #   scripts/bench.sh --soak-seconds 600   # ... with the 10-minute soak
 #   scripts/bench.sh --smoke              # seconds: tiny sizes, C=1/4, proves it works
 #
@@ -26,7 +27,7 @@ args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) mode=smoke ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) args+=("$1") ;;
   esac
   shift
@@ -53,9 +54,19 @@ if [ "$hard" = unlimited ] || [ "$hard" -ge 16384 ]; then ulimit -n 16384; else 
 
 export CARGO_TERM_COLOR=never
 if [ "$mode" = full ]; then
-  # Release builds: what users run.
+  # Release builds: what users run. The binary measured is the release
+  # build with profile-guided optimization (scripts/pgo.sh, how release
+  # binaries are made); the plain `cargo build --release` is measured
+  # beside it (--plain). AALIS_BENCH_PLAIN_ONLY=1 measures the plain build
+  # alone, as the suite did before the fourteenth round.
   cargo build --locked --release --quiet --bin aalis-proxy --example loadgen
   bin=target/release
+  if [ "${AALIS_BENCH_PLAIN_ONLY:-}" = 1 ]; then
+    aalis=$bin/aalis-proxy
+  else
+    aalis=$(scripts/pgo.sh | tail -n 1)
+    args+=(--plain "$bin/aalis-proxy")
+  fi
   # The forward-only build (`--cfg aalis_forward_only`: serve annotates
   # nothing), a fourth proxy target: what the HTTP path costs without
   # parsing. Its own target directory, as the flag rebuilds everything;
@@ -80,9 +91,12 @@ else
   # smoke run proves the suite works; its numbers mean nothing.
   cargo build --locked --quiet --bin aalis-proxy --example loadgen
   bin=target/debug
+  aalis=$bin/aalis-proxy
+  # The same binary again as the plain build: exercises those rows.
+  args+=(--plain "$bin/aalis-proxy")
   limit=10m
 fi
 
 exec timeout --signal=TERM --kill-after=30s "$limit" \
   python3 scripts/bench/run.py --mode "$mode" \
-  --aalis "$bin/aalis-proxy" --loadgen "$bin/examples/loadgen" ${args[@]+"${args[@]}"}
+  --aalis "$aalis" --loadgen "$bin/examples/loadgen" ${args[@]+"${args[@]}"}

@@ -162,7 +162,11 @@ def floor(get):
     return max(get["cat | cat"], get.get(FLOOR_ONE_CPU, 0.0))
 
 
-def throughput(cfg, workdir, aalis, have_jq, notes):
+# The contenders measured a second time on the plain build (`--plain`).
+PLAIN = "plain build: "
+
+
+def throughput(cfg, workdir, aalis, plain, have_jq, notes):
     captures = [("tool-heavy SSE", "tool"), ("text-heavy SSE", "text"), ("Ollama NDJSON", "ollama")]
     rows = []
     for label, kind in captures:
@@ -180,6 +184,9 @@ def throughput(cfg, workdir, aalis, have_jq, notes):
         ]
         if have_jq:
             contenders.append(("jq", ["jq", "-nRc", "-f", jq_prog]))
+        if plain:
+            contenders += [(PLAIN + "annotate (sse, field)", [plain, "annotate"]),
+                           (PLAIN + "annotate --inject none", [plain, "annotate", "--inject", "none"])]
         # Warm the page cache, then interleave contenders within each rep so
         # drift in the machine's load spreads over all of them.
         subprocess.run(["cat", path], stdout=subprocess.DEVNULL, check=True, timeout=120)
@@ -236,7 +243,7 @@ def verify_baselines(workdir, aalis, have_jq):
 
 # === 4. instruction counts ===
 
-def callgrind(cfg, workdir, aalis, notes):
+def callgrind(cfg, workdir, aalis, plain, notes):
     if not cfg["callgrind"] or cfg["profile_mb"] <= 0:
         return []
     if shutil.which("valgrind") is None:
@@ -245,12 +252,17 @@ def callgrind(cfg, workdir, aalis, notes):
     path = capture(workdir, "tool", cfg["profile_mb"], seed=7)
     size = os.path.getsize(path)
     rows = []
-    for name, extra in [("annotate (sse, field)", []), ("annotate --format ndjson", ["--format", "ndjson"]),
-                        ("annotate --inject none", ["--inject", "none"])]:
+    runs = [("annotate (sse, field)", aalis, []), ("annotate --format ndjson", aalis, ["--format", "ndjson"]),
+            ("annotate --inject none", aalis, ["--inject", "none"])]
+    if plain:
+        runs += [(PLAIN + "annotate (sse, field)", plain, []),
+                 (PLAIN + "annotate --inject none", plain, ["--inject", "none"])]
+    for name, binary, extra in runs:
         check_deadline("callgrind")
-        out = os.path.join(workdir, "callgrind." + (extra[-1] if extra else "field") + ".out")
+        tag = ("plain." if binary == plain else "") + (extra[-1] if extra else "field")
+        out = os.path.join(workdir, "callgrind." + tag + ".out")
         with open(path, "rb") as stdin:
-            subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out, aalis, "annotate", *extra],
+            subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out, binary, "annotate", *extra],
                            stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            check=True, timeout=min(left(), 600))
         total = None
@@ -779,6 +791,11 @@ def targets(results):
         x = floor(get) / get["annotate --inject none"]
         lines.append(f"{cap}: --inject none within 2× of cat|cat: {'MET' if x <= 2 else 'MISSED'} "
                      f"(the faster cat|cat is {x:.1f}× faster)")
+        if PLAIN + "annotate (sse, field)" in get:
+            pa, pn = get[PLAIN + "annotate (sse, field)"], get[PLAIN + "annotate --inject none"]
+            jq = f"{pa / get['jq']:.1f}× jq, " if "jq" in get else ""
+            lines.append(f"  (not a target) the plain build on {cap}: {jq}{pa / get['python json']:.1f}× Python, "
+                         f"--inject none {floor(get) / pn:.1f}× slower than cat|cat")
     prox = results["proxy"]
     for mode in ("paced",):
         for c in sorted({r["concurrency"] for r in prox}):
@@ -790,6 +807,11 @@ def targets(results):
                              f"(p50 {a['added_p50']:+.0f} vs {n['added_p50']:+.0f} µs, "
                              f"p99 {a['added_p99']:+.0f} vs {n['added_p99']:+.0f} µs; "
                              f"CPU {fmt(a['cpu_us_per_event'])} vs {fmt(n['cpu_us_per_event'])} µs per event)")
+                if "aalis (plain build)" in get:
+                    f = get["aalis (plain build)"]
+                    lines.append(f"  (not a target) the plain build at C={c}: "
+                                 f"p50 {f['added_p50']:+.0f}, p99 {f['added_p99']:+.0f} µs, "
+                                 f"CPU {fmt(f['cpu_us_per_event'])} µs per event")
                 if "forward-only" in get:
                     f = get["forward-only"]
                     lines.append(f"  (not a target) the forward-only build at C={c}: "
@@ -802,6 +824,9 @@ def targets(results):
             x = a["events_per_s"] / n["events_per_s"]
             lines.append(f"unpaced C={c}: throughput ≥ nginx's: {'MET' if x >= 1 else 'MISSED'} "
                          f"({x:.2f}× nginx; {a['throughput_ratio']:.2f} vs {n['throughput_ratio']:.2f} of direct)")
+            if "aalis (plain build)" in get:
+                x = get["aalis (plain build)"]["events_per_s"] / n["events_per_s"]
+                lines.append(f"  (not a target) the plain build at C={c}: {x:.2f}× nginx")
     for r in results["idle"]:
         if r["target"] == "aalis":
             ok = r["kib_per_stream"] <= 64 and r["ready"] == r["streams"]
@@ -829,6 +854,8 @@ def main():
     ap.add_argument("--mode", choices=sorted(MODES), default="full")
     ap.add_argument("--aalis", required=True, help="the aalis-proxy binary")
     ap.add_argument("--loadgen", required=True, help="the examples/loadgen binary")
+    ap.add_argument("--plain", help="a release build without profile-guided optimization (what `cargo build "
+                    "--release` gives), measured beside --aalis: filter contenders, instruction counts, a proxy target")
     ap.add_argument("--forward-only", help="a build made with --cfg aalis_forward_only (annotates nothing): "
                     "a fourth proxy target, the HTTP path's cost without parsing")
     ap.add_argument("--workdir", default="/tmp/aalis-bench")
@@ -859,9 +886,9 @@ def main():
     try:
         if "throughput" in only:
             verify_baselines(a.workdir, a.aalis, have_jq)
-            results["throughput"] = throughput(cfg, a.workdir, a.aalis, have_jq, notes)
+            results["throughput"] = throughput(cfg, a.workdir, a.aalis, a.plain, have_jq, notes)
         if "callgrind" in only:
-            results["callgrind"] = callgrind(cfg, a.workdir, a.aalis, notes)
+            results["callgrind"] = callgrind(cfg, a.workdir, a.aalis, a.plain, notes)
         if "proxy" in only or "memory" in only:
             sample = capture(a.workdir, "tool", cfg["sample_mb"], seed=8)
             upstream, up_port = start_upstream(a.loadgen, sample, a.workdir)
@@ -869,6 +896,11 @@ def main():
             targets_ = {"direct": up_port, "aalis": aalis_port}
             pids = {"aalis": aalis.pid}
             forward = None
+            plain = None
+            if a.plain and "proxy" in only:
+                plain, plain_port = start_aalis(a.plain, up_port, a.workdir, "serve-plain.log")
+                targets_["aalis (plain build)"] = plain_port
+                pids["aalis (plain build)"] = plain.pid
             if a.forward_only and "proxy" in only:
                 forward, forward_port = start_aalis(a.forward_only, up_port, a.workdir, "serve-forward-only.log")
                 targets_["forward-only"] = forward_port
@@ -884,6 +916,8 @@ def main():
                 results["proxy"] = proxy_overhead(cfg, a.loadgen, targets_, pids, notes)
                 if forward:
                     stop(forward)
+                if plain:
+                    stop(plain)
                 # High-water RSS after the unpaced runs: what buffering cost.
                 results["peak_rss"] = [dict(target="aalis", vm_hwm_kib=hwm_kib(aalis.pid),
                                             rss_kib=tree_rss_kib(aalis.pid))]
