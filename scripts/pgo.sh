@@ -23,7 +23,7 @@ mode=full
 case "${1:-}" in
   --smoke) mode=smoke ;;
   "") ;;
-  -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "pgo: unknown argument '$1' (try --help)" >&2; exit 2 ;;
 esac
 
