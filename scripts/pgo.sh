@@ -106,7 +106,11 @@ kill -INT "$serve"
 wait "$serve" || true
 
 log "merging $(find "$work/profiles" -name '*.profraw' | wc -l) profiles"
-"$profdata" merge -o "$work/merged.profdata" "$work/profiles"
+# --sparse drops the functions the training never ran: without a profile
+# they are optimized as in the plain build, where with counts of zero they
+# would be taken for cold and optimized for size (TLS, HTTP/2 upstreams,
+# the admin routes: paths users run that the training does not).
+"$profdata" merge --sparse -o "$work/merged.profdata" "$work/profiles"
 # Cargo does not look into the profile: naming it by its contents makes a
 # new profile a new build.
 merged=$work/merged-$(sha256sum "$work/merged.profdata" | cut -c1-16).profdata
