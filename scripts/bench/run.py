@@ -259,7 +259,7 @@ def callgrind(cfg, workdir, aalis, plain, notes):
                  (PLAIN + "annotate --inject none", plain, ["--inject", "none"])]
     for name, binary, extra in runs:
         check_deadline("callgrind")
-        tag = ("plain." if binary == plain else "") + (extra[-1] if extra else "field")
+        tag = ("plain." if name.startswith(PLAIN) else "") + (extra[-1] if extra else "field")
         out = os.path.join(workdir, "callgrind." + tag + ".out")
         with open(path, "rb") as stdin:
             subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out, binary, "annotate", *extra],
