@@ -50,11 +50,6 @@ else
   profile=(); dir=debug; mb=0.05; events=5
 fi
 
-# The load driver and stamping upstream are not what is being profiled:
-# an ordinary build.
-cargo build --locked --quiet "${profile[@]}" --example loadgen
-loadgen=$repo/target/$dir/examples/loadgen
-
 log "instrumented build"
 RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$work/profiles" CARGO_TARGET_DIR=target/pgo-gen \
   cargo build --locked --quiet "${profile[@]}" --bin aalis-proxy
@@ -79,23 +74,17 @@ for f in "${inputs[@]}"; do
 done
 
 log "training: serve"
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
-trap cleanup EXIT
-exec 3< <(exec "$loadgen" upstream --events "$work/tool.sse" --max-seconds 300 2>"$work/upstream.log")
-pids+=($!)
-read -r -t 30 line <&3 || { log "the stamping upstream did not start"; exit 1; }
-up=${line##*:}
-"$gen" serve --upstream "http://127.0.0.1:$up" --listen 127.0.0.1:0 2>"$work/serve.log" &
+# The stamping upstream serves the tool-heavy capture above; the load
+# driver and the upstream are an ordinary build, not what is profiled.
+cargo_dir=$dir
+sample=$work/tool.sse
+# shellcheck source=scripts/bench/proxy_setup.sh
+. scripts/bench/proxy_setup.sh
+port=$(free_port)
+"$gen" serve --upstream "http://127.0.0.1:$up_port" --listen "127.0.0.1:$port" 2>"$work/serve.log" &
 serve=$!
 pids+=("$serve")
-port=
-for _ in $(seq 100); do
-  port=$(sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$work/serve.log")
-  [ -n "$port" ] && break
-  sleep 0.1
-done
-[ -n "$port" ] || { log "serve did not start: $(cat "$work/serve.log")"; exit 1; }
+wait_port "$port" || { log "serve did not start: $(cat "$work/serve.log")"; exit 1; }
 for run in "1 $events 5000" "16 $events 1000" "64 $events 0" "16 $events 0"; do
   read -r c n delay <<<"$run"
   "$loadgen" drive --target "127.0.0.1:$port" --concurrency "$c" --events "$n" --delay-us "$delay" \

@@ -24,6 +24,7 @@ command -v valgrind >/dev/null || { echo "callgrind_serve: valgrind is missing" 
 
 # shellcheck source=scripts/bench/proxy_setup.sh
 . scripts/bench/proxy_setup.sh
+cargo build --locked --release --quiet --bin aalis-proxy
 bin=${BIN:-target/release/aalis-proxy}
 
 port=$(free_port)

@@ -24,6 +24,7 @@ done
 
 # shellcheck source=scripts/bench/proxy_setup.sh
 . scripts/bench/proxy_setup.sh
+cargo build --locked --release --quiet --bin aalis-proxy
 bin=target/release
 
 aalis_port=$(free_port)

@@ -1,11 +1,19 @@
-# Sourced by the proxy profiling scripts (profile_proxy.sh,
-# callgrind_serve.sh), after they set `work`: release builds, the tool-heavy
-# sample capture, the stamping upstream on a free loopback port (`up_port`),
-# and cleanup of every process started (add its pid to `pids`).
+# Sourced by the scripts that drive `serve` (profile_proxy.sh,
+# callgrind_serve.sh, scripts/pgo.sh), after they set `work`: the load
+# driver's build (`loadgen`), the sample capture, the stamping upstream on a
+# free loopback port (`up_port`), and cleanup of every process started (add
+# its pid to `pids`). A caller may set `cargo_dir` (`release`, the default,
+# or `debug`) and `sample` (the capture to serve; by default a tool-heavy
+# one of 2 MB, seed 8, the benchmark suite's) first.
 
-cargo build --locked --release --quiet --bin aalis-proxy --example loadgen
-loadgen=target/release/examples/loadgen
-sample="$work/sample.sse"
+cargo_dir=${cargo_dir:-release}
+if [ "$cargo_dir" = release ]; then
+  cargo build --locked --release --quiet --example loadgen
+else
+  cargo build --locked --quiet --example loadgen
+fi
+loadgen=target/$cargo_dir/examples/loadgen
+sample=${sample:-$work/sample.sse}
 [ -s "$sample" ] || python3 scripts/bench/gen_captures.py --kind tool --mb 2 --seed 8 --out "$sample" 2>/dev/null
 
 pids=()

@@ -781,6 +781,11 @@ def human_ns(ns):
     return f"{ns:.2f} ns"
 
 
+# Proxy targets that are other builds of `serve`, reported beside the
+# verdicts: (target name, how a verdict line names it).
+OTHER_BUILDS = [("aalis (plain build)", "the plain build"), ("forward-only", "the forward-only build")]
+
+
 def targets(results):
     lines = []
     for cap in dict.fromkeys(r["capture"] for r in results["throughput"]):
@@ -810,16 +815,12 @@ def targets(results):
                              f"(p50 {a['added_p50']:+.0f} vs {n['added_p50']:+.0f} µs, "
                              f"p99 {a['added_p99']:+.0f} vs {n['added_p99']:+.0f} µs; "
                              f"CPU {fmt(a['cpu_us_per_event'])} vs {fmt(n['cpu_us_per_event'])} µs per event)")
-                if "aalis (plain build)" in get:
-                    f = get["aalis (plain build)"]
-                    lines.append(f"  (not a target) the plain build at C={c}: "
-                                 f"p50 {f['added_p50']:+.0f}, p99 {f['added_p99']:+.0f} µs, "
-                                 f"CPU {fmt(f['cpu_us_per_event'])} µs per event")
-                if "forward-only" in get:
-                    f = get["forward-only"]
-                    lines.append(f"  (not a target) the forward-only build at C={c}: "
-                                 f"p50 {f['added_p50']:+.0f}, p99 {f['added_p99']:+.0f} µs, "
-                                 f"CPU {fmt(f['cpu_us_per_event'])} µs per event")
+                for target, build in OTHER_BUILDS:
+                    if target in get:
+                        f = get[target]
+                        lines.append(f"  (not a target) {build} at C={c}: "
+                                     f"p50 {f['added_p50']:+.0f}, p99 {f['added_p99']:+.0f} µs, "
+                                     f"CPU {fmt(f['cpu_us_per_event'])} µs per event")
     for c in sorted({r["concurrency"] for r in prox}):
         get = {r["target"]: r for r in prox if r["mode"] == "unpaced" and r["concurrency"] == c}
         if "aalis" in get and "nginx" in get:
