@@ -18,8 +18,9 @@ use crate::encode::ndjson::{LineEncoder, LineFormat, TextField};
 use crate::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
 use crate::error::{Location, Warning, excerpt};
 use crate::framing::Framing;
-use crate::framing::ndjson::{NdjsonDecoder, NdjsonLine};
-use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlock, SseBlockKind, SseDecoder};
+use crate::framing::ndjson::{NdjsonDecoder, NdjsonLine, NdjsonScan};
+use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlock, SseBlockKind, SseDecoder, SseScan};
+use crate::framing::window::{self, Probe};
 use crate::progress::{Applied, ProgressEntry, ToolCallTracker};
 use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
@@ -178,6 +179,9 @@ struct RawFrame<'a> {
     /// The frame's line break may still turn from CR into CRLF: what goes
     /// after it waits for the [`SseBlockKind::LineEndTail`].
     line_ending_open: bool,
+    /// The framer found it with the decoder's probe, which holds its holes
+    /// ([`DecoderState::probed`]).
+    probed: bool,
     at: Location,
 }
 
@@ -366,20 +370,49 @@ impl Annotator {
     }
 
     fn feed(&mut self, input: &[u8], now_ms: u64, out: &mut impl Sink) {
-        let state = &mut self.state;
+        let provider = match self.framer {
+            Framer::Ndjson(_) => Provider::OllamaChat,
+            Framer::Sse(_) | Framer::Sniffing(_) => Provider::OpenAiChat,
+        };
+        let mut frames = Frames {
+            state: &mut self.state,
+            provider,
+            now_ms,
+            out,
+        };
         match &mut self.framer {
-            Framer::Sse(decoder) => {
-                decoder.feed(input, |block: SseBlock<'_>| {
-                    state.sse_block(block, now_ms, out)
-                });
-            }
-            Framer::Ndjson(decoder) => {
-                decoder.feed(input, |line: NdjsonLine<'_>| {
-                    state.ndjson_line(line, now_ms, out)
-                });
-            }
+            Framer::Sse(decoder) => decoder.feed_probing(input, &mut frames),
+            Framer::Ndjson(decoder) => decoder.feed_probing(input, &mut frames),
             Framer::Sniffing(_) => {}
         }
+    }
+}
+
+/// Where the framer hands the frames of a piece: to the stream's state,
+/// whose decoder (the framing's provider's) it asks first whether a line
+/// starts with a payload of the shape it learned ([`Probe`]).
+struct Frames<'a, O> {
+    state: &'a mut StreamState,
+    provider: Provider,
+    now_ms: u64,
+    out: &'a mut O,
+}
+
+impl<O> Probe for Frames<'_, O> {
+    fn payload_len(&mut self, text: &str) -> Option<usize> {
+        self.state.decoder_state.match_prefix(self.provider, text)
+    }
+}
+
+impl<O: Sink> window::Frames<SseScan> for Frames<'_, O> {
+    fn frame(&mut self, block: SseBlock<'_>) {
+        self.state.sse_block(block, self.now_ms, self.out);
+    }
+}
+
+impl<O: Sink> window::Frames<NdjsonScan> for Frames<'_, O> {
+    fn frame(&mut self, line: NdjsonLine<'_>) {
+        self.state.ndjson_line(line, self.now_ms, self.out);
     }
 }
 
@@ -404,6 +437,7 @@ impl StreamState {
                         event.line_ending.as_bytes()
                     },
                     line_ending_open: event.line_ending_open,
+                    probed: event.probed,
                     at: Location {
                         unit: "SSE event",
                         number: event.number,
@@ -459,6 +493,7 @@ impl StreamState {
             },
             line_ending: b"\n",
             line_ending_open: false,
+            probed: line.probed,
             at: Location {
                 unit: "NDJSON line",
                 number: line.number,
@@ -510,6 +545,9 @@ impl StreamState {
     ) {
         self.batch.clear();
         self.frames += 1;
+        // For this frame only: a frame left undecoded leaves it set, and
+        // the next frame's sets it again.
+        self.decoder_state.probed = frame.probed;
         let data = match frame.data {
             Some(_) if self.ended => {
                 self.warn_after_end(frame.at);

@@ -12,7 +12,7 @@
 
 use memchr::memchr;
 
-use super::window::{self, Cutter, Window};
+use super::window::{self, Cutter, Each, Frames, NoProbe, Probe, Window};
 
 /// One line of the stream.
 #[derive(Debug)]
@@ -33,6 +33,9 @@ pub struct NdjsonLine<'a> {
     /// `content` as text, when it was checked as valid UTF-8 with the rest
     /// of its window ([`Window::checked`]); `None` says nothing about it.
     pub text: Option<&'a str>,
+    /// Framed by a [`Probe`] that recognized `text`: the decoder that did
+    /// holds its holes.
+    pub probed: bool,
 }
 
 /// Which piece of an oversized line this is.
@@ -128,8 +131,14 @@ impl NdjsonDecoder {
     /// lines as [`push`](Self::push) then [`next_line`](Self::next_line)
     /// until `None`); only the bytes of a line cut by the end of `input`
     /// are copied ([`window::feed`]).
-    pub fn feed(&mut self, input: &[u8], mut each: impl FnMut(NdjsonLine<'_>)) {
-        window::feed(&mut self.buf, &mut self.state, input, &mut each);
+    pub fn feed(&mut self, input: &[u8], each: impl FnMut(NdjsonLine<'_>)) {
+        self.feed_probing(input, &mut Each(each));
+    }
+
+    /// [`feed`](Self::feed), asking `frames` first at the start of each
+    /// line ([`Probe`]).
+    pub(crate) fn feed_probing(&mut self, input: &[u8], frames: &mut impl Frames<NdjsonScan>) {
+        window::feed(&mut self.buf, &mut self.state, input, frames);
     }
 
     /// Marks the end of input: a last line without `\n` is then handed out.
@@ -139,7 +148,7 @@ impl NdjsonDecoder {
 
     /// The next complete line, or `None` when more input is needed.
     pub fn next_line(&mut self) -> Option<NdjsonLine<'_>> {
-        self.state.next_line(Window::raw(&self.buf))
+        self.state.next_line(Window::raw(&self.buf), &mut NoProbe)
     }
 }
 
@@ -147,8 +156,12 @@ impl Cutter for NdjsonScan {
     type Frame<'a> = NdjsonLine<'a>;
 
     #[inline(always)]
-    fn next_frame<'a>(&'a mut self, window: Window<'a>) -> Option<NdjsonLine<'a>> {
-        self.next_line(window)
+    fn next_frame<'a>(
+        &'a mut self,
+        window: Window<'a>,
+        probe: &mut impl Probe,
+    ) -> Option<NdjsonLine<'a>> {
+        self.next_line(window, probe)
     }
 
     fn consumed(&self) -> usize {
@@ -167,9 +180,40 @@ impl NdjsonScan {
     // written to the stack field by field and read back sixteen bytes at a
     // time, a store-to-load stall on every line (perf annotate).
     #[inline(always)]
-    fn next_line<'a>(&'a mut self, window: Window<'a>) -> Option<NdjsonLine<'a>> {
+    fn next_line<'a>(
+        &'a mut self,
+        window: Window<'a>,
+        probe: &mut impl Probe,
+    ) -> Option<NdjsonLine<'a>> {
         let buf = window.bytes;
         let start = self.start;
+        // A line whose content the probe recognizes, then LF, is the line
+        // the search below would find (a recognized payload holds no line
+        // break). Not the stream's first line, which may start with a BOM.
+        if self.scan == start
+            && self.oversized.is_none()
+            && self.base_offset + start as u64 > 0
+            && let Some(text) = window.text_from(start)
+            && let Some(len) = probe.payload_len(text)
+            && len > 0
+            && len <= self.max_line_bytes
+            && buf.get(start + len) == Some(&b'\n')
+        {
+            let end = start + len + 1;
+            self.start = end;
+            self.scan = end;
+            self.lines += 1;
+            return Some(NdjsonLine {
+                raw: &buf[start..end],
+                content: &buf[start..start + len],
+                content_start: 0,
+                number: self.lines,
+                offset: self.base_offset + start as u64,
+                oversized: None,
+                text: text.get(..len),
+                probed: true,
+            });
+        }
         let newline = memchr(b'\n', &buf[self.scan..]).map(|i| self.scan + i + 1);
         // Too long, whether it is complete or still arriving: the same line
         // is oversized however the input was cut.
@@ -196,6 +240,7 @@ impl NdjsonScan {
                 offset: self.base_offset + start as u64,
                 oversized: Some(OversizedPiece { first, last }),
                 text: None,
+                probed: false,
             });
         }
         let end = match newline {
@@ -229,6 +274,7 @@ impl NdjsonScan {
             offset,
             oversized: None,
             text,
+            probed: false,
         })
     }
 }

@@ -25,7 +25,7 @@
 
 use memchr::memchr2;
 
-use super::window::{self, Cutter, Window};
+use super::window::{self, Cutter, Each, Frames, NoProbe, Probe, Window};
 
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
@@ -131,6 +131,9 @@ pub struct SseEvent<'a> {
     /// available: it may yet be a CRLF, which the next block, a
     /// [`SseBlockKind::LineEndTail`], tells.
     pub line_ending_open: bool,
+    /// Framed by a [`Probe`] that recognized `text`: the decoder that did
+    /// holds its holes.
+    pub probed: bool,
 }
 
 /// Incremental SSE decoder; see the module docs.
@@ -248,9 +251,15 @@ impl SseDecoder {
     /// blocks as [`push`](Self::push) then [`next_block`](Self::next_block)
     /// until `None`); only the bytes of a block cut by the end of `input`
     /// are copied ([`window::feed`]).
-    pub fn feed(&mut self, input: &[u8], mut each: impl FnMut(SseBlock<'_>)) {
+    pub fn feed(&mut self, input: &[u8], each: impl FnMut(SseBlock<'_>)) {
+        self.feed_probing(input, &mut Each(each));
+    }
+
+    /// [`feed`](Self::feed), asking `frames` first at each event that
+    /// starts with a `data` line ([`Probe`]).
+    pub(crate) fn feed_probing(&mut self, input: &[u8], frames: &mut impl Frames<SseScan>) {
         self.state.reset_event();
-        window::feed(&mut self.buf, &mut self.state, input, &mut each);
+        window::feed(&mut self.buf, &mut self.state, input, frames);
     }
 
     /// Marks the end of input: the next calls hand out whatever is left.
@@ -261,7 +270,7 @@ impl SseDecoder {
     /// The next complete block, or `None` when more input is needed (or,
     /// after [`finish`](Self::finish), when everything has been handed out).
     pub fn next_block(&mut self) -> Option<SseBlock<'_>> {
-        self.state.next_block(Window::raw(&self.buf))
+        self.state.next_block(Window::raw(&self.buf), &mut NoProbe)
     }
 }
 
@@ -269,8 +278,12 @@ impl Cutter for SseScan {
     type Frame<'a> = SseBlock<'a>;
 
     #[inline(always)]
-    fn next_frame<'a>(&'a mut self, window: Window<'a>) -> Option<SseBlock<'a>> {
-        self.next_block(window)
+    fn next_frame<'a>(
+        &'a mut self,
+        window: Window<'a>,
+        probe: &mut impl Probe,
+    ) -> Option<SseBlock<'a>> {
+        self.next_block(window, probe)
     }
 
     fn consumed(&self) -> usize {
@@ -292,9 +305,22 @@ impl SseScan {
     // Inlined into the framing loop, like `NdjsonScan::next_line`: a block
     // handed back from a call stalls on its way through the stack.
     #[inline(always)]
-    fn next_block<'a>(&'a mut self, window: Window<'a>) -> Option<SseBlock<'a>> {
+    fn next_block<'a>(
+        &'a mut self,
+        window: Window<'a>,
+        probe: &mut impl Probe,
+    ) -> Option<SseBlock<'a>> {
         let buf = window.bytes;
         self.reset_event();
+        if self.scan == self.start
+            && self.started
+            && !self.tail_pending
+            && !self.skip_lf
+            && self.oversized.is_none()
+            && let Some(len) = self.probed_len(window, probe)
+        {
+            return Some(self.probed_event(window, len));
+        }
         if !self.started {
             let n = buf.len().min(BOM.len());
             if buf[..n] != BOM[..n] {
@@ -382,6 +408,64 @@ impl SseScan {
             if self.scan - self.start > self.max_event_bytes {
                 self.enter_oversized();
             }
+        }
+    }
+
+    /// At the start of an event, in the checked part of the window: the
+    /// length of its payload when the event is one `data` line whose value
+    /// `probe` recognizes, then a blank line (both ended by LF), and it is
+    /// not oversized. [`probed_event`](Self::probed_event) then hands it
+    /// out: the block the line-by-line scan would, without its searches.
+    #[inline(always)]
+    fn probed_len(&self, window: Window<'_>, probe: &mut impl Probe) -> Option<usize> {
+        let line = window.bytes.get(self.start..)?;
+        if !line.starts_with(b"data:") {
+            return None;
+        }
+        let value = self.start + if line.get(5) == Some(&b' ') { 6 } else { 5 };
+        let len = probe.payload_len(window.text_from(value)?)?;
+        let end = value + len;
+        let fits = end + 1 - self.start <= self.max_event_bytes;
+        (len > 0 && fits && window.bytes.get(end..end + 2) == Some(b"\n\n")).then_some(len)
+    }
+
+    /// Hands out the event [`probed_len`](Self::probed_len) found, whose
+    /// value is `len` bytes.
+    fn probed_event<'a>(&'a mut self, window: Window<'a>, len: usize) -> SseBlock<'a> {
+        let buf = window.bytes;
+        let start = self.start;
+        let value = start
+            + if buf.get(start + 5) == Some(&b' ') {
+                6
+            } else {
+                5
+            };
+        let data = &buf[value..value + len];
+        let end = value + len + 2;
+        self.events += 1;
+        self.scan = end;
+        self.searched = end;
+        self.start = end;
+        self.reset_pending = true;
+        let closing_brace = data
+            .iter()
+            .rposition(|b| !matches!(b, b' ' | b'\t'))
+            .filter(|&i| data[i] == b'}')
+            .map(|i| value + i - start);
+        SseBlock {
+            raw: &buf[start..end],
+            offset: self.base_offset + start as u64,
+            kind: SseBlockKind::Event(SseEvent {
+                number: self.events,
+                event_type: &self.event_type,
+                data,
+                text: window.text(value, value + len),
+                last_event_id: &self.last_event_id,
+                closing_brace,
+                line_ending: LineEnding::Lf,
+                line_ending_open: false,
+                probed: true,
+            }),
         }
     }
 
@@ -588,6 +672,7 @@ impl SseScan {
                 closing_brace,
                 line_ending,
                 line_ending_open,
+                probed: false,
             })
         } else {
             SseBlockKind::NoData

@@ -70,6 +70,52 @@ impl<'a> Window<'a> {
         let start = start.checked_sub(self.text_start)?;
         self.text.get(start..end.checked_sub(self.text_start)?)
     }
+
+    /// The checked text from `start` on, when `start` lies in it.
+    pub fn text_from(&self, start: usize) -> Option<&'a str> {
+        self.text.get(start.checked_sub(self.text_start)?..)
+    }
+}
+
+/// What a cutter may ask the decoder of its frames, at the start of a
+/// line in the checked part of a window: whether `text` starts with a
+/// payload of the shape the decoder expects (its template, see
+/// `providers::scan`), and how long it is. A payload it recognizes holds
+/// no line break, so when the line break the frame's syntax wants comes
+/// right after it, the cutter has the frame without searching for its
+/// end; anything else is framed as usual. Such a frame says it was
+/// probed, and the decoder already holds its holes.
+pub trait Probe {
+    fn payload_len(&mut self, text: &str) -> Option<usize>;
+}
+
+/// A caller with nothing to say: every frame is searched for.
+pub struct NoProbe;
+
+impl Probe for NoProbe {
+    fn payload_len(&mut self, _: &str) -> Option<usize> {
+        None
+    }
+}
+
+/// What [`feed`] hands each frame to, and asks first ([`Probe`]).
+pub trait Frames<C: Cutter + ?Sized>: Probe {
+    fn frame(&mut self, frame: C::Frame<'_>);
+}
+
+/// A closure that takes each frame, and asks nothing.
+pub struct Each<F>(pub F);
+
+impl<F> Probe for Each<F> {
+    fn payload_len(&mut self, _: &str) -> Option<usize> {
+        None
+    }
+}
+
+impl<C: Cutter, F: FnMut(C::Frame<'_>)> Frames<C> for Each<F> {
+    fn frame(&mut self, frame: C::Frame<'_>) {
+        (self.0)(frame);
+    }
 }
 
 /// A decoder's state machine, over a window it does not own.
@@ -80,8 +126,12 @@ pub trait Cutter {
         Self: 'a;
     /// The next complete frame in `window`, or `None` when it needs bytes
     /// after the window's end (or, after the end of input, has handed out
-    /// everything).
-    fn next_frame<'a>(&'a mut self, window: Window<'a>) -> Option<Self::Frame<'a>>;
+    /// everything); `probe` may tell where a payload ends.
+    fn next_frame<'a>(
+        &'a mut self,
+        window: Window<'a>,
+        probe: &mut impl Probe,
+    ) -> Option<Self::Frame<'a>>;
     /// Window position of the first byte not handed out yet.
     fn consumed(&self) -> usize;
     /// The window now starts `n` bytes later (`n` ≤ [`consumed`](Self::consumed)):
@@ -103,7 +153,7 @@ pub fn feed<C: Cutter + 'static>(
     carry: &mut Vec<u8>,
     cutter: &mut C,
     input: &[u8],
-    each: &mut impl FnMut(C::Frame<'_>),
+    each: &mut impl Frames<C>,
 ) {
     drop_consumed(carry, cutter);
     let mut taken = 0;
@@ -114,8 +164,8 @@ pub fn feed<C: Cutter + 'static>(
             let more = step.min(input.len() - taken);
             carry.extend_from_slice(&input[taken..taken + more]);
             taken += more;
-            while let Some(frame) = cutter.next_frame(Window::raw(carry)) {
-                each(frame);
+            while let Some(frame) = cutter.next_frame(Window::raw(carry), each) {
+                each.frame(frame);
             }
             if cutter.consumed() >= carried {
                 break;
@@ -131,8 +181,8 @@ pub fn feed<C: Cutter + 'static>(
         carry.clear();
     }
     let window = Window::checked(input, cutter.consumed());
-    while let Some(frame) = cutter.next_frame(window) {
-        each(frame);
+    while let Some(frame) = cutter.next_frame(window, each) {
+        each.frame(frame);
     }
     let rest = cutter.consumed();
     carry.extend_from_slice(&input[rest..]);

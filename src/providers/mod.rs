@@ -181,6 +181,28 @@ pub struct DecoderState {
     /// `model` (only the `chunk` inject mode writes them): the fast path
     /// then leaves them `None`, four string slices fewer per frame.
     pub without_frame_head: bool,
+    /// The frame about to be decoded is the one [`match_prefix`] last
+    /// recognized: its holes are in place, the template need not be
+    /// matched again. Set by the caller for that frame only (a framer
+    /// says which frame it was); taken by the decoder.
+    ///
+    /// [`match_prefix`]: DecoderState::match_prefix
+    pub probed: bool,
+}
+
+impl DecoderState {
+    /// Whether `text` starts with a frame of the shape `provider`'s
+    /// decoder last learned, and its length: the [`Probe`] a framer asks
+    /// before it searches for the end of a line
+    /// ([`Template::match_prefix`](scan::Template::match_prefix)).
+    ///
+    /// [`Probe`]: crate::framing::window::Probe
+    pub fn match_prefix(&mut self, provider: Provider, text: &str) -> Option<usize> {
+        match provider {
+            Provider::OpenAiChat => self.spans.match_prefix(text),
+            Provider::OllamaChat => self.lines.match_prefix(text),
+        }
+    }
 }
 
 // === shared borrowed views ===

@@ -77,7 +77,8 @@ pub fn decode<'a>(
     state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
-    match state.lines.scan(data) {
+    let probed = std::mem::take(&mut state.probed);
+    match state.lines.scan(data, probed) {
         Ok(line) => Ok(line.emit(data, emit)),
         Err(Bail) => decode_serde(data, state, emit),
     }
@@ -177,8 +178,10 @@ pub(crate) struct Lines {
 }
 
 impl Lines {
-    fn scan(&mut self, data: &str) -> Result<LineSpans, Bail> {
-        if self.template.matches(data, &mut self.holes)
+    /// The spans of `data`'s values. `probed`: `data` is the line
+    /// [`match_prefix`](Self::match_prefix) recognized last.
+    fn scan(&mut self, data: &str, probed: bool) -> Result<LineSpans, Bail> {
+        if (probed || self.template.matches(data, &mut self.holes))
             && let Ok(line) = self.learned.map(&mut |span| from_rank(&self.holes, span))
         {
             return Ok(line);
@@ -194,6 +197,12 @@ impl Lines {
             Err(Bail) => self.template.forget(),
         }
         Ok(line)
+    }
+
+    /// See [`DecoderState::match_prefix`]: the holes it finds are the line
+    /// at hand's.
+    pub(super) fn match_prefix(&mut self, text: &str) -> Option<usize> {
+        self.template.match_prefix(text, &mut self.holes)
     }
 }
 

@@ -152,13 +152,14 @@ pub fn decode<'a>(
     state: &mut DecoderState,
     emit: &mut dyn FnMut(Chunk<'a>),
 ) -> Result<FrameInfo<'a>, FrameError> {
+    let probed = std::mem::take(&mut state.probed);
     if !data.starts_with('{') && data.trim() == "[DONE]" {
         emit(Chunk::Done);
         return Ok(FrameInfo::default());
     }
     let spans = &mut state.spans;
     let head = !state.without_frame_head;
-    match spans.scan(data, head) {
+    match spans.scan(data, head, probed) {
         Ok(top) => Ok(spans.emit(data, &top, head, emit)),
         Err(Bail) => decode_serde(data, emit),
     }
@@ -381,9 +382,10 @@ struct CallSpans {
 impl Spans {
     /// The spans of `data`'s values; those of the frame head (`id`,
     /// `object`, `created`, `model`) only when `head` asks for them, or
-    /// the frame was walked.
-    fn scan(&mut self, data: &str, head: bool) -> Result<TopSpans, Bail> {
-        if self.template.matches(data, &mut self.holes)
+    /// the frame was walked. `probed`: `data` is the frame
+    /// [`match_prefix`](Self::match_prefix) recognized last.
+    fn scan(&mut self, data: &str, head: bool, probed: bool) -> Result<TopSpans, Bail> {
+        if (probed || self.template.matches(data, &mut self.holes))
             && let Ok(top) = self.moved_from_template(head)
         {
             return Ok(top);
@@ -396,6 +398,12 @@ impl Spans {
         let top = top?;
         self.learn(data, &top);
         Ok(top)
+    }
+
+    /// See [`DecoderState::match_prefix`]: the holes it finds are the
+    /// frame at hand's.
+    pub(super) fn match_prefix(&mut self, text: &str) -> Option<usize> {
+        self.template.match_prefix(text, &mut self.holes)
     }
 
     /// The frame at hand has the learned shape: the learned spans, moved

@@ -441,6 +441,11 @@ pub(crate) struct Template {
     bytes: Vec<u8>,
     holes: Vec<Hole>,
     ready: bool,
+    /// The learned frame holds no line break (CR or LF): a frame that
+    /// matches it holds none either (a hole cannot: a string with a raw
+    /// control character, or a number, does not lex), so its match also
+    /// finds where its line ends ([`Template::match_prefix`]).
+    one_line: bool,
 }
 
 /// A hole of the learned frame.
@@ -512,7 +517,29 @@ impl Template {
         // One slot per hole, written by rank: the buffer keeps its length
         // from one matched frame to the next, so this is a comparison.
         out.resize(self.holes.len(), Span { start: 0, end: 0 });
-        self.fill(data.as_bytes(), out)
+        self.fill(data.as_bytes(), out, false) == Some(data.len())
+    }
+
+    /// Whether `input` starts with a frame of this shape; if so, that
+    /// frame's length (and `out` holds its holes, as [`matches`] on the
+    /// frame alone would). The framer asks this of the bytes at a line's
+    /// start before it searches for the line's end: a frame that matches,
+    /// followed by a line break, is the line.
+    ///
+    /// The same as `matches` on `input[..len]` whenever `input[len]` is a
+    /// line break, which the caller checks: the learned frame holds none
+    /// (else this is `None`), so a comparison that runs past `len` stops
+    /// at that byte, as it stops at the end of the frame alone; and a
+    /// string or number scanned up to it ends (or fails) there as it does
+    /// at the end.
+    ///
+    /// [`matches`]: Self::matches
+    pub fn match_prefix(&self, input: &str, out: &mut Vec<Span>) -> Option<usize> {
+        if !self.ready || !self.one_line {
+            return None;
+        }
+        out.resize(self.holes.len(), Span { start: 0, end: 0 });
+        self.fill(input.as_bytes(), out, true)
     }
 
     /// One pass that compares the frame with the template a word at a
@@ -523,12 +550,13 @@ impl Template {
     /// string from the difference (or from its first escape, if that comes
     /// first); its length may differ, which shifts everything after it. A
     /// difference anywhere else is another shape.
-    fn fill(&self, input: &[u8], out: &mut [Span]) -> bool {
+    ///
+    /// Where the frame ends, if it matched: at `input`'s end, unless
+    /// `prefix` lets `input` go on after it.
+    fn fill(&self, input: &[u8], out: &mut [Span], prefix: bool) -> Option<usize> {
         let template = self.bytes.as_slice();
         let holes = self.holes.as_slice();
-        let Some(out) = out.get_mut(..holes.len()) else {
-            return false;
-        };
+        let out = out.get_mut(..holes.len())?;
         // The position of the next byte to match, in the template and in
         // the input, and the rank of the next hole.
         let mut from = 0;
@@ -536,7 +564,7 @@ impl Template {
         let mut k = 0;
         while k < holes.len() {
             let (Some(rest_in), Some(rest)) = (input.get(pos..), template.get(from..)) else {
-                return false;
+                return None;
             };
             let differs_at = from + common_prefix(rest_in, rest);
             // Holes wholly in the equal run sit at the same distance from
@@ -559,7 +587,7 @@ impl Template {
                 break;
             };
             if differs_at < hole.span.start {
-                return false; // a literal differs: another shape
+                return None; // a literal differs: another shape
             }
             let start = pos + (hole.span.start - from);
             // A string where a string was, a number where a number was.
@@ -573,17 +601,21 @@ impl Template {
                 Err(Bail)
             };
             let Ok(end) = end else {
-                return false;
+                return None;
             };
             *slot = Span { start, end };
             pos = end;
             from = hole.span.end;
             k += 1;
         }
-        match (input.get(pos..), template.get(from..)) {
-            (Some(rest_in), Some(rest)) => short_eq(rest_in, rest),
-            _ => false,
-        }
+        let rest = template.get(from..)?;
+        let end = pos + rest.len();
+        let rest_in = if prefix {
+            input.get(pos..end)?
+        } else {
+            input.get(pos..)?
+        };
+        short_eq(rest_in, rest).then_some(end)
     }
 
     /// Takes a valid frame's shape.
@@ -609,6 +641,7 @@ impl Template {
                 plain_end,
             }
         }));
+        self.one_line = memchr::memchr2(b'\n', b'\r', bytes).is_none();
         self.ready = true;
     }
 
