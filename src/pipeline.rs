@@ -215,6 +215,8 @@ struct StreamState {
     done_written: bool,
     /// Frames (SSE events with data, NDJSON lines) handled so far.
     frames: u64,
+    /// Of those, the frames the framer found with the decoder's probe.
+    probed_frames: u64,
     /// Increments for subscribers, kept only when asked for
     /// ([`AnnotatorConfig::collect_events`]).
     events: Vec<StreamEvent>,
@@ -256,6 +258,7 @@ impl Annotator {
                 ended_warned: false,
                 done_written: false,
                 frames: 0,
+                probed_frames: 0,
                 events: Vec::new(),
                 collect_events: config.collect_events,
             },
@@ -333,6 +336,13 @@ impl Annotator {
     /// Frames (SSE events with data, NDJSON lines) handled so far.
     pub fn frames(&self) -> u64 {
         self.state.frames
+    }
+
+    /// Of [`frames`](Self::frames), those the framer found by asking the
+    /// decoder whether a line starts with a payload of the shape it
+    /// learned ([`Probe`]), without a search for the line's end.
+    pub fn probed_frames(&self) -> u64 {
+        self.state.probed_frames
     }
 
     /// The stream's progress state.
@@ -548,6 +558,7 @@ impl StreamState {
         // For this frame only: a frame left undecoded leaves it set, and
         // the next frame's sets it again.
         self.decoder_state.probed = frame.probed;
+        self.probed_frames += u64::from(frame.probed);
         let data = match frame.data {
             Some(_) if self.ended => {
                 self.warn_after_end(frame.at);

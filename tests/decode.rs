@@ -280,3 +280,62 @@ fn each_frame_is_written_as_soon_as_it_is_complete() {
         }
     }
 }
+
+/// In a steady stream, where each frame has the shape of the one before,
+/// the framer finds each frame by asking the decoder (its template) where
+/// the payload ends, not by searching for the line's end; and the output
+/// is the one of a byte-by-byte run, where no frame is found that way.
+#[test]
+fn frames_of_a_steady_stream_are_found_by_the_decoders_template() {
+    use aalis_proxy::pipeline::Annotator;
+    let fragments: Vec<String> = (0..40)
+        .map(|i| "abcdefghijkl"[..3 + i % 10].to_owned())
+        .collect();
+    let total: usize = fragments.iter().map(String::len).sum();
+
+    let mut sse = String::from(
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\
+         \"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\
+         \"function\":{\"name\":\"f\",\"arguments\":\"\"}}]}}]}\n\n",
+    );
+    for fragment in &fragments {
+        sse.push_str(&format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\
+             \"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\
+             \"function\":{{\"arguments\":\"{fragment}\"}}}}]}}}}]}}\n\n"
+        ));
+    }
+    sse.push_str("data: [DONE]\n\n");
+
+    let mut ndjson = String::new();
+    for (i, fragment) in fragments.iter().enumerate() {
+        ndjson.push_str(&format!(
+            "{{\"model\":\"m\",\"created_at\":\"2026-01-01T09:00:{i:02}.000Z\",\
+             \"message\":{{\"role\":\"assistant\",\"content\":\"\",\"thinking\":\"{fragment}\"}},\
+             \"done\":false}}\n"
+        ));
+    }
+    ndjson.push_str("{\"model\":\"m\",\"created_at\":\"2026-01-01T09:01:00.000Z\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true}\n");
+
+    // SSE: the first frame and the second (another shape) teach the
+    // template; the 39 after them are found by it, `[DONE]` is not.
+    // NDJSON: every line after the first (which may start with a BOM) but
+    // the `done` line, of another shape.
+    for (input, probed) in [(sse, 39), (ndjson, 39)] {
+        let config = AnnotatorConfig::default();
+        let mut annotator = Annotator::new(config.clone());
+        let mut run = Run::default();
+        annotator.push(input.as_bytes(), 0, &mut run);
+        annotator.finish(0, &mut run);
+        assert_eq!(annotator.frames(), 42 - u64::from(input.starts_with('{')));
+        assert_eq!(annotator.probed_frames(), probed, "{input}");
+        assert_eq!(run, run_bytewise(&config, input.as_bytes()));
+        if input.starts_with("data") {
+            let last = String::from_utf8_lossy(&run.output)
+                .rsplit("\"charsAccumulated\":")
+                .next()
+                .and_then(|rest| rest.split(['}', ',']).next().map(str::to_owned));
+            assert_eq!(last, Some(total.to_string()), "the arguments counted");
+        }
+    }
+}

@@ -31,6 +31,11 @@ fn check_guarantees(input: &[u8], cuts: &[usize]) -> Result<(), TestCaseError> {
         let whole = run_whole(&config, input);
         let cut = run_cut_at(&config, input, cuts);
         prop_assert_eq!(&cut, &whole, "[{}] output depends on the cutting", mode);
+        // Byte by byte, every frame is framed from the carry, where the
+        // framer never asks the decoder's probe: what it recognizes in a
+        // whole piece must change nothing.
+        let bytewise = run_bytewise(&config, input);
+        prop_assert_eq!(&bytewise, &whole, "[{}] byte by byte", mode);
         if config.output == OutputFormat::Sse {
             prop_assert_eq!(
                 &whole.forwarded,

@@ -331,4 +331,68 @@ mod tests {
     fn nothing_in_nothing_out() {
         assert!(lines(&[b""]).is_empty());
     }
+
+    /// A line as handed out: raw, content, number, offset, text, probed.
+    type Handed = (String, String, u64, u64, Option<String>, bool);
+
+    /// A probe that recognizes one payload, and the lines it was handed.
+    struct Recognizes {
+        payload: &'static str,
+        lines: Vec<Handed>,
+    }
+
+    impl Probe for Recognizes {
+        fn payload_len(&mut self, text: &str) -> Option<usize> {
+            text.starts_with(self.payload).then_some(self.payload.len())
+        }
+    }
+
+    impl Frames<NdjsonScan> for Recognizes {
+        fn frame(&mut self, line: NdjsonLine<'_>) {
+            self.lines.push((
+                String::from_utf8_lossy(line.raw).into_owned(),
+                String::from_utf8_lossy(line.content).into_owned(),
+                line.number,
+                line.offset,
+                line.text.map(str::to_owned),
+                line.probed,
+            ));
+        }
+    }
+
+    fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
+        let mut frames = Recognizes {
+            payload,
+            lines: Vec::new(),
+        };
+        let mut decoder = NdjsonDecoder::with_max_line_bytes(max);
+        decoder.feed_probing(input, &mut frames);
+        decoder.finish();
+        decoder.feed_probing(&[], &mut frames);
+        frames
+    }
+
+    /// A line whose content the probe recognizes, then LF, is handed out
+    /// without a search, as the search would hand it out: not the first
+    /// line (a BOM may start it), not one ended by CRLF, not one with
+    /// more after the payload, not one over the limit.
+    #[test]
+    fn a_recognized_line_is_the_line_the_search_would_find() {
+        let input: &[u8] = b"{\"a\":1}\n{\"a\":1}\n{\"a\":1}\r\n{\"a\":1} \n{\"a\":1}\n";
+        let with = probed("{\"a\":1}", 1 << 20, input);
+        let without = probed("never", 1 << 20, input);
+        let which: Vec<bool> = with.lines.iter().map(|l| l.5).collect();
+        assert_eq!(which, [false, true, false, false, true]);
+        for (a, b) in with.lines.iter().zip(&without.lines) {
+            assert_eq!((&a.0, &a.1, a.2, a.3, &a.4), (&b.0, &b.1, b.2, b.3, &b.4));
+            assert!(!b.5, "nothing is recognized without a probe");
+        }
+        assert_eq!(with.lines.len(), without.lines.len());
+
+        let limited = probed("{\"a\":1}", 6, input);
+        assert!(
+            limited.lines.iter().all(|l| !l.5),
+            "over the limit: searched"
+        );
+    }
 }

@@ -872,6 +872,7 @@ mod tests {
             "\\u00",
             "é",
             "tab\there",
+            "line\nbreak",
             "12345678901234567",
             "1234567\\\"",
         ];
@@ -898,8 +899,51 @@ mod tests {
                 if matched {
                     assert_eq!(Some(&out), walked.as_ref(), "{learned} then {frame}");
                 }
+                // The same frame at the start of a line, with what may come
+                // after it: found, with the same holes, exactly when it
+                // matches alone; and anything found ends at a line break.
+                for after in ["\n", "\r\n", "1}\n", "\"\n"] {
+                    let input = format!("{frame}{after}");
+                    let found = template.match_prefix(&input, &mut out);
+                    if found.is_some_and(|len| matches!(input.as_bytes()[len], b'\n' | b'\r')) {
+                        assert_eq!(found, Some(frame.len()), "{learned} then {input:?}");
+                        assert_eq!(Some(&out), walked.as_ref(), "{learned} then {input:?}");
+                    } else {
+                        assert!(
+                            !matched || !after.starts_with(['\n', '\r']),
+                            "{learned} then {input:?}"
+                        );
+                    }
+                }
             }
         }
+    }
+
+    /// A template learned from a frame that spans lines (SSE `data` lines
+    /// join with LF, which JSON takes as whitespace) cannot say where a
+    /// line ends: it never recognizes a prefix, though it still matches.
+    #[test]
+    fn a_template_with_a_line_break_recognizes_no_prefix() {
+        let learned = "{\"a\":\n\"x\"}";
+        let mut c = Cursor::new(learned, Vec::new());
+        assert!(c.value().is_ok() && c.end().is_ok());
+        let holes = c.into_holes();
+        let mut template = Template::default();
+        template.learn(learned, &holes);
+        let mut out = Vec::new();
+        assert!(template.matches("{\"a\":\n\"yz\"}", &mut out));
+        assert_eq!(
+            template.match_prefix("{\"a\":\n\"yz\"}\n\n", &mut out),
+            None
+        );
+
+        let one_line = "{\"a\":\"x\"}";
+        template.learn(one_line, &[Span { start: 5, end: 8 }]);
+        assert_eq!(
+            template.match_prefix("{\"a\":\"yz\"}\n\n", &mut out),
+            Some(10)
+        );
+        assert_eq!(out, [Span { start: 5, end: 9 }]);
     }
 
     #[test]

@@ -254,3 +254,90 @@ fn oversized_events_go_out_in_pieces_and_parsing_resumes_after_them() {
         );
     }
 }
+
+/// An event as handed out: raw, number, data, text, closing brace,
+/// probed.
+type Handed = (String, u64, String, Option<String>, Option<usize>, bool);
+
+/// A probe that recognizes one payload, and the blocks it was handed.
+struct Recognizes {
+    payload: &'static str,
+    blocks: Vec<Handed>,
+    other: Vec<String>,
+}
+
+impl Probe for Recognizes {
+    fn payload_len(&mut self, text: &str) -> Option<usize> {
+        text.starts_with(self.payload).then_some(self.payload.len())
+    }
+}
+
+impl Frames<SseScan> for Recognizes {
+    fn frame(&mut self, block: SseBlock<'_>) {
+        let raw = String::from_utf8_lossy(block.raw).into_owned();
+        match block.kind {
+            SseBlockKind::Event(e) => self.blocks.push((
+                raw,
+                e.number,
+                String::from_utf8_lossy(e.data).into_owned(),
+                e.text.map(str::to_owned),
+                e.closing_brace,
+                e.probed,
+            )),
+            _ => self.other.push(raw),
+        }
+    }
+}
+
+fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
+    let mut frames = Recognizes {
+        payload,
+        blocks: Vec::new(),
+        other: Vec::new(),
+    };
+    let mut decoder = SseDecoder::with_max_event_bytes(max);
+    decoder.feed_probing(input, &mut frames);
+    decoder.finish();
+    decoder.feed_probing(&[], &mut frames);
+    frames
+}
+
+/// An event that is one `data` line the probe recognizes, then a blank
+/// line, both LF, is handed out without a search, as the search would
+/// hand it out; every other event is searched for, and says so.
+#[test]
+fn a_recognized_data_line_is_the_event_the_search_would_find() {
+    let input: &[u8] = b"\xEF\xBB\xBFdata: {\"a\":1}\n\n\
+        data: {\"a\":1}\n\n\
+        data:{\"a\":1}\n\n\
+        data: {\"a\":1}\r\n\r\n\
+        id: 7\ndata: {\"a\":1}\n\n\
+        data: {\"a\":1}\ndata: {\"a\":1}\n\n\
+        data: {\"a\":1}  \n\n\
+        data: {\"a\":1}\n\n";
+    let with = probed("{\"a\":1}", 1 << 20, input);
+    let without = probed("never", 1 << 20, input);
+    assert_eq!(with.other, without.other);
+    assert_eq!(with.blocks.len(), 8);
+    let which: Vec<bool> = with.blocks.iter().map(|b| b.5).collect();
+    // The first after a BOM, a CRLF one, one after an `id` line, one with
+    // two `data` lines and one with spaces after the payload are searched.
+    assert_eq!(which, [false, true, true, false, false, false, false, true]);
+    for (a, b) in with.blocks.iter().zip(&without.blocks) {
+        assert_eq!((&a.0, a.1, &a.2, &a.3, a.4), (&b.0, b.1, &b.2, &b.3, b.4));
+        assert!(!b.5, "nothing is recognized without a probe");
+    }
+    assert_eq!(with.blocks[1].4, Some(12), "the closing brace, in `raw`");
+
+    // An event the limit would make oversized is searched for (and then
+    // handed out in pieces), not recognized.
+    let input = b"data: {}\n\ndata: {\"a\":1}\n\n";
+    let small = probed("{\"a\":1}", 13, input);
+    assert_eq!(small.blocks.len(), 1);
+    assert_eq!(small.other, ["data: {\"a\":1}\n\n"]);
+    let fits = probed("{\"a\":1}", 14, input);
+    assert_eq!(
+        fits.blocks.iter().map(|b| b.5).collect::<Vec<_>>(),
+        [false, true]
+    );
+}
