@@ -7,6 +7,13 @@
 //! input; it writes to a [`Sink`] and collects [`Warning`]s for the caller to
 //! print. It does no I/O and reads no clock: the caller passes `now_ms`.
 //!
+//! Framing and decoding meet in one place: at the start of a line, the
+//! framer asks the decoder whether the bytes there start with a payload of
+//! the shape it learned from the frames before ([`Probe`]); if so, and the
+//! line break the framing wants follows it, that is the frame, found
+//! without a search for its end, and the decoder keeps the values it found
+//! for it. In a steady stream that is nearly every frame.
+//!
 //! Guarantee: with [`OutputFormat::Sse`], every input byte reaches
 //! [`Sink::forward`] exactly once, in order; what is added goes to
 //! [`Sink::insert`]. A frame that cannot be understood is forwarded unchanged
