@@ -391,7 +391,7 @@ impl Annotator {
             Framer::Ndjson(_) => Provider::OllamaChat,
             Framer::Sse(_) | Framer::Sniffing(_) => Provider::OpenAiChat,
         };
-        let mut frames = Frames {
+        let mut frames = FrameHandler {
             state: &mut self.state,
             provider,
             now_ms,
@@ -408,26 +408,26 @@ impl Annotator {
 /// Where the framer hands the frames of a piece: to the stream's state,
 /// whose decoder (the framing's provider's) it asks first whether a line
 /// starts with a payload of the shape it learned ([`Probe`]).
-struct Frames<'a, O> {
+struct FrameHandler<'a, O> {
     state: &'a mut StreamState,
     provider: Provider,
     now_ms: u64,
     out: &'a mut O,
 }
 
-impl<O> Probe for Frames<'_, O> {
+impl<O> Probe for FrameHandler<'_, O> {
     fn payload_len(&mut self, text: &str) -> Option<usize> {
         self.state.decoder_state.match_prefix(self.provider, text)
     }
 }
 
-impl<O: Sink> window::Frames<SseScan> for Frames<'_, O> {
+impl<O: Sink> window::Frames<SseScan> for FrameHandler<'_, O> {
     fn frame(&mut self, block: SseBlock<'_>) {
         self.state.sse_block(block, self.now_ms, self.out);
     }
 }
 
-impl<O: Sink> window::Frames<NdjsonScan> for Frames<'_, O> {
+impl<O: Sink> window::Frames<NdjsonScan> for FrameHandler<'_, O> {
     fn frame(&mut self, line: NdjsonLine<'_>) {
         self.state.ndjson_line(line, self.now_ms, self.out);
     }

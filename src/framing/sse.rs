@@ -23,6 +23,8 @@
 //!
 //! Read `SseScan::next_block` first.
 
+use std::ops::Range;
+
 use memchr::memchr2;
 
 use super::window::{self, Cutter, Each, Frames, NoProbe, Probe, Window};
@@ -317,9 +319,9 @@ impl SseScan {
             && !self.tail_pending
             && !self.skip_lf
             && self.oversized.is_none()
-            && let Some(len) = self.probed_len(window, probe)
+            && let Some(value) = self.probed_value(window, probe)
         {
-            return Some(self.probed_event(window, len));
+            return Some(self.probed_event(window, value));
         }
         if !self.started {
             let n = buf.len().min(BOM.len());
@@ -411,13 +413,13 @@ impl SseScan {
         }
     }
 
-    /// At the start of an event, in the checked part of the window: the
-    /// length of its payload when the event is one `data` line whose value
+    /// At the start of an event, in the checked part of the window: where
+    /// its payload lies when the event is one `data` line whose value
     /// `probe` recognizes, then a blank line (both ended by LF), and it is
     /// not oversized. [`probed_event`](Self::probed_event) then hands it
     /// out: the block the line-by-line scan would, without its searches.
     #[inline(always)]
-    fn probed_len(&self, window: Window<'_>, probe: &mut impl Probe) -> Option<usize> {
+    fn probed_value(&self, window: Window<'_>, probe: &mut impl Probe) -> Option<Range<usize>> {
         let line = window.bytes.get(self.start..)?;
         if !line.starts_with(b"data:") {
             return None;
@@ -426,22 +428,16 @@ impl SseScan {
         let len = probe.payload_len(window.text_from(value)?)?;
         let end = value + len;
         let fits = end + 1 - self.start <= self.max_event_bytes;
-        (len > 0 && fits && window.bytes.get(end..end + 2) == Some(b"\n\n")).then_some(len)
+        (len > 0 && fits && window.bytes.get(end..end + 2) == Some(b"\n\n")).then_some(value..end)
     }
 
-    /// Hands out the event [`probed_len`](Self::probed_len) found, whose
-    /// value is `len` bytes.
-    fn probed_event<'a>(&'a mut self, window: Window<'a>, len: usize) -> SseBlock<'a> {
+    /// Hands out the event whose `data` value
+    /// [`probed_value`](Self::probed_value) found at `value`.
+    fn probed_event<'a>(&'a mut self, window: Window<'a>, value: Range<usize>) -> SseBlock<'a> {
         let buf = window.bytes;
         let start = self.start;
-        let value = start
-            + if buf.get(start + 5) == Some(&b' ') {
-                6
-            } else {
-                5
-            };
-        let data = &buf[value..value + len];
-        let end = value + len + 2;
+        let data = &buf[value.clone()];
+        let end = value.end + 2;
         self.events += 1;
         self.scan = end;
         self.searched = end;
@@ -451,7 +447,7 @@ impl SseScan {
             .iter()
             .rposition(|b| !matches!(b, b' ' | b'\t'))
             .filter(|&i| data[i] == b'}')
-            .map(|i| value + i - start);
+            .map(|i| value.start + i - start);
         SseBlock {
             raw: &buf[start..end],
             offset: self.base_offset + start as u64,
@@ -459,7 +455,7 @@ impl SseScan {
                 number: self.events,
                 event_type: &self.event_type,
                 data,
-                text: window.text(value, value + len),
+                text: window.text(value.start, value.end),
                 last_event_id: &self.last_event_id,
                 closing_brace,
                 line_ending: LineEnding::Lf,
