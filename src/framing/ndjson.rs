@@ -187,19 +187,27 @@ impl NdjsonScan {
     ) -> Option<NdjsonLine<'a>> {
         let buf = window.bytes;
         let start = self.start;
-        // A line whose content the probe recognizes, then LF, is the line
-        // the search below would find (a recognized payload holds no line
-        // break). Not the stream's first line, which may start with a BOM.
+        // A line whose content the probe recognizes, then LF or CRLF, is
+        // the line the search below would find (a recognized payload holds
+        // no line break). Not the stream's first line, which may start
+        // with a BOM.
         if self.scan == start
             && self.oversized.is_none()
             && self.base_offset + start as u64 > 0
             && let Some(text) = window.text_from(start)
             && let Some(len) = probe.payload_len(text)
             && len > 0
-            && len <= self.max_line_bytes
-            && buf.get(start + len) == Some(&b'\n')
+            && let Some(ending) = match buf.get(start + len..start + len + 2) {
+                Some([b'\n', _]) => Some(1),
+                Some(b"\r\n") => Some(2),
+                // The last byte of the window.
+                None if buf.get(start + len) == Some(&b'\n') => Some(1),
+                _ => None,
+            }
+            // As the search measures it: up to the LF.
+            && len + ending - 1 <= self.max_line_bytes
         {
-            let end = start + len + 1;
+            let end = start + len + ending;
             self.start = end;
             self.scan = end;
             self.lines += 1;
@@ -372,17 +380,17 @@ mod tests {
         frames
     }
 
-    /// A line whose content the probe recognizes, then LF, is handed out
-    /// without a search, as the search would hand it out: not the first
-    /// line (a BOM may start it), not one ended by CRLF, not one with
-    /// more after the payload, not one over the limit.
+    /// A line whose content the probe recognizes, then LF or CRLF, is
+    /// handed out without a search, as the search would hand it out: not
+    /// the first line (a BOM may start it), not one with more after the
+    /// payload, not one over the limit.
     #[test]
     fn a_recognized_line_is_the_line_the_search_would_find() {
         let input: &[u8] = b"{\"a\":1}\n{\"a\":1}\n{\"a\":1}\r\n{\"a\":1} \n{\"a\":1}\n";
         let with = probed("{\"a\":1}", 1 << 20, input);
         let without = probed("never", 1 << 20, input);
         let which: Vec<bool> = with.lines.iter().map(|l| l.5).collect();
-        assert_eq!(which, [false, true, false, false, true]);
+        assert_eq!(which, [false, true, true, false, true]);
         for (a, b) in with.lines.iter().zip(&without.lines) {
             assert_eq!((&a.0, &a.1, a.2, a.3, &a.4), (&b.0, &b.1, b.2, b.3, &b.4));
             assert!(!b.5, "nothing is recognized without a probe");
@@ -394,5 +402,9 @@ mod tests {
             limited.lines.iter().all(|l| !l.5),
             "over the limit: searched"
         );
+        // At the limit: the CRLF line's size counts its CR.
+        let at = probed("{\"a\":1}", 7, input);
+        let which: Vec<bool> = at.lines.iter().map(|l| l.5).collect();
+        assert_eq!(which, [false, true, false, false, true]);
     }
 }

@@ -319,9 +319,9 @@ impl SseScan {
             && !self.tail_pending
             && !self.skip_lf
             && self.oversized.is_none()
-            && let Some(value) = self.probed_value(window, probe)
+            && let Some((value, ending)) = self.probed_value(window, probe)
         {
-            return Some(self.probed_event(window, value));
+            return Some(self.probed_event(window, value, ending));
         }
         if !self.started {
             let n = buf.len().min(BOM.len());
@@ -415,11 +415,16 @@ impl SseScan {
 
     /// At the start of an event, in the checked part of the window: where
     /// its payload lies when the event is one `data` line whose value
-    /// `probe` recognizes, then a blank line (both ended by LF), and it is
-    /// not oversized. [`probed_event`](Self::probed_event) then hands it
-    /// out: the block the line-by-line scan would, without its searches.
+    /// `probe` recognizes, then a blank line, both ended by LF or both by
+    /// CRLF, and it is not oversized. [`probed_event`](Self::probed_event)
+    /// then hands it out: the block the line-by-line scan would, without
+    /// its searches.
     #[inline(always)]
-    fn probed_value(&self, window: Window<'_>, probe: &mut impl Probe) -> Option<Range<usize>> {
+    fn probed_value(
+        &self,
+        window: Window<'_>,
+        probe: &mut impl Probe,
+    ) -> Option<(Range<usize>, LineEnding)> {
         let line = window.bytes.get(self.start..)?;
         if !line.starts_with(b"data:") {
             return None;
@@ -427,17 +432,32 @@ impl SseScan {
         let value = self.start + if line.get(5) == Some(&b' ') { 6 } else { 5 };
         let len = probe.payload_len(window.text_from(value)?)?;
         let end = value + len;
-        let fits = end + 1 - self.start <= self.max_event_bytes;
-        (len > 0 && fits && window.bytes.get(end..end + 2) == Some(b"\n\n")).then_some(value..end)
+        let after = window.bytes.get(end..)?;
+        let ending = if after.starts_with(b"\n\n") {
+            LineEnding::Lf
+        } else if after.starts_with(b"\r\n\r\n") {
+            LineEnding::CrLf
+        } else {
+            return None;
+        };
+        // As the scan measures it: up to the end of the `data` line.
+        let fits = end + ending.as_bytes().len() - self.start <= self.max_event_bytes;
+        (len > 0 && fits).then_some((value..end, ending))
     }
 
     /// Hands out the event whose `data` value
-    /// [`probed_value`](Self::probed_value) found at `value`.
-    fn probed_event<'a>(&'a mut self, window: Window<'a>, value: Range<usize>) -> SseBlock<'a> {
+    /// [`probed_value`](Self::probed_value) found at `value`, its lines
+    /// ended by `ending`.
+    fn probed_event<'a>(
+        &'a mut self,
+        window: Window<'a>,
+        value: Range<usize>,
+        ending: LineEnding,
+    ) -> SseBlock<'a> {
         let buf = window.bytes;
         let start = self.start;
         let data = &buf[value.clone()];
-        let end = value.end + 2;
+        let end = value.end + 2 * ending.as_bytes().len();
         self.events += 1;
         self.scan = end;
         self.searched = end;
@@ -458,7 +478,7 @@ impl SseScan {
                 text: window.text(value.start, value.end),
                 last_event_id: &self.last_event_id,
                 closing_brace,
-                line_ending: LineEnding::Lf,
+                line_ending: ending,
                 line_ending_open: false,
                 probed: true,
             }),

@@ -255,9 +255,17 @@ fn oversized_events_go_out_in_pieces_and_parsing_resumes_after_them() {
     }
 }
 
-/// An event as handed out: raw, number, data, text, closing brace,
-/// probed.
-type Handed = (String, u64, String, Option<String>, Option<usize>, bool);
+/// An event as handed out: raw, number, data, text, closing brace, line
+/// ending, probed.
+type Handed = (
+    String,
+    u64,
+    String,
+    Option<String>,
+    Option<usize>,
+    LineEnding,
+    bool,
+);
 
 /// A probe that recognizes one payload, and the blocks it was handed.
 struct Recognizes {
@@ -282,6 +290,7 @@ impl Frames<SseScan> for Recognizes {
                 String::from_utf8_lossy(e.data).into_owned(),
                 e.text.map(str::to_owned),
                 e.closing_brace,
+                e.line_ending,
                 e.probed,
             )),
             _ => self.other.push(raw),
@@ -303,8 +312,9 @@ fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
 }
 
 /// An event that is one `data` line the probe recognizes, then a blank
-/// line, both LF, is handed out without a search, as the search would
-/// hand it out; every other event is searched for, and says so.
+/// line, both LF or both CRLF, is handed out without a search, as the
+/// search would hand it out; every other event is searched for, and says
+/// so.
 #[test]
 fn a_recognized_data_line_is_the_event_the_search_would_find() {
     let input: &[u8] = b"\xEF\xBB\xBFdata: {\"a\":1}\n\n\
@@ -314,19 +324,28 @@ fn a_recognized_data_line_is_the_event_the_search_would_find() {
         id: 7\ndata: {\"a\":1}\n\n\
         data: {\"a\":1}\ndata: {\"a\":1}\n\n\
         data: {\"a\":1}  \n\n\
+        data: {\"a\":1}\r\n\n\
         data: {\"a\":1}\n\n";
     let with = probed("{\"a\":1}", 1 << 20, input);
     let without = probed("never", 1 << 20, input);
     assert_eq!(with.other, without.other);
-    assert_eq!(with.blocks.len(), 8);
-    let which: Vec<bool> = with.blocks.iter().map(|b| b.5).collect();
-    // The first after a BOM, a CRLF one, one after an `id` line, one with
-    // two `data` lines and one with spaces after the payload are searched.
-    assert_eq!(which, [false, true, true, false, false, false, false, true]);
+    assert_eq!(with.blocks.len(), 9);
+    let which: Vec<bool> = with.blocks.iter().map(|b| b.6).collect();
+    // The first after a BOM, one after an `id` line, one with two `data`
+    // lines, one with spaces after the payload and one whose lines end
+    // differently are searched.
+    assert_eq!(
+        which,
+        [false, true, true, true, false, false, false, false, true]
+    );
     for (a, b) in with.blocks.iter().zip(&without.blocks) {
-        assert_eq!((&a.0, a.1, &a.2, &a.3, a.4), (&b.0, b.1, &b.2, &b.3, b.4));
-        assert!(!b.5, "nothing is recognized without a probe");
+        assert_eq!(
+            (&a.0, a.1, &a.2, &a.3, a.4, a.5),
+            (&b.0, b.1, &b.2, &b.3, b.4, b.5)
+        );
+        assert!(!b.6, "nothing is recognized without a probe");
     }
+    assert_eq!(with.blocks[3].5, LineEnding::CrLf);
     assert_eq!(with.blocks[1].4, Some(12), "the closing brace, in `raw`");
 
     // An event the limit would make oversized is searched for (and then
@@ -337,7 +356,15 @@ fn a_recognized_data_line_is_the_event_the_search_would_find() {
     assert_eq!(small.other, ["data: {\"a\":1}\n\n"]);
     let fits = probed("{\"a\":1}", 14, input);
     assert_eq!(
-        fits.blocks.iter().map(|b| b.5).collect::<Vec<_>>(),
+        fits.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
+        [false, true]
+    );
+    // With CRLF, the line's size counts its CR.
+    let input = b"data: {}\r\n\r\ndata: {\"a\":1}\r\n\r\n";
+    assert_eq!(probed("{\"a\":1}", 14, input).blocks.len(), 1);
+    let fits = probed("{\"a\":1}", 15, input);
+    assert_eq!(
+        fits.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
         [false, true]
     );
 }
