@@ -193,8 +193,8 @@ pub struct DecoderState {
 impl DecoderState {
     /// Whether `text` starts with a frame of the shape `provider`'s
     /// decoder last learned, and its length: the [`Probe`] a framer asks
-    /// before it searches for the end of a line
-    /// ([`Template::match_prefix`](scan::Template::match_prefix)).
+    /// before it searches for the end of a line (the template match of
+    /// the decoder's fast path, `Template::match_prefix`).
     ///
     /// [`Probe`]: crate::framing::window::Probe
     pub fn match_prefix(&mut self, provider: Provider, text: &str) -> Option<usize> {
