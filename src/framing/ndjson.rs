@@ -197,11 +197,9 @@ impl NdjsonScan {
             && let Some(text) = window.text_from(start)
             && let Some(len) = probe.payload_len(text)
             && len > 0
-            && let Some(ending) = match buf.get(start + len..start + len + 2) {
-                Some([b'\n', _]) => Some(1),
-                Some(b"\r\n") => Some(2),
-                // The last byte of the window.
-                None if buf.get(start + len) == Some(&b'\n') => Some(1),
+            && let Some(ending) = match buf.get(start + len) {
+                Some(b'\n') => Some(1),
+                Some(b'\r') if buf.get(start + len + 1) == Some(&b'\n') => Some(2),
                 _ => None,
             }
             // As the search measures it: up to the LF.
