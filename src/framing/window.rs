@@ -86,17 +86,16 @@ impl<'a> Window<'a> {
 /// end; anything else is framed as usual. Such a frame says it was
 /// probed, and the decoder already holds its holes.
 pub trait Probe {
-    fn payload_len(&mut self, text: &str) -> Option<usize>;
+    /// By default nothing is recognized: every frame is searched for.
+    fn payload_len(&mut self, _text: &str) -> Option<usize> {
+        None
+    }
 }
 
 /// A caller with nothing to say: every frame is searched for.
 pub struct NoProbe;
 
-impl Probe for NoProbe {
-    fn payload_len(&mut self, _: &str) -> Option<usize> {
-        None
-    }
-}
+impl Probe for NoProbe {}
 
 /// What [`feed`] hands each frame to, and asks first ([`Probe`]).
 pub trait Frames<C: Cutter + ?Sized>: Probe {
@@ -106,11 +105,7 @@ pub trait Frames<C: Cutter + ?Sized>: Probe {
 /// A closure that takes each frame, and asks nothing.
 pub struct Each<F>(pub F);
 
-impl<F> Probe for Each<F> {
-    fn payload_len(&mut self, _: &str) -> Option<usize> {
-        None
-    }
-}
+impl<F> Probe for Each<F> {}
 
 impl<C: Cutter, F: FnMut(C::Frame<'_>)> Frames<C> for Each<F> {
     fn frame(&mut self, frame: C::Frame<'_>) {

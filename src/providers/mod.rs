@@ -187,7 +187,7 @@ pub struct DecoderState {
     /// says which frame it was); taken by the decoder.
     ///
     /// [`match_prefix`]: DecoderState::match_prefix
-    pub probed: bool,
+    pub(crate) probed: bool,
 }
 
 impl DecoderState {
@@ -197,7 +197,7 @@ impl DecoderState {
     /// the decoder's fast path, `Template::match_prefix`).
     ///
     /// [`Probe`]: crate::framing::window::Probe
-    pub fn match_prefix(&mut self, provider: Provider, text: &str) -> Option<usize> {
+    pub(crate) fn match_prefix(&mut self, provider: Provider, text: &str) -> Option<usize> {
         match provider {
             Provider::OpenAiChat => self.spans.match_prefix(text),
             Provider::OllamaChat => self.lines.match_prefix(text),
