@@ -258,7 +258,7 @@ impl SseDecoder {
     }
 
     /// [`feed`](Self::feed), asking `frames` first at each event that
-    /// starts with a `data` line ([`Probe`]).
+    /// starts with a `data` line, after any comment lines ([`Probe`]).
     pub(crate) fn feed_probing(&mut self, input: &[u8], frames: &mut impl Frames<SseScan>) {
         self.state.reset_event();
         window::feed(&mut self.buf, &mut self.state, input, frames);
@@ -301,6 +301,25 @@ impl Cutter for SseScan {
         self.data_last_byte = self.data_last_byte.map(|i| i - n);
         self.data_line = self.data_line.map(|(a, b)| (a - n, b - n));
     }
+}
+
+/// Where the line after the comment lines starting at `line` starts, when
+/// each ends with LF or CRLF in `bytes`. A comment (a keep-alive, a
+/// timestamp) changes no field: the scan skips it, and so does the probe.
+/// Out of line: few providers send comments, but a stream that has them
+/// may have one before every event (the benchmark's stamping upstream).
+#[cold]
+fn after_comments(bytes: &[u8], mut line: usize) -> Option<usize> {
+    while bytes.get(line) == Some(&b':') {
+        let end = line + memchr2(b'\r', b'\n', &bytes[line..])?;
+        line = match (bytes[end], bytes.get(end + 1)) {
+            (b'\n', _) => end + 1,
+            (b'\r', Some(b'\n')) => end + 2,
+            // A lone CR, or one whose LF may be yet to come.
+            _ => return None,
+        };
+    }
+    Some(line)
 }
 
 impl SseScan {
@@ -415,24 +434,33 @@ impl SseScan {
 
     /// At the start of an event, in the checked part of the window: where
     /// its payload lies when the event is one `data` line whose value
-    /// `probe` recognizes, then a blank line, both ended by LF or both by
-    /// CRLF, and it is not oversized. [`probed_event`](Self::probed_event)
-    /// then hands it out: the block the line-by-line scan would, without
-    /// its searches.
+    /// `probe` recognizes (after any comment lines, ended by LF or CRLF),
+    /// then a blank line, both ended by LF or both by CRLF, and it is not
+    /// oversized.
+    /// [`probed_event`](Self::probed_event) then hands it out: the block
+    /// the line-by-line scan would, without its searches.
     #[inline(always)]
     fn probed_value(
         &self,
         window: Window<'_>,
         probe: &mut impl Probe,
     ) -> Option<(Range<usize>, LineEnding)> {
-        let line = window.bytes.get(self.start..)?;
-        if !line.starts_with(b"data:") {
-            return None;
+        let bytes = window.bytes;
+        let mut line = self.start;
+        if !bytes.get(line..)?.starts_with(b"data:") {
+            if bytes.get(line) != Some(&b':') {
+                return None;
+            }
+            line = after_comments(bytes, line)?;
+            if !bytes.get(line..)?.starts_with(b"data:") {
+                return None;
+            }
         }
-        let value = self.start + if line.get(5) == Some(&b' ') { 6 } else { 5 };
+        // The field's name, and the one space after it the value drops.
+        let value = line + 5 + usize::from(bytes.get(line + 5) == Some(&b' '));
         let len = probe.payload_len(window.text_from(value)?)?;
         let end = value + len;
-        let after = window.bytes.get(end..)?;
+        let after = bytes.get(end..)?;
         let ending = if after.starts_with(b"\n\n") {
             LineEnding::Lf
         } else if after.starts_with(b"\r\n\r\n") {
@@ -446,8 +474,8 @@ impl SseScan {
     }
 
     /// Hands out the event whose `data` value
-    /// [`probed_value`](Self::probed_value) found at `value`, its lines
-    /// ended by `ending`.
+    /// [`probed_value`](Self::probed_value) found at `value`, its `data`
+    /// line and blank line ended by `ending`.
     fn probed_event<'a>(
         &'a mut self,
         window: Window<'a>,

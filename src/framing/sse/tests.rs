@@ -348,6 +348,49 @@ fn a_recognized_data_line_is_the_event_the_search_would_find() {
     assert_eq!(with.blocks[3].5, LineEnding::CrLf);
     assert_eq!(with.blocks[1].4, Some(12), "the closing brace, in `raw`");
 
+    // Comment lines before the `data` line are skipped when they end with
+    // LF or CRLF; a lone CR is searched for.
+    let input: &[u8] = b"data: {}\n\n\
+        : t=1\ndata: {\"a\":1}\n\n\
+        :\n: two\ndata: {\"a\":1}\n\n\
+        : t=2\r\ndata: {\"a\":1}\r\n\r\n\
+        : t=3\r\ndata: {\"a\":1}\n\n\
+        : t=4\n: t=5\r\ndata: {\"a\":1}\r\n\r\n\
+        : t=6\rdata: {\"a\":1}\r\r\
+        : t=7\nid: 8\ndata: {\"a\":1}\n\n\
+        : t=9\n\n\
+        : t=10\ndata: {\"a\":1}\n\n";
+    let with = probed("{\"a\":1}", 1 << 20, input);
+    let without = probed("never", 1 << 20, input);
+    assert_eq!(with.other, without.other);
+    assert_eq!(
+        with.other,
+        [": t=9\n\n"],
+        "a block without data is no event"
+    );
+    assert_eq!(with.blocks.len(), 9);
+    assert_eq!(
+        with.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
+        [false, true, true, true, true, true, false, false, true]
+    );
+    for (a, b) in with.blocks.iter().zip(&without.blocks) {
+        assert_eq!(
+            (&a.0, a.1, &a.2, &a.3, a.4, a.5),
+            (&b.0, b.1, &b.2, &b.3, b.4, b.5)
+        );
+    }
+    assert_eq!(with.blocks[1].0, ": t=1\ndata: {\"a\":1}\n\n");
+    assert_eq!(with.blocks[1].4, Some(18), "the closing brace, in `raw`");
+    assert_eq!(with.blocks[3].5, LineEnding::CrLf);
+    // The comments count toward the event's size.
+    let input = b"data: {}\n\n: t\ndata: {\"a\":1}\n\n";
+    assert_eq!(probed("{\"a\":1}", 17, input).blocks.len(), 1);
+    let fits = probed("{\"a\":1}", 18, input);
+    assert_eq!(
+        fits.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
+        [false, true]
+    );
+
     // An event the limit would make oversized is searched for (and then
     // handed out in pieces), not recognized.
     let input = b"data: {}\n\ndata: {\"a\":1}\n\n";
