@@ -311,6 +311,27 @@ fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
     frames
 }
 
+impl Recognizes {
+    /// Which events were recognized, in order.
+    fn which(&self) -> Vec<bool> {
+        self.blocks.iter().map(|b| b.6).collect()
+    }
+
+    /// The same blocks as a run that recognized nothing (`searched`) handed
+    /// out, but for being probed.
+    fn assert_as_searched(&self, searched: &Recognizes) {
+        assert_eq!(self.other, searched.other);
+        assert_eq!(self.blocks.len(), searched.blocks.len());
+        for (a, b) in self.blocks.iter().zip(&searched.blocks) {
+            assert_eq!(
+                (&a.0, a.1, &a.2, &a.3, a.4, a.5),
+                (&b.0, b.1, &b.2, &b.3, b.4, b.5)
+            );
+            assert!(!b.6, "nothing is recognized without a probe");
+        }
+    }
+}
+
 /// An event that is one `data` line the probe recognizes, then a blank
 /// line, both LF or both CRLF, is handed out without a search, as the
 /// search would hand it out; every other event is searched for, and says
@@ -327,29 +348,36 @@ fn a_recognized_data_line_is_the_event_the_search_would_find() {
         data: {\"a\":1}\r\n\n\
         data: {\"a\":1}\n\n";
     let with = probed("{\"a\":1}", 1 << 20, input);
-    let without = probed("never", 1 << 20, input);
-    assert_eq!(with.other, without.other);
+    with.assert_as_searched(&probed("never", 1 << 20, input));
     assert_eq!(with.blocks.len(), 9);
-    let which: Vec<bool> = with.blocks.iter().map(|b| b.6).collect();
     // The first after a BOM, one after an `id` line, one with two `data`
     // lines, one with spaces after the payload and one whose lines end
     // differently are searched.
     assert_eq!(
-        which,
+        with.which(),
         [false, true, true, true, false, false, false, false, true]
     );
-    for (a, b) in with.blocks.iter().zip(&without.blocks) {
-        assert_eq!(
-            (&a.0, a.1, &a.2, &a.3, a.4, a.5),
-            (&b.0, b.1, &b.2, &b.3, b.4, b.5)
-        );
-        assert!(!b.6, "nothing is recognized without a probe");
-    }
     assert_eq!(with.blocks[3].5, LineEnding::CrLf);
     assert_eq!(with.blocks[1].4, Some(12), "the closing brace, in `raw`");
 
-    // Comment lines before the `data` line are skipped when they end with
-    // LF or CRLF; a lone CR is searched for.
+    // An event the limit would make oversized is searched for (and then
+    // handed out in pieces), not recognized.
+    let input = b"data: {}\n\ndata: {\"a\":1}\n\n";
+    let small = probed("{\"a\":1}", 13, input);
+    assert_eq!(small.blocks.len(), 1);
+    assert_eq!(small.other, ["data: {\"a\":1}\n\n"]);
+    assert_eq!(probed("{\"a\":1}", 14, input).which(), [false, true]);
+    // With CRLF, the line's size counts its CR.
+    let input = b"data: {}\r\n\r\ndata: {\"a\":1}\r\n\r\n";
+    assert_eq!(probed("{\"a\":1}", 14, input).blocks.len(), 1);
+    assert_eq!(probed("{\"a\":1}", 15, input).which(), [false, true]);
+}
+
+/// Comment lines before the `data` line (a keep-alive, a timestamp) are
+/// skipped, as the search skips them, when they end with LF or CRLF; a
+/// lone CR is searched for.
+#[test]
+fn comment_lines_before_the_data_line_do_not_stop_the_probe() {
     let input: &[u8] = b"data: {}\n\n\
         : t=1\ndata: {\"a\":1}\n\n\
         :\n: two\ndata: {\"a\":1}\n\n\
@@ -361,53 +389,21 @@ fn a_recognized_data_line_is_the_event_the_search_would_find() {
         : t=9\n\n\
         : t=10\ndata: {\"a\":1}\n\n";
     let with = probed("{\"a\":1}", 1 << 20, input);
-    let without = probed("never", 1 << 20, input);
-    assert_eq!(with.other, without.other);
+    with.assert_as_searched(&probed("never", 1 << 20, input));
     assert_eq!(
         with.other,
         [": t=9\n\n"],
         "a block without data is no event"
     );
-    assert_eq!(with.blocks.len(), 9);
     assert_eq!(
-        with.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
+        with.which(),
         [false, true, true, true, true, true, false, false, true]
     );
-    for (a, b) in with.blocks.iter().zip(&without.blocks) {
-        assert_eq!(
-            (&a.0, a.1, &a.2, &a.3, a.4, a.5),
-            (&b.0, b.1, &b.2, &b.3, b.4, b.5)
-        );
-    }
     assert_eq!(with.blocks[1].0, ": t=1\ndata: {\"a\":1}\n\n");
     assert_eq!(with.blocks[1].4, Some(18), "the closing brace, in `raw`");
     assert_eq!(with.blocks[3].5, LineEnding::CrLf);
     // The comments count toward the event's size.
     let input = b"data: {}\n\n: t\ndata: {\"a\":1}\n\n";
     assert_eq!(probed("{\"a\":1}", 17, input).blocks.len(), 1);
-    let fits = probed("{\"a\":1}", 18, input);
-    assert_eq!(
-        fits.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
-        [false, true]
-    );
-
-    // An event the limit would make oversized is searched for (and then
-    // handed out in pieces), not recognized.
-    let input = b"data: {}\n\ndata: {\"a\":1}\n\n";
-    let small = probed("{\"a\":1}", 13, input);
-    assert_eq!(small.blocks.len(), 1);
-    assert_eq!(small.other, ["data: {\"a\":1}\n\n"]);
-    let fits = probed("{\"a\":1}", 14, input);
-    assert_eq!(
-        fits.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
-        [false, true]
-    );
-    // With CRLF, the line's size counts its CR.
-    let input = b"data: {}\r\n\r\ndata: {\"a\":1}\r\n\r\n";
-    assert_eq!(probed("{\"a\":1}", 14, input).blocks.len(), 1);
-    let fits = probed("{\"a\":1}", 15, input);
-    assert_eq!(
-        fits.blocks.iter().map(|b| b.6).collect::<Vec<_>>(),
-        [false, true]
-    );
+    assert_eq!(probed("{\"a\":1}", 18, input).which(), [false, true]);
 }
