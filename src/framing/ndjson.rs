@@ -347,6 +347,13 @@ mod tests {
         lines: Vec<Handed>,
     }
 
+    impl Recognizes {
+        /// Which lines were recognized, in order.
+        fn which(&self) -> Vec<bool> {
+            self.lines.iter().map(|l| l.5).collect()
+        }
+    }
+
     impl Probe for Recognizes {
         fn payload_len(&mut self, text: &str) -> Option<usize> {
             text.starts_with(self.payload).then_some(self.payload.len())
@@ -387,8 +394,7 @@ mod tests {
         let input: &[u8] = b"{\"a\":1}\n{\"a\":1}\n{\"a\":1}\r\n{\"a\":1} \n{\"a\":1}\n";
         let with = probed("{\"a\":1}", 1 << 20, input);
         let without = probed("never", 1 << 20, input);
-        let which: Vec<bool> = with.lines.iter().map(|l| l.5).collect();
-        assert_eq!(which, [false, true, true, false, true]);
+        assert_eq!(with.which(), [false, true, true, false, true]);
         for (a, b) in with.lines.iter().zip(&without.lines) {
             assert_eq!((&a.0, &a.1, a.2, a.3, &a.4), (&b.0, &b.1, b.2, b.3, &b.4));
             assert!(!b.5, "nothing is recognized without a probe");
@@ -401,8 +407,9 @@ mod tests {
             "over the limit: searched"
         );
         // At the limit: the CRLF line's size counts its CR.
-        let at = probed("{\"a\":1}", 7, input);
-        let which: Vec<bool> = at.lines.iter().map(|l| l.5).collect();
-        assert_eq!(which, [false, true, false, false, true]);
+        assert_eq!(
+            probed("{\"a\":1}", 7, input).which(),
+            [false, true, false, false, true]
+        );
     }
 }

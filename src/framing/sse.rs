@@ -436,9 +436,8 @@ impl SseScan {
     /// its payload lies when the event is one `data` line whose value
     /// `probe` recognizes (after any comment lines, ended by LF or CRLF),
     /// then a blank line, both ended by LF or both by CRLF, and it is not
-    /// oversized.
-    /// [`probed_event`](Self::probed_event) then hands it out: the block
-    /// the line-by-line scan would, without its searches.
+    /// oversized. [`probed_event`](Self::probed_event) then hands it out:
+    /// the block the line-by-line scan would, without its searches.
     #[inline(always)]
     fn probed_value(
         &self,
@@ -447,6 +446,9 @@ impl SseScan {
     ) -> Option<(Range<usize>, LineEnding)> {
         let bytes = window.bytes;
         let mut line = self.start;
+        // `data:` is looked at first, so an event without comments pays
+        // for no comment check (with that check first, comment-free
+        // captures ran 0.6 % more instructions).
         if !bytes.get(line..)?.starts_with(b"data:") {
             if bytes.get(line) != Some(&b':') {
                 return None;
