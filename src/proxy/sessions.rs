@@ -31,6 +31,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use slab::Slab;
 use tokio::sync::broadcast;
 
 use crate::filter::unix_ms;
@@ -97,9 +98,78 @@ pub struct SessionRegistry {
     display: Option<Arc<ProgressDisplay>>,
 }
 
+/// The sessions, found by id, each in a slot that stays its own while it
+/// lives: a stream remembers its session's slot and publishes without
+/// hashing the id (SipHash of the id was about 30 % of a publish,
+/// BENCHMARKS.md "Seventeenth round"). A slot freed and taken by another
+/// session is told apart by the generation, which is never reused.
+#[derive(Debug, Default)]
+struct Sessions {
+    slots: Slab<Session>,
+    by_id: HashMap<String, usize>,
+}
+
+impl Sessions {
+    fn get(&self, id: &str) -> Option<&Session> {
+        self.by_id.get(id).and_then(|&slot| self.slots.get(slot))
+    }
+
+    fn get_mut(&mut self, id: &str) -> Option<&mut Session> {
+        self.by_id
+            .get(id)
+            .and_then(|&slot| self.slots.get_mut(slot))
+    }
+
+    /// The session in `slot`, whichever it is now: check its generation.
+    fn in_slot(&mut self, slot: usize) -> Option<&mut Session> {
+        self.slots.get_mut(slot)
+    }
+
+    /// The session `id`, made when unknown, and its slot.
+    fn get_or_insert(&mut self, id: &str) -> (usize, &mut Session) {
+        let slot = match self.by_id.get(id) {
+            Some(&slot) if self.slots.contains(slot) => slot,
+            _ => {
+                let slot = self.slots.insert(Session::new());
+                self.by_id.insert(id.to_owned(), slot);
+                slot
+            }
+        };
+        (slot, &mut self.slots[slot])
+    }
+
+    fn remove(&mut self, id: &str) {
+        if let Some(slot) = self.by_id.remove(id) {
+            self.slots.try_remove(slot);
+        }
+    }
+
+    /// Keeps the sessions for which `keep` is true.
+    fn retain(&mut self, mut keep: impl FnMut(&Session) -> bool) {
+        let slots = &mut self.slots;
+        self.by_id.retain(|_, &mut slot| {
+            let kept = slots.get(slot).is_some_and(&mut keep);
+            if !kept {
+                slots.try_remove(slot);
+            }
+            kept
+        });
+    }
+
+    fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&String, &Session)> {
+        self.by_id
+            .iter()
+            .filter_map(|(id, &slot)| Some((id, self.slots.get(slot)?)))
+    }
+}
+
 #[derive(Debug)]
 struct State {
-    sessions: HashMap<String, Session>,
+    sessions: Sessions,
     next_generation: u64,
     /// Every frame of every session, for the status page's one stream.
     all: broadcast::Sender<Frame>,
@@ -108,7 +178,7 @@ struct State {
 impl Default for State {
     fn default() -> Self {
         State {
-            sessions: HashMap::new(),
+            sessions: Sessions::default(),
             next_generation: 0,
             all: broadcast::channel(SUBSCRIBER_BACKLOG * 4).0,
         }
@@ -161,6 +231,8 @@ impl State {
 pub struct StreamHandle {
     registry: SessionRegistry,
     session_id: String,
+    /// Where the session is in the registry ([`Sessions`]).
+    slot: usize,
     generation: u64,
     /// The tracker's change counter when last published.
     published: u64,
@@ -210,10 +282,7 @@ impl SessionRegistry {
         let mut state = self.lock();
         state.next_generation += 1;
         let generation = state.next_generation;
-        let session = state
-            .sessions
-            .entry(session_id.to_owned())
-            .or_insert_with(Session::new);
+        let (slot, session) = state.sessions.get_or_insert(session_id);
         session.generation = generation;
         session.streaming = true;
         session.last_active = Instant::now();
@@ -232,6 +301,7 @@ impl SessionRegistry {
         StreamHandle {
             registry: self.clone(),
             session_id: session_id.to_owned(),
+            slot,
             generation,
             published: 0,
             failed: false,
@@ -263,10 +333,7 @@ impl SessionRegistry {
     /// every increment after it.
     pub fn subscribe(&self, session_id: &str) -> Subscription {
         let mut state = self.lock();
-        let session = state
-            .sessions
-            .entry(session_id.to_owned())
-            .or_insert_with(Session::new);
+        let (_, session) = state.sessions.get_or_insert(session_id);
         session.last_active = Instant::now();
         Subscription {
             frames: session
@@ -340,7 +407,7 @@ impl SessionRegistry {
         let before = state.sessions.len();
         state
             .sessions
-            .retain(|_, s| !(s.unused() && s.last_active.elapsed() >= ttl));
+            .retain(|s| !(s.unused() && s.last_active.elapsed() >= ttl));
         before - state.sessions.len()
     }
 
@@ -428,7 +495,7 @@ impl StreamHandle {
         self.published = tracker.changes();
         let mut state = self.registry.lock();
         let State { sessions, all, .. } = &mut *state;
-        let Some(session) = sessions.get_mut(&self.session_id) else {
+        let Some(session) = sessions.in_slot(self.slot) else {
             return;
         };
         if session.generation != self.generation {
@@ -465,7 +532,7 @@ impl Drop for StreamHandle {
     fn drop(&mut self) {
         let mut state = self.registry.lock();
         let State { sessions, all, .. } = &mut *state;
-        let Some(session) = sessions.get_mut(&self.session_id) else {
+        let Some(session) = sessions.in_slot(self.slot) else {
             return;
         };
         if session.generation != self.generation {

@@ -116,6 +116,54 @@ fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
 }
 
 #[test]
+fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
+    let registry = SessionRegistry::new();
+    let mut old = registry.begin_stream("s1");
+    let new = registry.begin_stream("s1");
+    drop(new);
+    assert!(registry.is_empty(), "s1 is forgotten: its slot is free");
+    // Another session, one with a stream and one only subscribed to, take
+    // the freed slot; the old stream of s1 still names it.
+    for streamed in [true, false] {
+        let mut sub = registry.subscribe("s2");
+        let mut s2 = streamed.then(|| registry.begin_stream("s2"));
+        if let Some(s2) = &mut s2 {
+            s2.publish(&tracker_with(&[(0, "mine", "x")], 1), &mut Vec::new());
+        }
+        assert_eq!(
+            registry.lock().sessions.by_id.get("s2"),
+            Some(&old.slot),
+            "s2 took s1's slot"
+        );
+        let before = registry.snapshot("s2");
+        old.publish(
+            &tracker_with(&[(0, "stale", "abc")], 2),
+            &mut vec![progress_event(0, "stale", 3, 2)],
+        );
+        assert_eq!(registry.snapshot("s2"), before, "streamed: {streamed}");
+        assert!(
+            received(&mut sub).iter().all(|f| !f.contains("stale")),
+            "streamed: {streamed}"
+        );
+        assert!(registry.snapshot("s1").is_empty());
+        assert_eq!(registry.len(), 1, "s1 is not made again");
+        drop(s2);
+        drop(sub);
+        registry.release("s2");
+        assert!(registry.is_empty());
+    }
+    let mut s3 = registry.begin_stream("s3");
+    s3.publish(&tracker_with(&[(0, "kept", "xy")], 4), &mut Vec::new());
+    drop(old);
+    assert_eq!(
+        registry.snapshot("s3")[0].name,
+        "kept",
+        "the old stream's end clears nothing of s3"
+    );
+    assert_eq!(registry.len(), 1);
+}
+
+#[test]
 fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything() {
     let registry = SessionRegistry::new();
     let mut sub = registry.subscribe("s1");
