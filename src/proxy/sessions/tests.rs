@@ -122,8 +122,8 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
     let new = registry.begin_stream("s1");
     drop(new);
     assert!(registry.is_empty(), "s1 is forgotten: its slot is free");
-    // Another session, one with a stream and one only subscribed to, take
-    // the freed slot; the old stream of s1 still names it.
+    // Another session takes the freed slot, first with a stream of its
+    // own, then only subscribed to; the old stream of s1 still names it.
     for streamed in [true, false] {
         let mut sub = registry.subscribe("s2");
         let mut s2 = streamed.then(|| registry.begin_stream("s2"));
