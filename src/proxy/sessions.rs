@@ -282,17 +282,18 @@ impl SessionRegistry {
         let mut state = self.lock();
         state.next_generation += 1;
         let generation = state.next_generation;
-        let (slot, session) = state.sessions.get_or_insert(session_id);
+        let State { sessions, all, .. } = &mut *state;
+        let (slot, session) = sessions.get_or_insert(session_id);
         session.generation = generation;
         session.streaming = true;
         session.last_active = Instant::now();
-        let cleared = !session.progress.is_empty();
-        session.progress.clear();
-        if cleared {
-            let frame = clear_frame(session_id, ClearReason::NewRequest);
-            if let Some(session) = state.sessions.get(session_id) {
-                send(&state.all, session, frame);
-            }
+        if !session.progress.is_empty() {
+            session.progress.clear();
+            send(
+                all,
+                session,
+                clear_frame(session_id, ClearReason::NewRequest),
+            );
         }
         drop(state);
         if let Some(display) = &self.display {
