@@ -260,7 +260,7 @@ impl Body for TapBody {
             }
             let polled = this.inner.as_mut().poll_frame(cx);
             let event = match polled {
-                Poll::Ready(event) => event.map(|r| r.map_err(BoxError::from)),
+                Poll::Ready(event) => event,
                 // Nothing more has arrived: what was gathered goes out now,
                 // never waiting for a later event.
                 Poll::Pending if !this.out.is_empty() => {

@@ -1,20 +1,23 @@
 //! Plain-HTTP/1.1 upstream connections that the response drives itself.
 //!
-//! hyper-util's pooled client runs every connection in a task of its own
-//! and hands a response body to its reader one HTTP chunk per round trip:
-//! the body's channel holds one chunk, refilled only after the reader has
-//! asked for the next. An SSE upstream writes one event per chunk, so each
-//! event cost two task wake-ups and left in its own `writev`, whatever had
-//! already been read (BENCHMARKS.md, "The proxy after this round").
+//! A request is written and its response head read by [`H1Pool::request`];
+//! the response body ([`DrivenBody`]) then reads the connection's socket
+//! itself, in the task of the client's connection, and decodes the body's
+//! framing ([`wire`]) from what it read: every event that has arrived is
+//! found in one poll, so [`TapBody`](super::body::TapBody) sends them in one
+//! write. Nothing is read ahead of the client either: the socket is only
+//! read when the body is polled, that is when the client's side has room.
+//! Nothing is spawned, and there is no channel between the connection and
+//! the body.
 //!
-//! Here nothing is spawned: the connection future is polled by whoever
-//! polls the exchange — the request future until the response head has
-//! come, then the response body ([`DrivenBody`]). When the body's channel
-//! is empty, the connection is polled right there and parses the next
-//! chunk from what it already read, so [`TapBody`](super::body::TapBody)
-//! finds every event that has arrived and sends them in one write. Nothing
-//! is read ahead of the client either: the connection only reads when the
-//! body is polled, that is when the client's side has room.
+//! Until the eighteenth round (BENCHMARKS.md) this was hyper's client
+//! connection, polled by the body: its chunked decoder took a chunk-size
+//! line a byte at a time, and its dispatcher and body channel cost about
+//! as much again, about 2,000 instructions of an SSE event's 11,700 in
+//! all. The HTTP/1.1 framing it took over is in [`wire`]; what it does not
+//! do: tunnels (`101`, `CONNECT`), content codings (the proxy asks for
+//! `identity`), and a request body still being sent once the response head
+//! has come (the rest of it is dropped, and the connection is not reused).
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
 //! (each at most [`IDLE_KEEP`]) in a list per thread (at most [`MAX_IDLE`]
@@ -23,7 +26,7 @@
 //! list first. When its own is empty it takes another thread's connection
 //! and moves its socket to its own reactor (see `Conn::rehome`); left
 //! with the other's, every event of the stream woke that thread to wake
-//! this one. An idle connection is not polled; it is checked when taken
+//! this one. An idle connection is not read; it is checked when taken
 //! (a connection the upstream closed meanwhile reads its end and is
 //! dropped) and every 15 s by a sweeper task, and a request that finds it
 //! closed before any byte was written is sent again on a new connection,
@@ -33,26 +36,27 @@
 //! streams buffer several frames anyway); see
 //! [`UpstreamClient`](super::upstream::UpstreamClient).
 
+pub mod wire;
+
 use std::cell::Cell;
-use std::future::Future;
+use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::task::{Context, Poll, Wake, Waker, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderValue};
 use http::uri::Authority;
-use http::{Request, Response, Uri};
+use http::{Method, Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, Connection, SendRequest};
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tower_service::Service;
 
+use self::wire::{Chunked, Framing, Head, Piece, RequestFraming, WireError};
 use super::upstream::{BoxError, ProxyBody};
 
 /// The most an HTTP/1.1 connection buffers, each way (hyper's default is
@@ -113,17 +117,23 @@ thread_local! {
 /// How long an unused connection is kept (hyper-util's default too).
 pub const IDLE_KEEP: Duration = Duration::from_secs(90);
 
-type Io = TokioIo<TcpStream>;
+/// The least room a read is given in a connection's buffer: below it, the
+/// buffer is made larger first.
+const MIN_READ_BYTES: usize = 1024;
 
-/// One HTTP/1.1 connection: the handle that sends and the future that does
-/// the I/O, kept together because whoever uses the one must poll the other.
+/// The room a connection's first read gets (hyper's starting size too); it
+/// doubles, up to [`CONN_BUF_BYTES`], each time a read fills all it had.
+const FIRST_READ_BYTES: usize = 8 * 1024;
+
+/// One HTTP/1.1 connection to the upstream: its socket and what was read
+/// from it and not yet taken.
 struct Conn {
-    sender: SendRequest<ProxyBody>,
-    /// `None` once it finished (closed or failed). It is dropped at once:
-    /// a finished dispatcher still holds what was queued on it, and only
-    /// dropping it answers a request it never sent (with the request back,
-    /// for a retry) and ends a body it was feeding.
-    io: Option<Connection<Io, ProxyBody>>,
+    io: TcpStream,
+    /// Bytes read and not yet taken: a response head being completed, then
+    /// the body's bytes. Data handed on is split off its front.
+    buf: BytesMut,
+    /// The room the next growth of `buf` makes (see [`FIRST_READ_BYTES`]).
+    read_bytes: usize,
     /// The idle list of the thread whose runtime's reactor watches its
     /// socket (the thread that made it, or the one it was moved to): it
     /// goes back there.
@@ -131,72 +141,108 @@ struct Conn {
 }
 
 impl Conn {
-    /// Polls the connection future; `Ready` when it finished (it is then
-    /// dropped).
-    fn poll_io(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let Some(io) = self.io.as_mut() else {
-            return Poll::Ready(());
-        };
-        let result = ready!(Pin::new(io).poll(cx));
-        self.io = None;
-        if let Err(err) = result {
-            tracing::debug!("upstream connection ended: {err}");
+    /// A connection on `io`, at home on this thread.
+    fn new(io: TcpStream) -> Conn {
+        Conn {
+            io,
+            buf: BytesMut::new(),
+            read_bytes: FIRST_READ_BYTES,
+            home: own_shard(),
         }
-        Poll::Ready(())
     }
 
     /// This idle connection, made on another thread, moved to this one: its
-    /// socket leaves the other runtime's reactor for this thread's, and a
-    /// new HTTP/1.1 connection state takes it over (hyper's handshake does
-    /// no I/O). Left on the other reactor, each of its wake-ups would wake
-    /// the other thread only for it to wake this one: a second wake-up per
-    /// event, about 30 µs of CPU at C=1 here (BENCHMARKS.md, "Eleventh
-    /// round"). (The threads of a multi-thread runtime share one reactor:
-    /// there the move changes only the list it goes back to.) `None`, and
-    /// the connection is dropped, when it cannot be moved: it holds bytes
-    /// read ahead of a request (never, when idle), or the socket cannot be
-    /// registered here.
-    async fn rehome(self) -> Option<Conn> {
-        let parts = self.io?.into_parts();
-        if !parts.read_buf.is_empty() {
+    /// socket leaves the other runtime's reactor for this thread's. Left on
+    /// the other reactor, each of its wake-ups would wake the other thread
+    /// only for it to wake this one: a second wake-up per event, about
+    /// 30 µs of CPU at C=1 here (BENCHMARKS.md, "Eleventh round"). (The
+    /// threads of a multi-thread runtime share one reactor: there the move
+    /// changes only the list it goes back to.) `None`, and the connection
+    /// is dropped, when it cannot be moved: it holds bytes read ahead of a
+    /// request (never, when idle), or the socket cannot be registered here.
+    fn rehome(self) -> Option<Conn> {
+        if !self.buf.is_empty() {
             return None;
         }
-        let moved = parts
-            .io
-            .into_inner()
-            .into_std()
-            .and_then(TcpStream::from_std);
-        let stream = match moved {
-            Ok(stream) => stream,
+        match self.io.into_std().and_then(TcpStream::from_std) {
+            Ok(io) => Some(Conn::new(io)),
             Err(err) => {
                 tracing::debug!("cannot move an idle upstream connection to this thread: {err}");
-                return None;
+                None
             }
-        };
-        Conn::start(TokioIo::new(stream)).await.ok()
+        }
     }
 
-    /// An HTTP/1.1 connection on `io`, at home on this thread (hyper's
-    /// HTTP/1.1 handshake does no I/O: it only builds the state).
-    async fn start(io: Io) -> Result<Conn, hyper::Error> {
-        let (sender, io) = http1::Builder::new()
-            .max_buf_size(CONN_BUF_BYTES)
-            .handshake(io)
-            .await?;
-        Ok(Conn {
-            sender,
-            io: Some(io),
-            home: own_shard(),
-        })
+    /// Whether it is open with nothing to read: one read is tried (with
+    /// `cx`'s waker registered if it would wait). An upstream that closed
+    /// it meanwhile makes the read find its end.
+    fn quiet(&mut self, cx: &mut Context<'_>) -> bool {
+        let mut byte = [0u8; 1];
+        let mut probe = ReadBuf::new(&mut byte);
+        self.buf.is_empty()
+            && Pin::new(&mut self.io)
+                .poll_read(cx, &mut probe)
+                .is_pending()
     }
 
-    /// Whether it can take a request now. Polls the connection once, with
-    /// a waker that does nothing: an upstream that closed it meanwhile
-    /// makes it read its end and finish.
+    /// Whether it can take a request now (checked without a waker).
     fn usable(&mut self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        // (Ready means wanting a request, which a closed sender never is.)
-        self.poll_io(&mut cx).is_pending() && self.sender.is_ready()
+        self.quiet(&mut Context::from_waker(Waker::noop()))
+    }
+
+    /// Room for a read: at least [`MIN_READ_BYTES`], made `read_bytes`
+    /// when short (`BytesMut` takes back the front of its buffer when no
+    /// data handed on still points into it).
+    fn make_room(&mut self) -> usize {
+        if self.buf.capacity() - self.buf.len() < MIN_READ_BYTES {
+            self.buf.reserve(self.read_bytes);
+        }
+        self.buf.capacity() - self.buf.len()
+    }
+
+    /// A larger next buffer when a read filled all the room it had.
+    fn grew(&mut self, read: usize, room: usize) {
+        if read == room && self.read_bytes < CONN_BUF_BYTES {
+            self.read_bytes = (self.read_bytes * 2).min(CONN_BUF_BYTES);
+        }
+    }
+
+    /// Reads until a final response head is complete at the front of `buf`,
+    /// and takes it (and any interim `1xx` before it) off `buf`.
+    fn poll_head(&mut self, method: &Method, cx: &mut Context<'_>) -> Poll<Result<Head, H1Error>> {
+        loop {
+            if let Some((len, head)) = wire::parse_head(&self.buf, method)? {
+                self.buf.advance(len);
+                if head.status == http::StatusCode::SWITCHING_PROTOCOLS {
+                    return Poll::Ready(Err(H1Error::Switched));
+                }
+                if head.status.is_informational() {
+                    continue;
+                }
+                return Poll::Ready(Ok(head));
+            }
+            if self.buf.len() >= CONN_BUF_BYTES {
+                return Poll::Ready(Err(WireError::HeadTooLarge(CONN_BUF_BYTES).into()));
+            }
+            match ready!(self.poll_fill(cx)) {
+                Ok(0) => return Poll::Ready(Err(H1Error::Closed)),
+                Ok(_) => {}
+                Err(err) => return Poll::Ready(Err(H1Error::Read(err))),
+            }
+        }
+    }
+
+    /// Reads what has arrived into `buf`: `Ready(Ok(0))` at the upstream's
+    /// end of the connection.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        let room = self.make_room();
+        let read = ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut self.io),
+            cx,
+            &mut self.buf
+        ))?;
+        self.grew(read, room);
+        Poll::Ready(Ok(read))
     }
 }
 
@@ -211,13 +257,34 @@ pub enum H1Error {
     /// No connection could be made.
     #[error("{0}")]
     Connect(#[source] BoxError),
-    /// The exchange failed (hyper says how; its source may be the request
-    /// body's own error).
-    #[error("{0}")]
-    Http(#[from] hyper::Error),
     /// A connection made for this request closed before taking it.
     #[error("the new connection closed before the request was sent")]
     Refused,
+    /// The client's request body failed while it was being sent (the
+    /// client's fault, not the upstream's).
+    #[error("the request body failed: {0}")]
+    RequestBody(#[source] BoxError),
+    #[error("cannot send the request: {0}")]
+    Write(#[source] io::Error),
+    #[error("cannot read the response: {0}")]
+    Read(#[source] io::Error),
+    #[error("the upstream closed the connection before sending a response head")]
+    Closed,
+    #[error("the upstream answered 101 Switching Protocols, which the proxy does not tunnel")]
+    Switched,
+    #[error(transparent)]
+    Wire(#[from] WireError),
+}
+
+/// Why a response body ended before its end.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("cannot read the response body: {0}")]
+    Read(#[source] io::Error),
+    #[error("the upstream closed the connection before the end of the body")]
+    Closed,
+    #[error(transparent)]
+    Wire(#[from] WireError),
 }
 
 /// The pool and connector of plain-HTTP upstream connections.
@@ -247,7 +314,7 @@ impl H1Pool {
     }
 
     /// Sends `req` (its URI absolute: `http://authority/path`) and returns
-    /// the response, whose body drives the connection.
+    /// the response, whose body reads the connection.
     pub async fn request(
         self: &Arc<Self>,
         mut req: Request<ProxyBody>,
@@ -259,9 +326,9 @@ impl H1Pool {
                 .or_insert_with(|| host_value(authority));
         }
         *req.uri_mut() = origin_form(&uri);
-        if let Some(mut conn) = self.checkout().await {
+        if let Some(mut conn) = self.checkout() {
             match exchange(&mut conn, req).await {
-                Ok(response) => return Ok(self.driven(conn, response)),
+                Ok(answer) => return Ok(self.driven(conn, answer)),
                 // Closed before a byte of it was written: an upstream that
                 // closed an idle connection. Send it again on a new one.
                 Err(Retry::Again(again)) => req = again,
@@ -270,25 +337,40 @@ impl H1Pool {
         }
         let mut conn = self.connect(uri).await?;
         match exchange(&mut conn, req).await {
-            Ok(response) => Ok(self.driven(conn, response)),
+            Ok(answer) => Ok(self.driven(conn, answer)),
             Err(Retry::Again(_)) => Err(H1Error::Refused),
             Err(Retry::No(err)) => Err(err),
         }
     }
 
-    fn driven(self: &Arc<Self>, conn: Conn, response: Response<Incoming>) -> Response<DrivenBody> {
-        let mut driven = response.map(|body| DrivenBody::new(body, conn, Arc::clone(self)));
+    fn driven(self: &Arc<Self>, conn: Conn, answer: Answer) -> Response<DrivenBody> {
+        let Answer { head, sending } = answer;
+        let mut response = Response::new(DrivenBody {
+            reader: match head.framing {
+                Framing::Empty => Reader::Done,
+                Framing::Length(n) => Reader::Length(n),
+                Framing::Chunked => Reader::Chunked(Chunked::new()),
+                Framing::Close => Reader::Close,
+            },
+            reusable: head.keep_alive,
+            sending,
+            conn: Some(conn),
+            pool: Arc::clone(self),
+        });
+        *response.status_mut() = head.status;
+        *response.version_mut() = head.version;
+        *response.headers_mut() = head.headers;
         // No body to read (HEAD, 204, 304): hyper's server will not poll
         // it, so the connection goes back now or never.
-        if driven.body().body.is_end_stream() {
-            driven.body_mut().release();
+        if response.body().is_end_stream() {
+            response.body_mut().release();
         }
-        driven
+        response
     }
 
     /// The newest usable idle connection, this thread's first; another
     /// thread's is moved to this one.
-    async fn checkout(&self) -> Option<Conn> {
+    fn checkout(&self) -> Option<Conn> {
         let own = own_shard();
         let conn = (0..SHARDS).find_map(|k| {
             let mut idle = self.idle[(own + k) % SHARDS]
@@ -304,7 +386,7 @@ impl H1Pool {
         if conn.home == own {
             Some(conn)
         } else {
-            conn.rehome().await
+            conn.rehome()
         }
     }
 
@@ -329,7 +411,7 @@ impl H1Pool {
     }
 
     /// Drops the idle connections that are too old or that the upstream
-    /// closed. An idle connection is not polled, so without this one the
+    /// closed. An idle connection is not read, so without this one the
     /// upstream closed would hold its socket (in CLOSE_WAIT) until the next
     /// request came by.
     pub fn sweep(&self) {
@@ -354,7 +436,7 @@ impl H1Pool {
             .call(uri)
             .await
             .map_err(|err| H1Error::Connect(err.into()))?;
-        Ok(Conn::start(io).await?)
+        Ok(Conn::new(io.into_inner()))
     }
 }
 
@@ -366,30 +448,241 @@ enum Retry {
     No(H1Error),
 }
 
-/// Sends one request on `conn` and polls the connection until the
-/// response head has come.
-async fn exchange(conn: &mut Conn, req: Request<ProxyBody>) -> Result<Response<Incoming>, Retry> {
-    let mut response = std::pin::pin!(conn.sender.try_send_request(req));
-    let result = std::future::poll_fn(|cx| {
-        if let Poll::Ready(result) = response.as_mut().poll(cx) {
-            return Poll::Ready(result);
+/// What an exchange got: the response head, and the rest of the request
+/// when the head came before all of it was sent.
+struct Answer {
+    head: Head,
+    sending: Option<Sending>,
+}
+
+/// Sends one request on `conn` and reads until the response head has come
+/// (interim `1xx` responses skipped). The request body is sent while the
+/// head is awaited: an upstream may answer before it has read it all, and
+/// the response body then sends the rest (see [`Sending`]).
+async fn exchange(conn: &mut Conn, req: Request<ProxyBody>) -> Result<Answer, Retry> {
+    // Closed, or holding bytes no request asked for: the request goes
+    // back untouched. (The reactor has seen an upstream's close that came
+    // while the connection sat idle; one that comes later makes the
+    // exchange fail, as with hyper's client.)
+    if !std::future::poll_fn(|cx| Poll::Ready(conn.quiet(cx))).await {
+        return Err(Retry::Again(req));
+    }
+    let (parts, body) = req.into_parts();
+    let framing = request_framing(&parts.method, &parts.headers, &body);
+    let target = parts.uri.path_and_query().map_or("/", |path| path.as_str());
+    let mut head = Vec::with_capacity(512);
+    wire::write_head(&parts.method, target, &parts.headers, framing, &mut head);
+    let mut sending = Some(Sending::new(head, body, framing));
+    // A failed write is reported only when no response head follows: an
+    // upstream may answer (and close) before it has read the whole request.
+    let mut write_failed = None;
+    std::future::poll_fn(|cx| {
+        if let Some(send) = sending.as_mut() {
+            match send.poll_send(&mut conn.io, cx) {
+                Poll::Ready(Ok(())) => sending = None,
+                Poll::Ready(Err(err @ H1Error::RequestBody(_))) => {
+                    return Poll::Ready(Err(Retry::No(err)));
+                }
+                Poll::Ready(Err(err)) => {
+                    sending = None;
+                    write_failed = Some(err);
+                }
+                Poll::Pending => {}
+            }
         }
-        if conn.io.is_some() && conn.poll_io(cx).is_ready() {
-            // It ended, and was dropped: the response future now has the
-            // error that says why (with the request back if it was never
-            // sent, as when the upstream closed an idle connection just
-            // as it was taken).
-            return response.as_mut().poll(cx);
+        match conn.poll_head(&parts.method, cx) {
+            Poll::Ready(Ok(head)) => Poll::Ready(Ok(Answer {
+                head,
+                // After a failed write, nothing more goes out.
+                sending: if write_failed.is_some() {
+                    Some(Sending::failed())
+                } else {
+                    sending.take()
+                },
+            })),
+            Poll::Ready(Err(err)) => {
+                Poll::Ready(Err(Retry::No(write_failed.take().unwrap_or(err))))
+            }
+            Poll::Pending => Poll::Pending,
         }
-        Poll::Pending
     })
-    .await;
-    match result {
-        Ok(response) => Ok(response),
-        Err(mut err) => match err.take_message() {
-            Some(req) => Err(Retry::Again(req)),
-            None => Err(Retry::No(H1Error::Http(err.into_error()))),
-        },
+    .await
+}
+
+/// How the request body goes on the wire: as the client framed it when it
+/// gave a length, else a known length, else chunked.
+fn request_framing(method: &Method, headers: &http::HeaderMap, body: &ProxyBody) -> RequestFraming {
+    let given = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.trim().parse::<u64>().ok());
+    if let Some(n) = given {
+        return RequestFraming::Length(n);
+    }
+    if body.is_end_stream() {
+        // RFC 9110 §8.6: a request whose method means to send content says
+        // it sends none.
+        return if matches!(*method, Method::POST | Method::PUT | Method::PATCH) {
+            RequestFraming::Length(0)
+        } else {
+            RequestFraming::Empty
+        };
+    }
+    match body.size_hint().exact() {
+        Some(n) => RequestFraming::Length(n),
+        None => RequestFraming::Chunked,
+    }
+}
+
+/// A request on its way out: the bytes not yet written (the head first),
+/// and the body they come from. It is polled by the exchange until the
+/// response head comes, then by the response body, until the client's
+/// request body has ended and all of it is written (as hyper's client
+/// does: the client's server side only sees its request body end when it
+/// is read to its end, and until then it does not notice a client that
+/// goes away).
+struct Sending {
+    /// `None` once it ended (and its end was framed into `pending`).
+    body: Option<ProxyBody>,
+    framing: RequestFraming,
+    /// Bytes to write, from `at` on.
+    pending: Vec<u8>,
+    at: usize,
+    /// Body bytes framed so far (against a `content-length`).
+    framed: u64,
+    trailers: Option<http::HeaderMap>,
+    /// A write failed before: the connection is only good for the response
+    /// it already got.
+    broken: bool,
+}
+
+impl Sending {
+    fn new(head: Vec<u8>, body: ProxyBody, framing: RequestFraming) -> Sending {
+        Sending {
+            body: Some(body),
+            framing,
+            pending: head,
+            at: 0,
+            framed: 0,
+            trailers: None,
+            broken: false,
+        }
+    }
+
+    /// What is left of a request whose write failed: nothing is sent.
+    fn failed() -> Sending {
+        Sending {
+            body: None,
+            framing: RequestFraming::Empty,
+            pending: Vec::new(),
+            at: 0,
+            framed: 0,
+            trailers: None,
+            broken: true,
+        }
+    }
+
+    /// Writes what the body has ready, the head with the first of it (one
+    /// write for a body the client sent whole, not one per piece):
+    /// `Ready(Ok)` once the body has ended and all of it is written.
+    fn poll_send(&mut self, io: &mut TcpStream, cx: &mut Context<'_>) -> Poll<Result<(), H1Error>> {
+        if self.broken {
+            return Poll::Ready(Err(H1Error::Write(io::ErrorKind::BrokenPipe.into())));
+        }
+        loop {
+            let mut waiting = false;
+            while self.pending.len() < CONN_BUF_BYTES {
+                let Some(body) = self.body.as_mut() else {
+                    break;
+                };
+                match Pin::new(body).poll_frame(cx) {
+                    Poll::Pending => {
+                        waiting = true;
+                        break;
+                    }
+                    Poll::Ready(None) => self.end()?,
+                    Poll::Ready(Some(Err(err))) => {
+                        return Poll::Ready(Err(H1Error::RequestBody(err)));
+                    }
+                    Poll::Ready(Some(Ok(frame))) => self.frame(frame)?,
+                }
+            }
+            while self.at < self.pending.len() {
+                let written = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending[self.at..]));
+                match written {
+                    Ok(0) => {
+                        self.broken = true;
+                        return Poll::Ready(Err(H1Error::Write(io::ErrorKind::WriteZero.into())));
+                    }
+                    Ok(n) => self.at += n,
+                    Err(err) => {
+                        self.broken = true;
+                        return Poll::Ready(Err(H1Error::Write(err)));
+                    }
+                }
+            }
+            self.pending.clear();
+            self.at = 0;
+            if self.body.is_none() {
+                return Poll::Ready(Ok(()));
+            }
+            if waiting {
+                return Poll::Pending;
+            }
+        }
+    }
+
+    /// Frames one frame of the body into `pending`.
+    fn frame(&mut self, frame: Frame<Bytes>) -> Result<(), H1Error> {
+        let data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                // Trailers have a place on the wire only in a chunked body.
+                self.trailers = frame.into_trailers().ok();
+                return Ok(());
+            }
+        };
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.framed += data.len() as u64;
+        match self.framing {
+            RequestFraming::Chunked => {
+                wire::write_chunk_size(data.len(), &mut self.pending);
+                self.pending.extend_from_slice(&data);
+                self.pending.extend_from_slice(b"\r\n");
+            }
+            RequestFraming::Length(n) if self.framed <= n => self.pending.extend_from_slice(&data),
+            RequestFraming::Length(_) | RequestFraming::Empty => {
+                return Err(H1Error::RequestBody(
+                    "the request body is longer than its content-length".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The body ended: its end framed into `pending`.
+    fn end(&mut self) -> Result<(), H1Error> {
+        self.body = None;
+        match self.framing {
+            RequestFraming::Chunked => {
+                self.pending.extend_from_slice(b"0\r\n");
+                for (name, value) in self.trailers.iter().flatten() {
+                    self.pending.extend_from_slice(name.as_str().as_bytes());
+                    self.pending.extend_from_slice(b": ");
+                    self.pending.extend_from_slice(value.as_bytes());
+                    self.pending.extend_from_slice(b"\r\n");
+                }
+                self.pending.extend_from_slice(b"\r\n");
+            }
+            RequestFraming::Length(n) if self.framed < n => {
+                return Err(H1Error::RequestBody(
+                    "the request body ended before its content-length".into(),
+                ));
+            }
+            RequestFraming::Length(_) | RequestFraming::Empty => {}
+        }
+        Ok(())
     }
 }
 
@@ -411,177 +704,159 @@ fn origin_form(uri: &Uri) -> Uri {
     }
 }
 
-/// A response body that polls its connection whenever it has no frame
-/// ready and the connection was woken since it last had nothing, and gives
-/// the connection back to the pool at its end.
+/// Where a response body's reader is.
+enum Reader {
+    /// This many bytes of a `content-length` body to come.
+    Length(u64),
+    Chunked(Chunked),
+    /// Until the upstream closes the connection.
+    Close,
+    /// The body is complete.
+    Done,
+}
+
+/// A response body that reads its connection's socket when polled, and
+/// gives the connection back to the pool at its end.
 pub struct DrivenBody {
-    body: Incoming,
+    reader: Reader,
     /// `None` once back in the pool (or given up).
     conn: Option<Conn>,
+    /// The rest of the request, when the response head came first: sent
+    /// before the response is read further.
+    sending: Option<Sending>,
+    /// The upstream keeps the connection open after this response.
+    reusable: bool,
     pool: Arc<H1Pool>,
-    /// What the connection's wake-ups record (see [`Nudge`]).
-    nudge: Arc<Nudge>,
-    /// `nudge` as the waker the connection is polled with.
-    nudged: Waker,
-    /// The connection was polled since the body last had nothing.
-    fed: bool,
-}
-
-/// The connection's waker while its body drives it. A connection that
-/// returned `Pending` has nothing to do until it is woken (by its socket,
-/// or by the body taking the chunk it holds); polling it before that costs
-/// a turn of hyper's dispatcher (about 1,000 instructions) for nothing, and
-/// hyper's server polls a body two or three times per event. So the body
-/// polls the connection only when `woken` says it may have something.
-/// Wake-ups that come while the body is being polled (the connection
-/// waking itself as the body takes a chunk) only set `woken`: the body
-/// looks at it before it returns, and the task is not run again for it.
-struct Nudge {
-    /// The connection was woken since the body last polled it.
-    woken: AtomicBool,
-    /// A `DrivenBody::poll_frame` is running (and will look at `woken`).
-    polling: AtomicBool,
-    /// The task that polls the body.
-    task: Mutex<Option<Waker>>,
-}
-
-impl Nudge {
-    fn new() -> Arc<Nudge> {
-        Arc::new(Nudge {
-            // Nothing is known yet: the first poll polls the connection.
-            woken: AtomicBool::new(true),
-            polling: AtomicBool::new(false),
-            task: Mutex::new(None),
-        })
-    }
-
-    fn set_task(&self, waker: &Waker) {
-        let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-        if !task.as_ref().is_some_and(|task| task.will_wake(waker)) {
-            *task = Some(waker.clone());
-        }
-    }
-}
-
-impl Wake for Nudge {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        // SeqCst, with `polling`'s: either the body sees `woken` before it
-        // returns, or this sees it is not polling and wakes the task.
-        self.woken.store(true, Ordering::SeqCst);
-        if !self.polling.load(Ordering::SeqCst) {
-            let task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(task) = task.as_ref() {
-                task.wake_by_ref();
-            }
-        }
-    }
 }
 
 impl DrivenBody {
-    fn new(body: Incoming, conn: Conn, pool: Arc<H1Pool>) -> DrivenBody {
-        let nudge = Nudge::new();
-        DrivenBody {
-            body,
-            conn: Some(conn),
-            pool,
-            nudged: Waker::from(Arc::clone(&nudge)),
-            nudge,
-            fed: true,
-        }
-    }
-
-    /// At the body's end: a connection still open and idle is kept.
+    /// At the body's end: a connection still open, idle, and fit for
+    /// another request is kept.
     fn release(&mut self) {
+        self.reader = Reader::Done;
+        // A request not sent whole leaves the upstream reading it.
+        let sent = self.sending.take().is_none();
         if let Some(mut conn) = self.conn.take()
+            && self.reusable
+            && sent
             && conn.usable()
         {
             self.pool.checkin(conn);
         }
     }
 
-    /// Passes a polled frame on; at the body's end (its last frame, the
-    /// trailers, or nothing more), releases the connection.
-    fn seen(
-        &mut self,
-        polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if let Poll::Ready(frame) = &polled {
-            let trailers = matches!(frame, Some(Ok(frame)) if frame.is_trailers());
-            if frame.is_none() || trailers || self.body.is_end_stream() {
-                self.release();
+    /// Sends what it can of the rest of the request. The response goes on
+    /// if that fails (the connection is then not reused); a failed request
+    /// body is the client's, which is going away.
+    fn send_rest(&mut self, cx: &mut Context<'_>) {
+        let (Some(send), Some(conn)) = (self.sending.as_mut(), self.conn.as_mut()) else {
+            return;
+        };
+        match send.poll_send(&mut conn.io, cx) {
+            Poll::Ready(Ok(())) => self.sending = None,
+            Poll::Ready(Err(err)) => {
+                tracing::debug!("the rest of the request was not sent: {err}");
+                self.reusable = false;
+                self.sending = None;
             }
+            Poll::Pending => {}
         }
-        polled
     }
 
-    /// The next frame, polling the connection while it has something to do.
-    fn drive(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        // Only the connection feeds the body, so the body's own wake-ups
-        // would only run the task once more to find nothing: it is polled
-        // with a waker that does nothing, and the connection with `nudged`.
-        let mut quiet = Context::from_waker(Waker::noop());
-        let mut nudged = Context::from_waker(&self.nudged);
-        loop {
-            let Some(conn) = self.conn.as_mut().filter(|c| c.io.is_some()) else {
-                // Nothing feeds it any more but its own end (and no
-                // connection's wake-up can matter: `poll_frame` must not
-                // loop on one).
-                self.nudge.woken.store(false, Ordering::SeqCst);
-                return Pin::new(&mut self.body).poll_frame(cx);
-            };
-            // The body can have something new only after a poll of the
-            // connection: hyper's server polls a body again and again.
-            if self.fed {
-                let polled = Pin::new(&mut self.body).poll_frame(&mut quiet);
-                if polled.is_ready() {
-                    return polled;
+    /// The body ended before its end: the connection is dropped.
+    fn fail(&mut self, err: BodyError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.reader = Reader::Done;
+        self.conn = None;
+        Poll::Ready(Some(Err(Box::new(err))))
+    }
+
+    /// The next piece of the body from what was read, if there is one.
+    fn take(&mut self) -> Option<Result<Frame<Bytes>, BodyError>> {
+        let conn = self.conn.as_mut()?;
+        match &mut self.reader {
+            Reader::Done => None,
+            Reader::Length(left) => {
+                if conn.buf.is_empty() {
+                    return None;
                 }
-                self.fed = false;
+                let n =
+                    usize::try_from(*left).map_or(conn.buf.len(), |left| left.min(conn.buf.len()));
+                let data = conn.buf.split_to(n).freeze();
+                *left -= n as u64;
+                if *left == 0 {
+                    self.release();
+                }
+                Some(Ok(Frame::data(data)))
             }
-            if !self.nudge.woken.swap(false, Ordering::SeqCst) {
-                return Poll::Pending;
+            Reader::Close => {
+                (!conn.buf.is_empty()).then(|| Ok(Frame::data(conn.buf.split().freeze())))
             }
-            // It may parse one more chunk (and then wait for the body to
-            // take it), find nothing more to read yet, or finish (and be
-            // dropped: the body then has its end or its error).
-            let _ = conn.poll_io(&mut nudged);
-            self.fed = true;
+            Reader::Chunked(chunked) => match chunked.decode(&mut conn.buf) {
+                Ok(None) => None,
+                Ok(Some(Piece::Data(data))) => Some(Ok(Frame::data(data))),
+                Ok(Some(Piece::Trailers(trailers))) => {
+                    self.release();
+                    Some(Ok(Frame::trailers(trailers)))
+                }
+                Ok(Some(Piece::End)) => {
+                    self.release();
+                    None
+                }
+                Err(err) => Some(Err(err.into())),
+            },
         }
     }
 }
 
 impl Body for DrivenBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        this.nudge.set_task(cx.waker());
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.sending.is_some() {
+            this.send_rest(cx);
+        }
         loop {
-            this.nudge.polling.store(true, Ordering::SeqCst);
-            let polled = this.drive(cx);
-            this.nudge.polling.store(false, Ordering::SeqCst);
-            // A wake-up that came while it ran did not wake the task.
-            if polled.is_pending() && this.nudge.woken.load(Ordering::SeqCst) {
-                continue;
+            match this.take() {
+                Some(Ok(frame)) => return Poll::Ready(Some(Ok(frame))),
+                Some(Err(err)) => return this.fail(err),
+                None => {}
             }
-            return this.seen(polled);
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if matches!(this.reader, Reader::Done) {
+                return Poll::Ready(None);
+            }
+            match ready!(conn.poll_fill(cx)) {
+                Ok(0) => {
+                    if matches!(this.reader, Reader::Close) {
+                        this.reader = Reader::Done;
+                        this.conn = None;
+                        return Poll::Ready(None);
+                    }
+                    return this.fail(BodyError::Closed);
+                }
+                Ok(_) => {}
+                Err(err) => return this.fail(BodyError::Read(err)),
+            }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        matches!(self.reader, Reader::Done)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match self.reader {
+            Reader::Length(n) => SizeHint::with_exact(n),
+            Reader::Done => SizeHint::with_exact(0),
+            Reader::Chunked(_) | Reader::Close => SizeHint::default(),
+        }
     }
 }
 
@@ -687,49 +962,6 @@ mod tests {
             matches!(outcome, Err(Retry::Again(_))),
             "the request must come back unsent"
         );
-    }
-
-    /// A waker that counts its wake-ups.
-    struct Counter(std::sync::atomic::AtomicUsize);
-
-    impl Wake for Counter {
-        fn wake(self: Arc<Self>) {
-            self.wake_by_ref();
-        }
-        fn wake_by_ref(self: &Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    /// The connection's wake-ups always say it has something to do; they
-    /// wake the task only when its body is not being polled (which looks
-    /// at `woken` before it returns).
-    #[test]
-    fn a_connection_wake_up_wakes_the_task_only_outside_its_poll() {
-        let nudge = Nudge::new();
-        assert!(
-            nudge.woken.load(Ordering::SeqCst),
-            "the first poll polls the connection"
-        );
-        let counter = Arc::new(Counter(std::sync::atomic::AtomicUsize::new(0)));
-        nudge.set_task(&Waker::from(Arc::clone(&counter)));
-        let waker = Waker::from(Arc::clone(&nudge));
-
-        nudge.woken.store(false, Ordering::SeqCst);
-        nudge.polling.store(true, Ordering::SeqCst);
-        waker.wake_by_ref();
-        assert!(nudge.woken.load(Ordering::SeqCst));
-        assert_eq!(
-            counter.0.load(Ordering::SeqCst),
-            0,
-            "no task wake-up while polling"
-        );
-
-        nudge.woken.store(false, Ordering::SeqCst);
-        nudge.polling.store(false, Ordering::SeqCst);
-        waker.wake();
-        assert!(nudge.woken.load(Ordering::SeqCst));
-        assert_eq!(counter.0.load(Ordering::SeqCst), 1, "the task is woken");
     }
 
     /// An upstream that numbers its connections from 0 and answers every

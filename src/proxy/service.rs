@@ -23,6 +23,7 @@ use hyper::body::Incoming;
 use super::ProxyConfig;
 use super::admin;
 use super::body::{RequestLog, TapBody, log_safe};
+use super::h1::H1Error;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, Recorder};
 use super::sessions::SessionRegistry;
@@ -413,12 +414,16 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
     }
 }
 
-/// The body being sent failed, not the upstream: hyper reports an error of
-/// the body it was given (a user error) whose cause is the error of the
-/// client's own request body (a `hyper::Error` of the server side).
+/// The body being sent failed, not the upstream: the plain-HTTP client
+/// says so ([`H1Error::RequestBody`]); hyper's (TLS upstreams) reports an
+/// error of the body it was given (a user error) whose cause is the error
+/// of the client's own request body (a `hyper::Error` of the server side).
 /// See: issue 7 (a client that goes away mid-request is not an upstream
 /// failure).
 fn request_body_failed(err: &SendError) -> bool {
+    if let SendError::Plain(err) = err {
+        return matches!(err, H1Error::RequestBody(_));
+    }
     std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
         e.source()
     })

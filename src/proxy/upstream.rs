@@ -96,14 +96,16 @@ impl UpstreamClient {
 
 impl Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            UpstreamBody::Tls(body) => Pin::new(body).poll_frame(cx),
+            UpstreamBody::Tls(body) => Pin::new(body)
+                .poll_frame(cx)
+                .map_err(|err| Box::new(err) as BoxError),
             UpstreamBody::Plain(body) => Pin::new(body).poll_frame(cx),
         }
     }
