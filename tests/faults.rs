@@ -947,6 +947,201 @@ async fn an_upstream_that_closes_before_its_content_length_loses_nothing() {
     assert_no_foreign_panic();
 }
 
+/// What the proxy's own HTTP/1.1 client (plain `http://` upstreams, see
+/// `src/proxy/h1.rs`) makes of each way an upstream may frame a response,
+/// sent raw. Each reaches the client as the upstream meant it:
+///
+/// | upstream sends | the client gets |
+/// | --- | --- |
+/// | `100 Continue` and `103 Early Hints` before the `200` | the `200`, without the interim responses' headers |
+/// | an HTTP/1.0 body delimited by the connection's close | the whole body, a clean end |
+/// | chunk sizes in upper case, with extensions, and trailers | the body, whole, a clean end |
+/// | `content-length`, the body in many small writes | the body, whole |
+/// | `101 Switching Protocols` (the proxy does not tunnel) | `502` |
+/// | a head of 70,000 bytes (over 64 KiB) | `502` |
+/// | `5\r\nhello\r\n` then a chunk size that is not hex | `hello`, then no clean end |
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
+    let ok = "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n";
+    let cases: Vec<(&str, Vec<RawStep>)> = vec![
+        (
+            "/interim",
+            vec![RawStep::Write(Bytes::from(format!(
+                "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n\
+                 {ok}content-length: 5\r\n\r\nhello"
+            )))],
+        ),
+        (
+            "/until-close",
+            vec![
+                RawStep::Write(Bytes::from_static(
+                    b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nbytes until ",
+                )),
+                RawStep::Write(Bytes::from_static(b"the end")),
+                RawStep::Close,
+            ],
+        ),
+        (
+            "/chunk-extensions",
+            vec![RawStep::Write(Bytes::from(format!(
+                "{ok}transfer-encoding: chunked\r\n\r\nA;name=\"v\"\r\n0123456789\r\n\
+                 1 \r\n!\r\n0\r\nx-usage: 12\r\n\r\n"
+            )))],
+        ),
+        (
+            "/length-in-pieces",
+            "content-length: 11\r\n\r\n"
+                .bytes()
+                .chain("hello world".bytes())
+                .map(|b| RawStep::Write(Bytes::from(vec![b])))
+                .fold(vec![RawStep::Write(Bytes::from(ok))], |mut steps, step| {
+                    steps.push(step);
+                    steps
+                }),
+        ),
+        (
+            "/switch",
+            vec![RawStep::Write(Bytes::from_static(
+                b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: x\r\n\r\n",
+            ))],
+        ),
+        (
+            "/huge-head",
+            vec![RawStep::Write(Bytes::from(format!(
+                "{ok}x-big: {}\r\n\r\n",
+                "a".repeat(70_000)
+            )))],
+        ),
+        (
+            "/bad-chunk",
+            vec![RawStep::Write(Bytes::from(format!(
+                "{ok}transfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"
+            )))],
+        ),
+    ];
+    let scripts: BTreeMap<String, Vec<RawStep>> = cases
+        .into_iter()
+        .map(|(path, steps)| (path.to_owned(), steps))
+        .collect();
+    let raw = RawUpstream::start(move |head| {
+        let text = String::from_utf8_lossy(head);
+        let path = text.split_whitespace().nth(1).unwrap_or_default();
+        scripts.get(path).cloned().unwrap_or_default()
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&raw.url())).await;
+
+    let interim = raw_request(proxy.addr, "/interim", &[]).await;
+    assert_eq!((interim.status, &interim.body[..]), (200, &b"hello"[..]));
+    assert!(interim.complete);
+    assert_eq!(interim.header("link"), None, "an interim response's header");
+
+    let until_close = raw_request(proxy.addr, "/until-close", &[]).await;
+    assert_eq!(until_close.status, 200);
+    assert_eq!(until_close.body, b"bytes until the end");
+    assert!(until_close.complete);
+
+    let extensions = raw_request(proxy.addr, "/chunk-extensions", &[]).await;
+    assert_eq!(extensions.status, 200);
+    assert_eq!(extensions.body, b"0123456789!");
+    assert!(extensions.complete, "the last chunk reached the client");
+
+    let pieces = raw_request(proxy.addr, "/length-in-pieces", &[]).await;
+    assert_eq!(pieces.status, 200);
+    assert_eq!(pieces.body, b"hello world");
+    assert!(pieces.complete);
+
+    for path in ["/switch", "/huge-head"] {
+        let refused = raw_request(proxy.addr, path, &[]).await;
+        assert_eq!(refused.status, 502, "{path}");
+        refused.assert_well_formed();
+    }
+
+    let bad = raw_request(proxy.addr, "/bad-chunk", &[]).await;
+    assert_eq!(bad.status, 200);
+    assert_eq!(bad.body, b"hello", "what came before the bad size line");
+    assert!(!bad.complete, "a bad chunk size ended the body cleanly");
+    assert!(
+        eventually(PATIENCE, || proxy
+            .metric("aalis_upstream_errors_total{kind=\"reset\"}")
+            == 1.0)
+        .await
+    );
+    assert_no_foreign_panic();
+}
+
+/// The request side of the same client: a body the client sends chunked
+/// (no length) reaches the upstream whole, chunked again; one with a
+/// length goes with that length; a `GET` goes without a body. And an
+/// upstream that answers `413` as soon as it has the head of a 4 MiB
+/// request (more than the sockets buffer) gets its answer to the client:
+/// the proxy does not wait to have written the whole body first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_reach_an_http_1_upstream_however_they_are_framed() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let chunked = raw_exchange(
+        proxy.addr,
+        b"POST /chunked HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+          transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+    )
+    .await;
+    assert_eq!(RawResponse::parse(&chunked).status, 200);
+    let sized = raw_request(proxy.addr, "/sized", &[]).await;
+    assert_eq!(sized.status, 200);
+    let got = raw_exchange(
+        proxy.addr,
+        b"GET /get HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(RawResponse::parse(&got).status, 200);
+    let requests = upstream.requests();
+    let by_path = |path: &str| {
+        requests
+            .iter()
+            .find(|r| r.uri.path() == path)
+            .unwrap_or_else(|| panic!("{path} did not reach the upstream"))
+    };
+    let chunked = by_path("/chunked");
+    assert_eq!(&chunked.body[..], b"hello world");
+    assert_eq!(
+        chunked
+            .headers
+            .get("transfer-encoding")
+            .map(|v| v.as_bytes()),
+        Some(&b"chunked"[..])
+    );
+    assert_eq!(
+        by_path("/sized")
+            .headers
+            .get("content-length")
+            .map(|v| v.as_bytes()),
+        Some(&b"2"[..])
+    );
+    assert_eq!(&by_path("/sized").body[..], b"{}");
+    let get = by_path("/get");
+    assert!(get.body.is_empty());
+    assert!(!get.headers.contains_key("content-length"));
+    assert!(!get.headers.contains_key("transfer-encoding"));
+
+    let early = RawUpstream::start(|_| {
+        vec![RawStep::Write(Bytes::from_static(
+            b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 8\r\nconnection: close\r\n\r\ntoo big!",
+        ))]
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&early.url())).await;
+    let size = 4 << 20;
+    let mut request = format!(
+        "POST /big HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {size}\r\n\r\n"
+    )
+    .into_bytes();
+    request.resize(request.len() + size, b'x');
+    let answer = RawResponse::parse(&raw_exchange(proxy.addr, &request).await);
+    assert_eq!((answer.status, &answer.body[..]), (413, &b"too big!"[..]));
+    assert_no_foreign_panic();
+}
+
 // ===========================================================================
 // 2. Invalid UTF-8
 

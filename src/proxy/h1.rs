@@ -212,6 +212,11 @@ impl Conn {
     fn poll_head(&mut self, method: &Method, cx: &mut Context<'_>) -> Poll<Result<Head, H1Error>> {
         loop {
             if let Some((len, head)) = wire::parse_head(&self.buf, method)? {
+                // The limit holds however the head arrived (in pieces it
+                // fails below), as with hyper's client before.
+                if len > CONN_BUF_BYTES {
+                    return Poll::Ready(Err(WireError::HeadTooLarge(CONN_BUF_BYTES).into()));
+                }
                 self.buf.advance(len);
                 if head.status == http::StatusCode::SWITCHING_PROTOCOLS {
                     return Poll::Ready(Err(H1Error::Switched));

@@ -285,6 +285,11 @@ impl Chunked {
                         }
                         return Ok(None);
                     };
+                    // The limit holds however the line arrived: in pieces it
+                    // would have failed above.
+                    if lf > MAX_SIZE_LINE {
+                        return Err(self.size_error(&buf[..64]));
+                    }
                     let size = chunk_size(&buf[..lf]).ok_or_else(|| self.size_error(&buf[..lf]))?;
                     self.take(buf, lf + 1);
                     self.state = match size {
@@ -333,13 +338,15 @@ impl Chunked {
                         return Ok(Some(Piece::End));
                     }
                     if buf.len() < 2 {
-                        if buf.first().is_some_and(|&b| b == b'\n') {
-                            return Err(self.trailer_error("a bare LF".to_owned()));
-                        }
                         return Ok(None);
                     }
                     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
                     let (len, trailers) = match httparse::parse_headers(buf, &mut fields) {
+                        // The limit holds however the section arrived.
+                        Ok(httparse::Status::Complete((len, _))) if len > MAX_TRAILER_BYTES => {
+                            return Err(self
+                                .trailer_error(format!("larger than {MAX_TRAILER_BYTES} bytes")));
+                        }
                         Ok(httparse::Status::Complete((len, fields))) => {
                             let mut trailers = HeaderMap::with_capacity(fields.len());
                             for field in fields.iter() {
