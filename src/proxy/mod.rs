@@ -5,7 +5,8 @@
 //! - [`server`]: accept loop, HTTP/1.1 + HTTP/2, graceful shutdown
 //! - [`service`]: the request path: our headers → upstream request → response
 //! - [`upstream`]: the upstream URL, the rustls client, hop-by-hop hygiene
-//! - [`h1`]: plain-HTTP upstream connections driven by their response body
+//! - [`h1`]: the HTTP/1.1 client of plain-HTTP upstreams, whose response
+//!   body reads its connection ([`h1::wire`]: the framing, pure)
 //! - [`body`]: [`body::TapBody`], which runs the annotate pipeline on
 //!   streamed responses as the client reads them
 //! - [`sessions`]: per-session progress shared by all connections
