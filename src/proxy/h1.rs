@@ -134,6 +134,10 @@ struct Conn {
     buf: BytesMut,
     /// The room the next growth of `buf` makes (see [`FIRST_READ_BYTES`]).
     read_bytes: usize,
+    /// How far `buf` is known to hold no end of a response head: a head is
+    /// parsed only once its blank line has come, not again on every read
+    /// (a head sent a byte at a time would cost its length squared).
+    scanned: usize,
     /// The idle list of the thread whose runtime's reactor watches its
     /// socket (the thread that made it, or the one it was moved to): it
     /// goes back there.
@@ -147,6 +151,7 @@ impl Conn {
             io,
             buf: BytesMut::new(),
             read_bytes: FIRST_READ_BYTES,
+            scanned: 0,
             home: own_shard(),
         }
     }
@@ -211,7 +216,15 @@ impl Conn {
     /// and takes it (and any interim `1xx` before it) off `buf`.
     fn poll_head(&mut self, method: &Method, cx: &mut Context<'_>) -> Poll<Result<Head, H1Error>> {
         loop {
-            if let Some((len, head)) = wire::parse_head(&self.buf, method)? {
+            let head = if wire::has_blank_line(&self.buf[self.scanned..]) {
+                wire::parse_head(&self.buf, method)?
+            } else {
+                None
+            };
+            // The blank line's three bytes may be cut by the next read.
+            self.scanned = self.buf.len().saturating_sub(3);
+            if let Some((len, head)) = head {
+                self.scanned = 0;
                 // The limit holds however the head arrived (in pieces it
                 // fails below), as with hyper's client before.
                 if len > CONN_BUF_BYTES {

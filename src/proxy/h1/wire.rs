@@ -110,6 +110,14 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
     )))
 }
 
+/// Whether `bytes` hold the blank line that ends a head (CRLF CRLF, or a
+/// bare LF's LF LF, which httparse also takes): until then a head cannot
+/// be complete.
+pub fn has_blank_line(bytes: &[u8]) -> bool {
+    memchr::memmem::find(bytes, b"\n\r\n").is_some()
+        || memchr::memmem::find(bytes, b"\n\n").is_some()
+}
+
 /// The body's framing, and whether it lets the connection be reused.
 fn framing(
     headers: &HeaderMap,

@@ -320,3 +320,22 @@ fn a_request_head_is_written_with_the_framing_it_needs() {
     write_chunk_size(0x1a2b, &mut out);
     assert_eq!(out, b"1a2b\r\n");
 }
+
+#[test]
+fn a_head_ends_only_at_its_blank_line() {
+    assert!(has_blank_line(b"HTTP/1.1 200 OK\r\n\r\n"));
+    assert!(has_blank_line(b"HTTP/1.1 200 OK\n\n"));
+    assert!(has_blank_line(b"\n\r\n"));
+    assert!(!has_blank_line(b"HTTP/1.1 200 OK\r\nx: y\r\n"));
+    assert!(!has_blank_line(b"\r\n\r"));
+    // What the caller relies on: no complete head without a blank line.
+    let text = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+    for cut in 0..text.len() {
+        let complete = parse_head(&text[..cut], &Method::GET).expect("valid so far");
+        assert_eq!(
+            complete.is_some(),
+            has_blank_line(&text[..cut]),
+            "cut at {cut}"
+        );
+    }
+}
