@@ -933,6 +933,47 @@ mod tests {
         assert_eq!(&whole(response).await[..], b"ok");
     }
 
+    /// A response written a byte at a time, each byte read on its own (the
+    /// upstream waits between them): the head's end is found across reads,
+    /// and the body comes whole. Its connection is then reused.
+    #[tokio::test]
+    async fn a_response_that_comes_a_byte_at_a_time_is_read_whole() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            stream.set_nodelay(true).expect("nodelay");
+            let reply =
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
+            for _ in 0..2 {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                for byte in reply {
+                    if stream.write_all(&[*byte]).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+            let _ = stream.read(&mut [0u8; 1]).await;
+        });
+        let pool = H1Pool::new(Duration::from_secs(1));
+        for round in ["first", "second, on the same connection"] {
+            tokio::time::timeout(Duration::from_secs(10), get_ok(&pool, addr))
+                .await
+                .unwrap_or_else(|_| panic!("{round} response not read in time"));
+            assert_eq!(pool.idle_connections(), 1, "{round}: kept for reuse");
+        }
+    }
+
     /// A finished response leaves its connection in the pool; a sweep
     /// keeps it while it is open and drops it once the upstream closed it.
     #[tokio::test]
