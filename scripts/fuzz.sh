@@ -7,7 +7,7 @@
 #   scripts/fuzz.sh --seconds 60 -- -max_len=512 # extra libFuzzer flags after --
 #
 # Targets: sse_framing ndjson_framing openai_decode ollama_decode
-# inject_field annotate (what each asserts: fuzz/src/lib.rs).
+# inject_field annotate chunked_body (what each asserts: fuzz/src/lib.rs).
 #
 # Options:
 #   --seconds N        fuzzing time per target (default 15)
@@ -31,7 +31,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-all_targets=(sse_framing ndjson_framing openai_decode ollama_decode inject_field annotate)
+all_targets=(sse_framing ndjson_framing openai_decode ollama_decode inject_field annotate chunked_body)
 seconds=15
 sanitizer=auto
 toolchain_name=auto

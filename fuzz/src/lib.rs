@@ -6,13 +6,13 @@
 //! `fuzz_targets/` are one line each, and it is also compiled into
 //! `tests/fuzz_regressions.rs` (`#[path]`), so `cargo test` replays every
 //! saved crash input through exactly the checks that found it. It uses only
-//! `aalis_proxy` and `serde_json`, which both packages have.
+//! `aalis_proxy`, `serde_json`, `bytes` and `http`, which both packages have.
 //!
-//! The stream targets ([`sse_framing`], [`ndjson_framing`], [`annotate`])
-//! read their input as a [`Plan`]: byte 0 picks the configuration, byte 1
-//! the cutting, then come the cut points and the stream. The output for any
-//! cutting must be the output for the whole input, so chunking invariance is
-//! fuzzed along with everything else.
+//! The stream targets ([`sse_framing`], [`ndjson_framing`], [`annotate`],
+//! [`chunked_body`]) read their input as a [`Plan`]: byte 0 picks the
+//! configuration, byte 1 the cutting, then come the cut points and the
+//! stream. The output for any cutting must be the output for the whole
+//! input, so chunking invariance is fuzzed along with everything else.
 //!
 //! The provider decoders are reached only through [`decode_frame`]: when
 //! their API changes, that function is the one to adapt.
@@ -31,6 +31,9 @@ use aalis_proxy::js;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig, StreamEvent};
 use aalis_proxy::progress::Progress;
 use aalis_proxy::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
+use aalis_proxy::proxy::h1::wire::{Chunked, Piece, WireError};
+use bytes::BytesMut;
+use http::{HeaderMap, HeaderValue};
 use serde_json::{Map, Value};
 
 /// A fixed clock: nothing checked here depends on time.
@@ -1159,4 +1162,269 @@ pub fn annotate(data: &[u8]) {
         }
         OutputFormat::Ndjson | OutputFormat::Messages => check_lines_output(&config, &whole),
     }
+}
+
+// === chunked_body ===
+
+/// How decoding a chunked body ended.
+#[derive(Debug, PartialEq)]
+enum ChunkedEnd {
+    /// `Piece::End`, with what the decoder left of the input: the bytes
+    /// after the body (what the connection carries next), those still in
+    /// the read buffer and those not fed yet.
+    End { rest: Vec<u8> },
+    /// The decoder refused the body.
+    Error(WireError),
+    /// The input ran out before the body's end.
+    Incomplete,
+}
+
+/// What a [`Chunked`] decoder handed on for some pieces of a stream. The
+/// data is joined: how it is split into `Data` pieces follows the reads.
+#[derive(Debug, PartialEq)]
+struct ChunkedRun {
+    data: Vec<u8>,
+    trailers: Vec<HeaderMap>,
+    end: ChunkedEnd,
+    /// Bytes of the input the decoder took (framing included).
+    taken: usize,
+}
+
+/// Feeds `pieces` to one [`Chunked`] as the proxy's upstream connection
+/// does: each piece appended to the read buffer, then `decode` until it
+/// asks for more, starting on the empty buffer (all of a read can be the
+/// response head). Checks on the way what holds for any cutting.
+fn run_chunked(pieces: &[&[u8]]) -> ChunkedRun {
+    let mut decoder = Chunked::new();
+    let mut buf = BytesMut::new();
+    let mut next = pieces.iter();
+    let mut fed = 0;
+    let mut data = Vec::new();
+    let mut trailers = Vec::new();
+    let end = loop {
+        let piece = decoder.decode(&mut buf);
+        assert!(
+            trailers.is_empty() || matches!(piece, Ok(Some(Piece::End))),
+            "trailers followed by {piece:?}, not End"
+        );
+        match piece {
+            Ok(Some(Piece::Data(bytes))) => {
+                assert!(!bytes.is_empty(), "an empty Data piece");
+                data.extend_from_slice(&bytes);
+            }
+            Ok(Some(Piece::Trailers(map))) => trailers.push(map),
+            Ok(Some(Piece::End)) => {
+                assert!(decoder.is_done(), "End before the decoder is done");
+                let left = buf.len();
+                assert_eq!(
+                    decoder.decode(&mut buf),
+                    Ok(Some(Piece::End)),
+                    "after End comes End again"
+                );
+                assert_eq!(buf.len(), left, "bytes taken after End");
+                break ChunkedEnd::End { rest: buf.to_vec() };
+            }
+            Err(err) => break ChunkedEnd::Error(err),
+            Ok(None) => {
+                assert!(!decoder.is_done(), "asks for more bytes once done");
+                match next.next() {
+                    Some(piece) => {
+                        buf.extend_from_slice(piece);
+                        fed += piece.len();
+                    }
+                    None => break ChunkedEnd::Incomplete,
+                }
+            }
+        }
+    };
+    let taken = fed - buf.len();
+    // The data comes out of the chunks: never more than what was taken,
+    // and less once the framing around it (at least the last chunk) is in.
+    assert!(data.len() <= taken, "more data than bytes taken");
+    let end = match end {
+        ChunkedEnd::End { mut rest } => {
+            assert!(data.len() < taken, "ended with no framing taken");
+            for piece in next {
+                rest.extend_from_slice(piece);
+            }
+            ChunkedEnd::End { rest }
+        }
+        ChunkedEnd::Error(err) => {
+            let at = match &err {
+                WireError::ChunkSize { at, .. }
+                | WireError::ChunkEnd { at }
+                | WireError::Trailers { at, .. } => *at,
+                other => panic!("a head error from the body decoder: {other:?}"),
+            };
+            assert_eq!(
+                at, taken as u64,
+                "an error's `at` is not the bytes taken before it"
+            );
+            ChunkedEnd::Error(err)
+        }
+        ChunkedEnd::Incomplete => ChunkedEnd::Incomplete,
+    };
+    ChunkedRun {
+        data,
+        trailers,
+        end,
+        taken,
+    }
+}
+
+/// Decodes `stream` whole and in `pieces` (the same bytes), asserts that
+/// both give the same [`ChunkedRun`], and returns it.
+fn check_chunked(stream: &[u8], pieces: &[&[u8]]) -> ChunkedRun {
+    let whole = run_chunked(&[stream]);
+    if let ChunkedEnd::End { rest } = &whole.end {
+        assert_eq!(
+            rest.as_slice(),
+            &stream[whole.taken..],
+            "what End left is not the input after the body"
+        );
+    }
+    let cut = run_chunked(pieces);
+    assert_eq!(cut, whole, "decoding depends on the cutting");
+    whole
+}
+
+/// The largest chunk [`encode_chunked`] writes, by config bits 4–7.
+const CHUNK_SIZES: [usize; 16] = [
+    1,
+    2,
+    3,
+    5,
+    8,
+    13,
+    16,
+    31,
+    64,
+    100,
+    255,
+    256,
+    1000,
+    4095,
+    4096,
+    usize::MAX,
+];
+
+/// What the oracle's bodies end with: the trailer section of config bit 3.
+const ORACLE_TRAILER: (&str, &str) = ("x-trailer", "done");
+
+/// What follows the oracle's bodies on the connection: the decoder must
+/// leave it.
+const NEXT_MESSAGE: &[u8] = b"HTTP/1.1 200 OK\r\n";
+
+/// `payload` as an upstream sends it chunked, written here without the
+/// decoder's code: a chunk ends at each of `cuts` (offsets in `payload`)
+/// and after [`CHUNK_SIZES`]`[config >> 4]` bytes. Config bit 1 adds the
+/// extension `;x=y` to every other size line and to the last chunk's,
+/// bit 2 writes the sizes in upper case hex, bit 3 adds a trailer section
+/// ([`ORACLE_TRAILER`]).
+fn encode_chunked(payload: &[u8], config: u8, cuts: &[usize]) -> Vec<u8> {
+    let max = CHUNK_SIZES[usize::from(config >> 4)];
+    let extensions = config & 0b10 != 0;
+    let upper = config & 0b100 != 0;
+    let mut body = Vec::with_capacity(payload.len() + 64);
+    let mut start = 0;
+    let mut count = 0;
+    for end in cuts.iter().copied().chain([payload.len()]) {
+        while start < end {
+            let len = (end - start).min(max);
+            let size = if upper {
+                format!("{len:X}")
+            } else {
+                format!("{len:x}")
+            };
+            body.extend_from_slice(size.as_bytes());
+            if extensions && count % 2 == 1 {
+                body.extend_from_slice(b";x=y");
+            }
+            body.extend_from_slice(b"\r\n");
+            body.extend_from_slice(&payload[start..start + len]);
+            body.extend_from_slice(b"\r\n");
+            start += len;
+            count += 1;
+        }
+    }
+    body.extend_from_slice(if extensions { b"0;x=y\r\n" } else { b"0\r\n" });
+    if config & 0b1000 != 0 {
+        let (name, value) = ORACLE_TRAILER;
+        body.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
+    }
+    body.extend_from_slice(b"\r\n");
+    body
+}
+
+/// `chunked_body`: the HTTP/1.1 chunked-body decoder ([`Chunked`]) on the
+/// bytes an upstream sends after a `transfer-encoding: chunked` head, fed
+/// whole and in the plan's cutting.
+///
+/// - no panic;
+/// - the data (joined), the trailer sections, how decoding ended (`End`
+///   and what it left of the input, the same error with the same `at`, or
+///   incomplete when the input ran out) and the bytes taken are the same
+///   for the whole input and for the cutting: how reads split a body must
+///   not change what the client gets;
+/// - no `Data` piece is empty; the data is never more than the bytes
+///   taken; an error's `at` is the number of bytes taken before it;
+///   trailers come at most once, right before `End`; once done, `decode`
+///   gives `End` again and takes nothing;
+/// - at `End`, what is left is exactly the input after the body: the
+///   decoder takes no byte of the next response.
+///
+/// Config byte: even, the stream is the body. Odd, the stream is a payload
+/// that [`encode_chunked`] writes as a valid body (chunks ending at the
+/// plan's cuts and after a size from bits 4–7; bits 1–3: extensions, upper
+/// case hex, trailers), followed by [`NEXT_MESSAGE`], and cut where the
+/// plan cuts, scaled to the body; decoding it gives exactly the payload,
+/// the trailers, `End`, and leaves [`NEXT_MESSAGE`].
+pub fn chunked_body(data: &[u8]) {
+    let plan = Plan::parse(data);
+    if plan.config & 1 == 0 {
+        check_chunked(plan.stream, &plan.pieces());
+        return;
+    }
+    let payload = plan.stream;
+    let cuts: &[usize] = match &plan.cutting {
+        Cutting::At(cuts) => cuts,
+        Cutting::Bytewise => &[],
+    };
+    let mut stream = encode_chunked(payload, plan.config, cuts);
+    stream.extend_from_slice(NEXT_MESSAGE);
+    // The same cutting, over the encoded stream: each cut moved in
+    // proportion (still sorted; duplicates removed).
+    let cutting = match &plan.cutting {
+        Cutting::At(cuts) => {
+            let mut scaled: Vec<usize> = cuts
+                .iter()
+                .map(|&cut| cut * stream.len() / payload.len().max(1))
+                .collect();
+            scaled.dedup();
+            Cutting::At(scaled)
+        }
+        Cutting::Bytewise => Cutting::Bytewise,
+    };
+    let encoded = Plan {
+        config: plan.config,
+        cutting,
+        stream: &stream,
+    };
+    let run = check_chunked(&stream, &encoded.pieces());
+    assert_eq!(run.data, payload, "the payload did not come back");
+    let mut trailers = Vec::new();
+    if plan.config & 0b1000 != 0 {
+        let (name, value) = ORACLE_TRAILER;
+        let mut map = HeaderMap::new();
+        map.insert(name, HeaderValue::from_static(value));
+        trailers.push(map);
+    }
+    assert_eq!(run.trailers, trailers, "the trailers did not come back");
+    assert_eq!(
+        run.end,
+        ChunkedEnd::End {
+            rest: NEXT_MESSAGE.to_vec()
+        },
+        "a valid body did not end right before the next message"
+    );
 }

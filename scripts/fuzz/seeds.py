@@ -7,7 +7,9 @@ laid out as the target reads it (fuzz/src/lib.rs): the stream targets get
 a config byte and a cutting byte before each fixture, whole and split into
 single events or lines; the decoder targets get the data of each event or
 line, and whole streams one frame per line; inject_field gets progress
-objects before each event's data.
+objects before each event's data; chunked_body gets hand-written chunked
+bodies (valid, cut short, invalid), each fixture sent chunked one event or
+line per chunk, and fixtures as payloads for its encoder (odd configs).
 
     scripts/fuzz/seeds.py [ROOT]     # ROOT: the repository (default: .)
 """
@@ -70,13 +72,44 @@ def inject_input(flags, progresses, frame):
     return bytes([flags]) + b"".join(progresses) + frame
 
 
+def chunked(pieces, trailers=b""):
+    """`pieces` as an upstream sends them with transfer-encoding: chunked."""
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p)
+    return body + b"0\r\n" + trailers + b"\r\n"
+
+
+# Chunked bodies as an upstream may send them, valid or not (chunked_body,
+# even config: the stream is the body).
+CHUNKED_BODIES = {
+    "one-chunk": b"5\r\nhello\r\n0\r\n\r\n",
+    "several-chunks": b"5\r\nhello\r\n1\r\n \r\nA\r\n0123456789\r\n0\r\n\r\n",
+    "extensions": b"5;name=value\r\nhello\r\n6 ; a=b;c=\"d e\"\r\n world\r\n0;last\r\n\r\n",
+    "trailers": b"3\r\nabc\r\n0\r\nx-usage: 12\r\nx-done: yes\r\n\r\n",
+    "next-message": b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+    "empty": b"0\r\n\r\n",
+    "cut-short": b"a\r\n01234",
+    "cut-in-size-line": b"5\r\nhello\r\n1",
+    "invalid-size-line": b"3\r\nabc\r\nzz\r\nxyz\r\n0\r\n\r\n",
+    "data-without-crlf": b"3\r\nabcX\r\n0\r\n\r\n",
+}
+
+
 def main():
     seeds = {t: {} for t in (
         "sse_framing", "ndjson_framing", "openai_decode",
-        "ollama_decode", "inject_field", "annotate")}
+        "ollama_decode", "inject_field", "annotate", "chunked_body")}
 
     def add(target, name, data):
         seeds[target][name] = data
+
+    for name, body in CHUNKED_BODIES.items():
+        n = len(body)
+        add("chunked_body", name, plan(0, body))
+        add("chunked_body", name + "-cut", plan(0, body, (1, n // 2, n - 1)))
+        add("chunked_body", name + "-bytewise", plan(0, body, bytewise=True))
+    # The encoder of odd configs (chunk size 1, extensions, upper case hex,
+    # trailers), one byte at a time.
+    add("chunked_body", "encoded-small", plan(0x0F, b"data: {}\n\n", bytewise=True))
 
     for rel, stream in fixtures():
         name = rel.replace("/", "_")
@@ -97,6 +130,15 @@ def main():
         add("annotate", name + "-max300", plan(7 * 3, stream))
         add("annotate", name + "-bytewise", plan(0, stream, bytewise=True))
         pieces = lines(stream) if is_ndjson else sse_events(stream)
+        # The fixture as an upstream sends it: one chunk per event or line,
+        # whole and cut; and as a payload the target encodes itself
+        # (config bits 4-7: chunks of 8, 64, 1000 or any bytes; bits 1-3:
+        # extensions, upper case hex, trailers).
+        body = chunked(pieces)
+        add("chunked_body", name, plan(0, body))
+        add("chunked_body", name + "-cut", plan(0, body, (len(body) // 3, 2 * len(body) // 3)))
+        for config in (0x41, 0x87, 0xCB, 0xF9):
+            add("chunked_body", f"{name}-encoded-{config:02x}", plan(config, stream, thirds))
         for i, piece in enumerate(pieces):
             add("annotate", f"{name}-{i:03}", plan(i % 7, piece))
             add("ndjson_framing" if is_ndjson else "sse_framing", f"{name}-{i:03}", plan(0, piece))

@@ -340,8 +340,17 @@ impl Chunked {
                     self.state = ChunkState::Size;
                 }
                 ChunkState::Trailers => {
-                    if buf.starts_with(b"\r\n") {
-                        self.take(buf, 2);
+                    // No trailers: the blank line (a bare LF is a line end
+                    // too, RFC 9112 §2.2).
+                    let blank = if buf.starts_with(b"\r\n") {
+                        2
+                    } else if buf.starts_with(b"\n") {
+                        1
+                    } else {
+                        0
+                    };
+                    if blank > 0 {
+                        self.take(buf, blank);
                         self.state = ChunkState::Done;
                         return Ok(Some(Piece::End));
                     }
@@ -349,12 +358,10 @@ impl Chunked {
                         return Ok(None);
                     }
                     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-                    let (len, trailers) = match httparse::parse_headers(buf, &mut fields) {
-                        // The limit holds however the section arrived.
-                        Ok(httparse::Status::Complete((len, _))) if len > MAX_TRAILER_BYTES => {
-                            return Err(self
-                                .trailer_error(format!("larger than {MAX_TRAILER_BYTES} bytes")));
-                        }
+                    // Only the first MAX_TRAILER_BYTES are read: the same
+                    // verdict however the section arrived.
+                    let window = &buf[..buf.len().min(MAX_TRAILER_BYTES)];
+                    let (len, trailers) = match httparse::parse_headers(window, &mut fields) {
                         Ok(httparse::Status::Complete((len, fields))) => {
                             let mut trailers = HeaderMap::with_capacity(fields.len());
                             for field in fields.iter() {
@@ -375,7 +382,7 @@ impl Chunked {
                             (len, trailers)
                         }
                         Ok(httparse::Status::Partial) => {
-                            if buf.len() > MAX_TRAILER_BYTES {
+                            if buf.len() >= MAX_TRAILER_BYTES {
                                 return Err(self.trailer_error(format!(
                                     "larger than {MAX_TRAILER_BYTES} bytes"
                                 )));
@@ -419,22 +426,42 @@ impl Chunked {
 }
 
 /// The size of a chunk-size line (without its LF): hex digits, optional
-/// whitespace, optional extensions (ignored), and the CR.
+/// spaces or tabs, optional extensions (ignored, but holding no CR or
+/// NUL), and the CR.
 fn chunk_size(line: &[u8]) -> Option<u64> {
     let line = line.strip_suffix(b"\r")?;
     let digits = line
         .iter()
         .position(|b| !b.is_ascii_hexdigit())
         .unwrap_or(line.len());
-    if digits == 0 || digits > 16 {
+    let mut rest = &line[digits..];
+    while let [b' ' | b'\t', tail @ ..] = rest {
+        rest = tail;
+    }
+    let extensions_ok = match rest {
+        [] => true,
+        [b';', ext @ ..] => !ext.iter().any(|&b| b == b'\r' || b == 0),
+        _ => false,
+    };
+    if digits == 0 || !extensions_ok {
         return None;
     }
-    let rest = line[digits..].trim_ascii_start();
-    if !(rest.is_empty() || rest[0] == b';') {
-        return None;
-    }
+    // Leading zeros are no part of the value; more than 16 digits after
+    // them do not fit in 64 bits.
     let text = std::str::from_utf8(&line[..digits]).ok()?;
-    u64::from_str_radix(text, 16).ok()
+    let significant = text.trim_start_matches('0');
+    if significant.len() > 16 {
+        return None;
+    }
+    u64::from_str_radix(
+        if significant.is_empty() {
+            "0"
+        } else {
+            significant
+        },
+        16,
+    )
+    .ok()
 }
 
 #[cfg(test)]

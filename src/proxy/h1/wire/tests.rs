@@ -125,6 +125,9 @@ fn a_bad_size_line_is_an_error_that_says_where() {
         b"3\n",                   // LF without CR
         b"3x\r\n",                // junk after the digits
         b"11111111111111111\r\n", // more than 64 bits
+        b"3\r\r\n",               // a CR that ends no line
+        b"3\x0c\r\n",             // a form feed is no whitespace here
+        b"3;\x01\r\r\n",          // a CR inside an extension
     ] {
         assert!(
             matches!(pieces(bad, 64), Err(WireError::ChunkSize { at: 0, .. })),
@@ -336,6 +339,38 @@ fn a_head_ends_only_at_its_blank_line() {
             complete.is_some(),
             has_blank_line(&text[..cut]),
             "cut at {cut}"
+        );
+    }
+}
+
+#[test]
+fn leading_zeros_and_a_bare_lf_after_the_last_chunk_are_read() {
+    let (data, ended) =
+        joined(&pieces(b"00000000000000003\r\nabc\r\n0\r\n\r\n", 64).expect("valid"));
+    assert_eq!((&data[..], ended), (&b"abc"[..], true));
+    // A body whose last line ends with a bare LF ends there, with nothing
+    // more needed.
+    let (data, ended) = joined(&pieces(b"3\r\nabc\r\n0\r\n\n", 64).expect("valid"));
+    assert_eq!((&data[..], ended), (&b"abc"[..], true));
+}
+
+#[test]
+fn a_trailer_section_over_the_limit_fails_the_same_however_it_arrives() {
+    let mut body = b"0\r\n".to_vec();
+    for i in 0..10 {
+        body.extend_from_slice(format!("x-f{i}: {}\r\n", "v".repeat(1700)).as_bytes());
+    }
+    body.extend_from_slice(b"bad field\r\n\r\n");
+    let whole = pieces(&body, body.len()).expect_err("too large");
+    assert!(
+        matches!(whole, WireError::Trailers { at: 3, .. }),
+        "{whole}"
+    );
+    for step in [1000, 16_500] {
+        assert_eq!(
+            pieces(&body, step).expect_err("too large"),
+            whole,
+            "fed {step} at a time"
         );
     }
 }
