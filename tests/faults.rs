@@ -938,12 +938,7 @@ async fn an_upstream_that_closes_before_its_content_length_loses_nothing() {
     );
     let sessions = proxy.sessions().clone();
     assert!(eventually(PATIENCE, || sessions.is_empty()).await);
-    assert!(
-        eventually(PATIENCE, || proxy
-            .metric("aalis_upstream_errors_total{kind=\"reset\"}")
-            == 1.0)
-        .await
-    );
+    assert_resets_counted(&proxy, 1.0).await;
     assert_no_foreign_panic();
 }
 
@@ -1057,12 +1052,7 @@ async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
     assert_eq!(bad.status, 200);
     assert_eq!(bad.body, b"hello", "what came before the bad size line");
     assert!(!bad.complete, "a bad chunk size ended the body cleanly");
-    assert!(
-        eventually(PATIENCE, || proxy
-            .metric("aalis_upstream_errors_total{kind=\"reset\"}")
-            == 1.0)
-        .await
-    );
+    assert_resets_counted(&proxy, 1.0).await;
     assert_no_foreign_panic();
 }
 
@@ -1136,6 +1126,17 @@ async fn request_bodies_reach_an_http_1_upstream_however_they_are_framed() {
     let answer = RawResponse::parse(&raw_exchange(proxy.addr, &request).await);
     assert_eq!((answer.status, &answer.body[..]), (413, &b"too big!"[..]));
     assert_no_foreign_panic();
+}
+
+/// The proxy counts `resets` upstream resets (in time: the count follows
+/// the stream's end).
+async fn assert_resets_counted(proxy: &Served, resets: f64) {
+    let name = "aalis_upstream_errors_total{kind=\"reset\"}";
+    assert!(
+        eventually(PATIENCE, || proxy.metric(name) == resets).await,
+        "{name} is {}, not {resets}",
+        proxy.metric(name)
+    );
 }
 
 // ===========================================================================

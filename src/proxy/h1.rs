@@ -888,6 +888,20 @@ mod tests {
     use tokio::runtime;
     use tokio::sync::oneshot;
 
+    /// Reads up to the end of a request head (a test's requests have no
+    /// body): `false` when the connection ended first.
+    async fn read_request_head(stream: &mut TcpStream) -> bool {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+        }
+        true
+    }
+
     /// An upstream that answers one request on one connection with `ok`
     /// (keep-alive), then closes that connection when `close` is told.
     async fn upstream_once() -> (SocketAddr, oneshot::Sender<()>) {
@@ -898,13 +912,8 @@ mod tests {
             let Ok((mut stream, _)) = listener.accept().await else {
                 return;
             };
-            let mut seen = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                match stream.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => seen.extend_from_slice(&buf[..n]),
-                }
+            if !read_request_head(&mut stream).await {
+                return;
             }
             let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
             if stream.write_all(reply).await.is_ok() {
@@ -948,13 +957,8 @@ mod tests {
             let reply =
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
             for _ in 0..2 {
-                let mut seen = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
+                if !read_request_head(&mut stream).await {
+                    return;
                 }
                 for byte in reply {
                     if stream.write_all(&[*byte]).await.is_err() {

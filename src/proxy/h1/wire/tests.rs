@@ -282,42 +282,30 @@ fn bad_response_heads_are_errors() {
 
 #[test]
 fn a_request_head_is_written_with_the_framing_it_needs() {
+    let head = |target: &str, headers: &HeaderMap, framing: RequestFraming| {
+        let mut out = Vec::new();
+        write_head(&Method::POST, target, headers, framing, &mut out);
+        String::from_utf8(out).expect("ascii")
+    };
     let mut headers = HeaderMap::new();
     headers.insert(header::HOST, HeaderValue::from_static("up:8080"));
     headers.append("x-many", HeaderValue::from_static("1"));
     headers.append("x-many", HeaderValue::from_static("2"));
-    let mut out = Vec::new();
-    write_head(
-        &Method::POST,
-        "/v1/chat/completions?x=1",
-        &headers,
-        RequestFraming::Chunked,
-        &mut out,
-    );
     assert_eq!(
-        String::from_utf8(out).expect("ascii"),
+        head(
+            "/v1/chat/completions?x=1",
+            &headers,
+            RequestFraming::Chunked
+        ),
         "POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: up:8080\r\nx-many: 1\r\nx-many: 2\r\n\
          transfer-encoding: chunked\r\n\r\n"
     );
-    let mut out = Vec::new();
-    write_head(
-        &Method::POST,
-        "/",
-        &headers,
-        RequestFraming::Length(42),
-        &mut out,
+    assert!(
+        head("/", &headers, RequestFraming::Length(42))
+            .ends_with("x-many: 2\r\ncontent-length: 42\r\n\r\n")
     );
-    assert!(out.ends_with(b"x-many: 2\r\ncontent-length: 42\r\n\r\n"));
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("42"));
-    let mut out = Vec::new();
-    write_head(
-        &Method::POST,
-        "/",
-        &headers,
-        RequestFraming::Length(42),
-        &mut out,
-    );
-    let text = String::from_utf8(out).expect("ascii");
+    let text = head("/", &headers, RequestFraming::Length(42));
     assert_eq!(text.matches("content-length").count(), 1, "{text}");
     let mut out = Vec::new();
     write_chunk_size(0x1a2b, &mut out);
