@@ -509,15 +509,15 @@ async fn exchange(conn: &mut Conn, req: Request<ProxyBody>) -> Result<Answer, Re
             }
         }
         match conn.poll_head(&parts.method, cx) {
-            Poll::Ready(Ok(head)) => Poll::Ready(Ok(Answer {
-                head,
-                // After a failed write, nothing more goes out.
-                sending: if write_failed.is_some() {
-                    Some(Sending::failed())
-                } else {
-                    sending.take()
-                },
-            })),
+            Poll::Ready(Ok(mut head)) => {
+                // After a failed write the connection carries this
+                // response and no other.
+                head.keep_alive &= write_failed.is_none();
+                Poll::Ready(Ok(Answer {
+                    head,
+                    sending: sending.take(),
+                }))
+            }
             Poll::Ready(Err(err)) => {
                 Poll::Ready(Err(Retry::No(write_failed.take().unwrap_or(err))))
             }
@@ -568,9 +568,6 @@ struct Sending {
     /// Body bytes framed so far (against a `content-length`).
     framed: u64,
     trailers: Option<http::HeaderMap>,
-    /// A write failed before: the connection is only good for the response
-    /// it already got.
-    broken: bool,
 }
 
 impl Sending {
@@ -582,30 +579,14 @@ impl Sending {
             at: 0,
             framed: 0,
             trailers: None,
-            broken: false,
-        }
-    }
-
-    /// What is left of a request whose write failed: nothing is sent.
-    fn failed() -> Sending {
-        Sending {
-            body: None,
-            framing: RequestFraming::Empty,
-            pending: Vec::new(),
-            at: 0,
-            framed: 0,
-            trailers: None,
-            broken: true,
         }
     }
 
     /// Writes what the body has ready, the head with the first of it (one
     /// write for a body the client sent whole, not one per piece):
-    /// `Ready(Ok)` once the body has ended and all of it is written.
+    /// `Ready(Ok)` once the body has ended and all of it is written. After
+    /// an error it is not polled again.
     fn poll_send(&mut self, io: &mut TcpStream, cx: &mut Context<'_>) -> Poll<Result<(), H1Error>> {
-        if self.broken {
-            return Poll::Ready(Err(H1Error::Write(io::ErrorKind::BrokenPipe.into())));
-        }
         loop {
             let mut waiting = false;
             while self.pending.len() < CONN_BUF_BYTES {
@@ -628,14 +609,10 @@ impl Sending {
                 let written = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending[self.at..]));
                 match written {
                     Ok(0) => {
-                        self.broken = true;
                         return Poll::Ready(Err(H1Error::Write(io::ErrorKind::WriteZero.into())));
                     }
                     Ok(n) => self.at += n,
-                    Err(err) => {
-                        self.broken = true;
-                        return Poll::Ready(Err(H1Error::Write(err)));
-                    }
+                    Err(err) => return Poll::Ready(Err(H1Error::Write(err))),
                 }
             }
             self.pending.clear();
