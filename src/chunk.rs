@@ -49,6 +49,13 @@ impl<'a> JsonLiteral<'a> {
         JsonLiteral(json)
     }
 
+    /// `json`, a validated JSON value, as a string literal, or `None` when
+    /// it is another kind of value.
+    pub(crate) fn string(json: &'a str) -> Option<Self> {
+        (json.len() >= 2 && json.starts_with('"') && json.ends_with('"'))
+            .then_some(JsonLiteral(json))
+    }
+
     /// The literal as it is in the frame.
     pub fn as_str(&self) -> &'a str {
         self.0
@@ -68,6 +75,15 @@ impl<'a> ChunkText<'a> {
         }
     }
 
+    /// The length of the text in UTF-16 units (JavaScript's
+    /// `string.length`), counted without unescaping a JSON literal.
+    pub fn utf16_len(&self) -> usize {
+        match self {
+            ChunkText::Decoded(text) => crate::js::utf16_len(text),
+            ChunkText::Json(json) => literal_utf16_len(json.0),
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         match self {
             ChunkText::Decoded(text) => text.is_empty(),
@@ -75,6 +91,30 @@ impl<'a> ChunkText<'a> {
             ChunkText::Json(json) => json.0.len() <= 2,
         }
     }
+}
+
+/// The UTF-16 length of the text a validated JSON string literal (quotes
+/// included) stands for, read off the literal: an escape is one unit, as
+/// `\uXXXX` is one unit (the two escapes of a surrogate pair are two, and a
+/// lone surrogate decodes to U+FFFD, one unit, as
+/// [`decode_string`](crate::providers::decode_string) does); the runs
+/// between escapes count as they are.
+fn literal_utf16_len(literal: &str) -> usize {
+    let inner = literal
+        .get(1..literal.len().saturating_sub(1))
+        .unwrap_or_default();
+    let mut units = 0;
+    let mut rest = inner;
+    while let Some(at) = memchr::memchr(b'\\', rest.as_bytes()) {
+        units += crate::js::utf16_len(rest.get(..at).unwrap_or_default()) + 1;
+        let escape_len = if rest.as_bytes().get(at + 1) == Some(&b'u') {
+            6
+        } else {
+            2
+        };
+        rest = rest.get(at + escape_len..).unwrap_or_default();
+    }
+    units + crate::js::utf16_len(rest)
 }
 
 impl PartialEq for ChunkText<'_> {
@@ -121,8 +161,10 @@ pub struct ToolCallDelta<'a> {
 pub enum ArgumentsDelta<'a> {
     /// Absent or `null`: unchanged.
     Unchanged,
-    /// A string fragment, unescaped, to append.
-    Append(Cow<'a, str>),
+    /// A string fragment to append. The fast decoders hand over the JSON
+    /// literal as it stands: progress counts its characters without
+    /// unescaping it ([`ChunkText::utf16_len`]).
+    Append(ChunkText<'a>),
     /// A whole value (a JSON object some providers send, or an Ollama call),
     /// already serialized as `JSON.stringify` would, replacing what was
     /// accumulated.
@@ -170,6 +212,68 @@ mod tests {
         for literal in [r#""\u0000""#, r#""\ud83d""#, r#""\n""#] {
             assert!(!json(literal).is_empty(), "{literal}");
             assert!(!json(literal).get().is_empty(), "{literal}");
+        }
+    }
+
+    /// A literal's length, read off the literal, is the decoded text's,
+    /// over every sequence of up to three pieces: plain characters of one
+    /// to four UTF-8 bytes, each short escape, `\u` escapes of ASCII, of a
+    /// wider character, of a surrogate pair, and lone surrogates.
+    #[test]
+    fn a_literal_counts_as_its_decoded_text_does() {
+        const PIECES: [&str; 16] = [
+            "a",
+            "é",
+            "東",
+            "😀",
+            r#"\""#,
+            r"\\",
+            r"\/",
+            r"\b",
+            r"\f",
+            r"\n",
+            r"\r",
+            r"\t",
+            r"\u0041",
+            r"\u6771",
+            r"\ud83d\ude00",
+            r"\ud83d",
+        ];
+        let mut literals = vec![String::new()];
+        for _ in 0..3 {
+            let longer: Vec<String> = literals
+                .iter()
+                .flat_map(|l| PIECES.iter().map(move |p| format!("{l}{p}")))
+                .collect();
+            literals.extend(longer);
+        }
+        literals.sort();
+        literals.dedup();
+        assert_eq!(literals.len(), 1 + 16 + 256 + 4096);
+        for inner in &literals {
+            let literal = format!("\"{inner}\"");
+            let text = ChunkText::Json(JsonLiteral::validated(&literal));
+            let decoded = crate::providers::decode_string(&literal).expect("valid literal");
+            assert_eq!(
+                text.utf16_len(),
+                decoded.encode_utf16().count(),
+                "{literal}"
+            );
+            assert_eq!(
+                ChunkText::from(decoded.as_ref()).utf16_len(),
+                text.utf16_len()
+            );
+        }
+        // A lone low surrogate too, and one at the end after a high one's
+        // pair.
+        for literal in [r#""\ude00""#, r#""\ud83d\ude00\ude00""#] {
+            let decoded = crate::providers::decode_string(literal).expect("valid literal");
+            let text = ChunkText::Json(JsonLiteral::validated(literal));
+            assert_eq!(
+                text.utf16_len(),
+                decoded.encode_utf16().count(),
+                "{literal}"
+            );
         }
     }
 }

@@ -143,7 +143,11 @@ fn summarize(annotated: &[u8], framing: Framing) -> Summary {
     let calls = annotator
         .tracker()
         .calls()
-        .flat_map(|(_, calls)| calls.iter().map(|c| (c.name.clone(), c.chars_accumulated)))
+        .flat_map(|(_, calls)| {
+            calls
+                .iter()
+                .map(|c| (c.name.to_string(), c.chars_accumulated))
+        })
         .collect();
     let annotated_events = String::from_utf8_lossy(annotated)
         .matches("\"toolCallProgress\":")

@@ -132,7 +132,7 @@ fn record_event(events: &mut Vec<StreamEvent>, chunk: &Chunk<'_>, applied: &Appl
         (_, Applied::Progress(p)) => events.push(StreamEvent::Progress(ProgressEntry {
             choice: p.choice,
             index: p.index,
-            name: p.name.to_owned(),
+            name: std::sync::Arc::clone(p.name),
             chars_accumulated: p.chars_accumulated,
             started_at_ms: p.started_at_ms,
         })),

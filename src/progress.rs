@@ -16,6 +16,7 @@
 //! Read [`ToolCallTracker::apply`] first.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 use crate::js::utf16_len;
@@ -53,8 +54,10 @@ pub struct ToolCall {
     pub index: i64,
     /// Empty until the provider sends one.
     pub id: String,
-    /// Empty until the provider sends one.
-    pub name: String,
+    /// Empty until the provider sends one. Shared with the progress that
+    /// names it ([`ProgressEntry::name`]), so that reporting a delta copies
+    /// no name.
+    pub name: Arc<str>,
     /// The arguments text, unescaped; empty when the tracker was made not to
     /// keep it.
     pub arguments: String,
@@ -68,7 +71,7 @@ pub struct ToolCall {
 pub struct Progress<'a> {
     pub choice: i64,
     pub index: i64,
-    pub name: &'a str,
+    pub name: &'a Arc<str>,
     pub chars_accumulated: usize,
     /// When this index entered the in-progress map, Unix milliseconds.
     pub started_at_ms: u64,
@@ -81,7 +84,7 @@ pub struct ProgressEntry {
     /// `choices[k].index`; 0 for nearly every stream.
     pub choice: i64,
     pub index: i64,
-    pub name: String,
+    pub name: Arc<str>,
     pub chars_accumulated: usize,
     /// Unix milliseconds at which this index entered the in-progress map.
     pub started_at_ms: u64,
@@ -237,20 +240,21 @@ impl ToolCallTracker {
         let mut len = 0;
         for p in self.in_progress() {
             match out.get_mut(len) {
-                // Reuse the entry, its name's allocation included: this runs
-                // on every delta of a proxied stream.
+                // Reuse the entry, and share the name: this runs on every
+                // delta of a proxied stream.
                 Some(entry) => {
                     entry.choice = p.choice;
                     entry.index = p.index;
-                    entry.name.clear();
-                    entry.name.push_str(p.name);
+                    if !Arc::ptr_eq(&entry.name, p.name) {
+                        entry.name = Arc::clone(p.name);
+                    }
                     entry.chars_accumulated = p.chars_accumulated;
                     entry.started_at_ms = p.started_at_ms;
                 }
                 None => out.push(ProgressEntry {
                     choice: p.choice,
                     index: p.index,
-                    name: p.name.to_owned(),
+                    name: Arc::clone(p.name),
                     chars_accumulated: p.chars_accumulated,
                     started_at_ms: p.started_at_ms,
                 }),
@@ -320,7 +324,7 @@ impl ToolCallTracker {
                 let call = ToolCall {
                     index,
                     id: String::new(),
-                    name: String::new(),
+                    name: Arc::from(""),
                     arguments: String::new(),
                     chars_accumulated: 0,
                     state: CallState::Announced,
@@ -335,17 +339,20 @@ impl ToolCallTracker {
             call.id.clear();
             call.id.push_str(id);
         }
-        if let Some(name) = &delta.name {
-            call.name.clear();
-            call.name.push_str(name);
+        // (A provider that repeats the name on each delta keeps the one
+        // allocation.)
+        if let Some(name) = &delta.name
+            && *call.name != **name
+        {
+            call.name = Arc::from(name.as_ref());
         }
         match &delta.arguments {
             ArgumentsDelta::Unchanged => {}
             ArgumentsDelta::Append(fragment) => {
                 if keep_arguments {
-                    call.arguments.push_str(fragment);
+                    call.arguments.push_str(&fragment.get());
                 }
-                call.chars_accumulated += utf16_len(fragment);
+                call.chars_accumulated += fragment.utf16_len();
             }
             ArgumentsDelta::Replace(whole) => {
                 call.arguments.clear();
@@ -421,7 +428,7 @@ mod tests {
             index,
             id: id.map(|s| Cow::Owned(s.to_owned())),
             name: name.map(|s| Cow::Owned(s.to_owned())),
-            arguments: ArgumentsDelta::Append(Cow::Owned(args.to_owned())),
+            arguments: ArgumentsDelta::Append(Cow::<str>::Owned(args.to_owned()).into()),
         })
     }
 
@@ -429,7 +436,7 @@ mod tests {
         match t.apply(&chunk, now) {
             Applied::Progress(p) => (
                 p.index,
-                p.name.to_owned(),
+                p.name.to_string(),
                 p.chars_accumulated,
                 p.started_at_ms,
             ),
@@ -530,7 +537,7 @@ mod tests {
         assert_eq!(
             (
                 calls[0].id.as_str(),
-                calls[0].name.as_str(),
+                &*calls[0].name,
                 calls[0].arguments.as_str()
             ),
             ("other", "get_weather", "12")

@@ -900,7 +900,7 @@ async fn the_session_snapshot_follows_the_stream_and_is_cleared_at_its_end() {
         let expected: Vec<(i64, String, usize)> = annotator
             .tracker()
             .in_progress()
-            .map(|p| (p.index, p.name.to_owned(), p.chars_accumulated))
+            .map(|p| (p.index, p.name.to_string(), p.chars_accumulated))
             .collect();
         assert!(!expected.is_empty(), "{name}");
         if name == SINGLE_CALL {
@@ -942,7 +942,7 @@ async fn the_session_snapshot_follows_the_stream_and_is_cleared_at_its_end() {
         let snapshot = proxy.sessions().snapshot("chat-snap");
         let seen: Vec<_> = snapshot
             .iter()
-            .map(|p| (p.index, p.name.clone(), p.chars_accumulated))
+            .map(|p| (p.index, p.name.to_string(), p.chars_accumulated))
             .collect();
         assert_eq!(seen, expected, "{name}: snapshot mid-stream");
         for entry in &snapshot {
@@ -1027,7 +1027,7 @@ async fn a_new_request_of_the_session_clears_the_previous_progress() {
         sessions
             .snapshot("chat-7")
             .into_iter()
-            .map(|p| (p.name, p.chars_accumulated))
+            .map(|p| (p.name.to_string(), p.chars_accumulated))
             .collect()
     };
     let open = |n: usize| annotate_open(&frames[..n], Framing::Sse, InjectMode::Field).0;

@@ -757,7 +757,7 @@ impl Recorder {
 struct ProgressSpec {
     choice: i64,
     index: i64,
-    name: String,
+    name: std::sync::Arc<str>,
     chars_accumulated: usize,
 }
 
@@ -769,7 +769,7 @@ fn assert_progress_json(value: &Value, spec: &ProgressSpec) {
     assert_eq!(object.get("index"), Some(&Value::from(spec.index)));
     assert_eq!(
         object.get("name").and_then(Value::as_str),
-        Some(spec.name.as_str()),
+        Some(&*spec.name),
         "the name survives escaping"
     );
     assert_eq!(
@@ -819,7 +819,7 @@ pub fn inject_field(data: &[u8]) {
             choice: i64::from(i8::from_le_bytes([head[0]])),
             index: i64::from(i16::from_le_bytes([head[1], head[2]])),
             chars_accumulated: u32::from_le_bytes([head[3], head[4], head[5], head[6]]) as usize,
-            name: String::from_utf8_lossy(&take(name_len)).into_owned(),
+            name: String::from_utf8_lossy(&take(name_len)).into(),
         });
     }
     let raw = rest;

@@ -20,7 +20,7 @@ use serde::de::{self, Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 
-use crate::chunk::{ArgumentsDelta, Chunk};
+use crate::chunk::{ArgumentsDelta, Chunk, ChunkText, JsonLiteral};
 
 /// The wire format of a stream's frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -331,8 +331,8 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
         if json == "null" {
             return Ok(ArgumentsView(ArgumentsDelta::Unchanged));
         }
-        if let Some(text) = decode_string(json) {
-            return Ok(ArgumentsView(ArgumentsDelta::Append(text)));
+        if let Some(text) = JsonLiteral::string(json) {
+            return Ok(ArgumentsView(ArgumentsDelta::Append(ChunkText::Json(text))));
         }
         // A whole value: serialized as JavaScript's JSON.stringify would,
         // which for a compact value is usually the text as it came.

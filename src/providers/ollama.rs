@@ -151,7 +151,7 @@ fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallD
     state.ollama_calls = index.saturating_add(1);
     // A whole call replaces: a string here is the complete arguments text.
     let arguments = match arguments {
-        ArgumentsDelta::Append(text) => ArgumentsDelta::Replace(text.into_owned()),
+        ArgumentsDelta::Append(text) => ArgumentsDelta::Replace(text.get().into_owned()),
         other @ (ArgumentsDelta::Replace(_) | ArgumentsDelta::Unchanged) => other,
     };
     ToolCallDelta {

@@ -21,7 +21,7 @@ use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
     is_set, raw_i64, raw_u64,
 };
-use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
+use crate::chunk::{ArgumentsDelta, Chunk, ChunkText, JsonLiteral, ToolCallDelta, Usage};
 
 #[derive(Deserialize)]
 struct ChunkView<'a> {
@@ -668,8 +668,9 @@ impl Spans {
                 }
                 let (from, to) = choice.calls;
                 for call in self.calls.get(from..to).unwrap_or_default() {
-                    let arguments = match raw(call.arguments).and_then(decode_string) {
-                        Some(fragment) => ArgumentsDelta::Append(fragment),
+                    // Counted as it stands, unescaped only if read.
+                    let arguments = match raw(call.arguments).and_then(JsonLiteral::string) {
+                        Some(fragment) => ArgumentsDelta::Append(ChunkText::Json(fragment)),
                         None => ArgumentsDelta::Unchanged,
                     };
                     emit(Chunk::ToolCallDelta(ToolCallDelta {
@@ -931,10 +932,7 @@ mod tests {
         let Chunk::ToolCallDelta(d) = &out[1] else {
             panic!("{out:?}")
         };
-        assert!(matches!(
-            d.arguments,
-            ArgumentsDelta::Append(Cow::Borrowed("plain"))
-        ));
+        assert_eq!(d.arguments, ArgumentsDelta::Append("plain".into()));
     }
 
     #[test]

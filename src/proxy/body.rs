@@ -41,6 +41,11 @@ use crate::pipeline::Annotator;
 /// has more ready (see `poll_frame`): fewer writes, no added wait.
 const COALESCE_BYTES: usize = 64 * 1024;
 
+/// Room made in a stream's output buffer before an event is written into
+/// it when it is empty (see [`OutBuf`]); a larger output grows the buffer,
+/// which then keeps its size.
+const OUT_ROOM: usize = 2 * 1024;
+
 /// The upstream sent nothing for longer than `--idle-timeout`.
 #[derive(Debug, thiserror::Error)]
 #[error("upstream silent for more than {0:?} mid-stream")]
@@ -124,7 +129,7 @@ pin_project! {
         idle_timeout: Duration,
         // When the upstream last sent a frame (or the body began).
         heard: tokio::time::Instant,
-        out: BytesMut,
+        out: OutBuf,
         phase: Phase,
         error: Option<BoxError>,
         // Trailers waiting behind the last data (see poll_frame).
@@ -223,7 +228,7 @@ impl TapBody {
             idle_waker: None,
             idle_timeout,
             heard: now,
-            out: BytesMut::new(),
+            out: OutBuf::default(),
             phase: Phase::Streaming,
             error: None,
             trailers: None,
@@ -264,7 +269,7 @@ impl Body for TapBody {
                 // Nothing more has arrived: what was gathered goes out now,
                 // never waiting for a later event.
                 Poll::Pending if !this.out.is_empty() => {
-                    let chunk = this.out.split().freeze();
+                    let chunk = this.out.take();
                     *this.bytes_out += chunk.len() as u64;
                     this.metrics
                         .bytes_out_total
@@ -307,7 +312,7 @@ impl Body for TapBody {
                                 return Poll::Ready(Some(Ok(frame)));
                             }
                             *this.trailers = Some(frame);
-                            let chunk = this.out.split().freeze();
+                            let chunk = this.out.take();
                             *this.bytes_out += chunk.len() as u64;
                             return Poll::Ready(Some(Ok(Frame::data(chunk))));
                         }
@@ -337,7 +342,7 @@ impl Body for TapBody {
                             .fetch_add(data.len() as u64, Ordering::Relaxed);
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     };
-                    annotator.push(&data, unix_ms(), this.out);
+                    annotator.push(&data, unix_ms(), this.out.room());
                     log_warnings(annotator, this.log);
                     if let Some(session) = this.session.as_mut() {
                         let (tracker, events) = annotator.collected();
@@ -367,7 +372,7 @@ impl Body for TapBody {
             // write instead of one write per event.
             let more_may_come = *this.phase == Phase::Streaming && this.out.len() < COALESCE_BYTES;
             if !this.out.is_empty() && !more_may_come {
-                let chunk = this.out.split().freeze();
+                let chunk = this.out.take();
                 *this.bytes_out += chunk.len() as u64;
                 this.metrics
                     .bytes_out_total
@@ -434,16 +439,65 @@ fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio:
         .unwrap_or_else(|| heard + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// A stream's output buffer: what the annotator writes, handed to the
+/// connection a piece at a time ([`take`](Self::take)) without a copy.
+///
+/// A piece handed on shares the buffer's allocation until the connection
+/// has written and dropped it; then the buffer is whole again, and the next
+/// event is written at its start. The connection may still hold a piece
+/// when the next event comes (it polls the body again before it writes),
+/// so a second buffer takes turns with the first: an event is written into
+/// whichever is free, and a new one is allocated only when both are held.
+/// Before this, about one event in five found its buffer held and
+/// allocated, then grew, a new buffer (BENCHMARKS.md, nineteenth round).
+#[derive(Default)]
+pub struct OutBuf {
+    out: BytesMut,
+    spare: BytesMut,
+}
+
+impl OutBuf {
+    /// Whether nothing was written since the last take.
+    pub fn is_empty(&self) -> bool {
+        self.out.is_empty()
+    }
+
+    /// Bytes written since the last take.
+    pub fn len(&self) -> usize {
+        self.out.len()
+    }
+
+    /// What was written since the last take, as one piece.
+    pub fn take(&mut self) -> Bytes {
+        self.out.split().freeze()
+    }
+
+    /// The buffer to write the next output into. When it is empty, room is
+    /// made first: reclaimed in this buffer or in the spare, allocated only
+    /// when the connection still holds pieces of both.
+    pub fn room(&mut self) -> &mut BytesMut {
+        if self.out.is_empty() && !self.out.try_reclaim(OUT_ROOM) {
+            // Held: the spare takes its turn, and this buffer waits as the
+            // spare until its piece is dropped.
+            std::mem::swap(&mut self.out, &mut self.spare);
+            if !self.out.try_reclaim(OUT_ROOM) {
+                self.out.reserve(OUT_ROOM);
+            }
+        }
+        &mut self.out
+    }
+}
+
 /// End of input for the annotator: what it still held goes out, and what
 /// its end changed (a last event, the end's clear) reaches subscribers.
 fn finish(
     annotator: &mut Option<Annotator>,
     session: &mut Option<StreamHandle>,
-    out: &mut BytesMut,
+    out: &mut OutBuf,
     log: &RequestLog,
 ) {
     if let Some(annotator) = annotator.as_mut() {
-        annotator.finish(unix_ms(), out);
+        annotator.finish(unix_ms(), out.room());
         log_warnings(annotator, log);
         if let Some(session) = session.as_mut() {
             let (tracker, events) = annotator.collected();

@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -146,7 +146,7 @@ type Key = (String, i64, i64);
 
 /// What is known of one drawn tool.
 struct Line {
-    name: String,
+    name: Arc<str>,
     chars: usize,
     started_at_ms: u64,
     /// Terminal mode: its spinner.
@@ -270,10 +270,10 @@ impl Inner {
         let elapsed = Duration::from_millis(now_ms.saturating_sub(entry.started_at_ms));
         let label = shown_name(&key.0, &entry.name);
         if let Some(line) = self.lines.get_mut(&key) {
-            if line.name == entry.name && line.chars == entry.chars_accumulated {
+            if *line.name == *entry.name && line.chars == entry.chars_accumulated {
                 return;
             }
-            line.name.clone_from(&entry.name);
+            line.name = Arc::clone(&entry.name);
             line.chars = entry.chars_accumulated;
             if let Some(bar) = &line.bar {
                 bar.set_message(message(&label, line.chars));

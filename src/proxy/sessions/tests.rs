@@ -17,7 +17,7 @@ fn delta(index: i64, name: &str, args: &str) -> Chunk<'static> {
         index: Some(index),
         id: None,
         name: Some(name.to_owned().into()),
-        arguments: ArgumentsDelta::Append(args.to_owned().into()),
+        arguments: ArgumentsDelta::Append(std::borrow::Cow::<str>::Owned(args.to_owned()).into()),
     })
 }
 
@@ -99,7 +99,7 @@ fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
     assert!(registry.snapshot("s1").is_empty());
     new.publish(&tracker_with(&[(0, "fresh", "")], 3), &mut Vec::new());
     drop(old);
-    assert_eq!(registry.snapshot("s1")[0].name, "fresh");
+    assert_eq!(&*registry.snapshot("s1")[0].name, "fresh");
     let frames: Vec<_> = received(&mut sub)
         .iter()
         .map(|f| without_server_time(f))
@@ -156,7 +156,7 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
     s3.publish(&tracker_with(&[(0, "kept", "xy")], 4), &mut Vec::new());
     drop(old);
     assert_eq!(
-        registry.snapshot("s3")[0].name,
+        &*registry.snapshot("s3")[0].name,
         "kept",
         "the old stream's end clears nothing of s3"
     );

@@ -8,7 +8,7 @@ fn entry(index: i64, name: &str, chars: usize, started_at_ms: u64) -> ProgressEn
     ProgressEntry {
         choice: 0,
         index,
-        name: name.to_owned(),
+        name: name.into(),
         chars_accumulated: chars,
         started_at_ms,
     }

@@ -1,0 +1,193 @@
+//! Allocations on `serve`'s per-event path in steady state (issue 6: "no
+//! per-event allocation in steady state"), counted by this test binary's
+//! global allocator: the system allocator, with a per-thread count of the
+//! allocations and reallocations made.
+//!
+//! Each test warms up first (buffers reach their working size, the tool
+//! call's name is stored once), then counts over the events that follow.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::time::Instant;
+
+use aalis_proxy::encode::{InjectMode, OutputFormat};
+use aalis_proxy::framing::Framing;
+use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+use aalis_proxy::proxy::body::OutBuf;
+use aalis_proxy::proxy::sessions::SessionRegistry;
+use bytes::Bytes;
+
+struct Counting;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count() {
+    // `try_with`: a thread being torn down may still free and allocate.
+    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+}
+
+// SAFETY: every call is passed on to the system allocator unchanged; the
+// count is a thread-local `Cell`, which neither allocates nor locks.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations this thread made while `f` ran.
+fn allocations(f: impl FnOnce()) -> u64 {
+    let before = ALLOCATIONS.with(Cell::get);
+    f();
+    ALLOCATIONS.with(Cell::get) - before
+}
+
+/// Event `i` of a streamed tool call, as an OpenAI-compatible upstream
+/// sends it: 3–12 characters of arguments, some of them escaped or not ASCII.
+fn delta_event(i: usize) -> Vec<u8> {
+    const PIECES: [&str; 6] = [
+        "{\\\"path\\\"",
+        ": \\\"src/",
+        "main.rs\\\", ",
+        "\\\"text\\\": \\\"",
+        "héllo wörld 🙂",
+        "\\n    let x",
+    ];
+    let piece = PIECES[i % PIECES.len()];
+    format!(
+        "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\
+         \"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\
+         \"function\":{{\"arguments\":\"{piece}\"}}}}]}},\"finish_reason\":null}}]}}\n\n"
+    )
+    .into_bytes()
+}
+
+const FIRST_EVENT: &[u8] = b"data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\
+    \"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\
+    \"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":\
+    {\"name\":\"write_file\",\"arguments\":\"\"}}]},\"finish_reason\":null}]}\n\n";
+
+/// The connection's pattern: the piece taken for one event is still held
+/// (queued for its write) while the next event is written, then dropped.
+#[test]
+fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
+    let events: Vec<Vec<u8>> = (0..600).map(delta_event).collect();
+    let mut out = OutBuf::default();
+    let mut held: Option<Bytes> = None;
+    let mut pieces = Vec::new();
+    let step = |out: &mut OutBuf, held: &mut Option<Bytes>, event: &[u8]| {
+        out.room().extend_from_slice(event);
+        let piece = out.take();
+        // The previous piece is written and dropped only now.
+        let previous = held.replace(piece.clone());
+        drop(previous);
+        piece
+    };
+    for event in &events[..100] {
+        pieces.push(step(&mut out, &mut held, event));
+    }
+    // The pieces kept above hold their own buffers; from here on only the
+    // connection's one held piece does.
+    pieces.clear();
+    let mut written = Vec::with_capacity(events.len());
+    let n = allocations(|| {
+        for event in &events[100..] {
+            let piece = step(&mut out, &mut held, event);
+            written.push(piece.len());
+        }
+    });
+    assert_eq!(n, 0, "allocations over 500 events with the last piece held");
+    let expected: Vec<usize> = events[100..].iter().map(Vec::len).collect();
+    assert_eq!(written, expected);
+
+    // With nothing held, one buffer is enough, and a held piece keeps its
+    // bytes while the buffer is written again.
+    let mut out = OutBuf::default();
+    out.room().extend_from_slice(&events[0]);
+    let kept = out.take();
+    for event in &events[1..50] {
+        out.room().extend_from_slice(event);
+        drop(out.take());
+    }
+    assert_eq!(kept, Bytes::from(events[0].clone()));
+    let n = allocations(|| {
+        for event in &events[50..] {
+            out.room().extend_from_slice(event);
+            let piece = out.take();
+            assert_eq!(piece.len(), event.len());
+        }
+    });
+    assert_eq!(n, 0, "allocations over 550 events, nothing held");
+}
+
+/// `serve`'s whole per-event work on a stream: annotate (parse, inject,
+/// count), gather into the output buffer, publish to the session.
+#[test]
+fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
+    let registry = SessionRegistry::new();
+    let mut session = registry.begin_stream("alloc-test");
+    let mut annotator = Annotator::new(AnnotatorConfig {
+        output: OutputFormat::Sse,
+        inject: InjectMode::Field,
+        session_id: Some("alloc-test".to_owned()),
+        framing: Some(Framing::Sse),
+        max_event_bytes: 1 << 20,
+        collect_events: true,
+    });
+    let mut out = OutBuf::default();
+    let mut held: Option<Bytes> = None;
+    let mut step = |event: &[u8]| {
+        annotator.push(event, 1_700_000_000_000, out.room());
+        let (tracker, events) = annotator.collected();
+        session.publish_at(tracker, events, Instant::now());
+        let piece = out.take();
+        drop(held.replace(piece.clone()));
+        piece
+    };
+    let first = step(FIRST_EVENT);
+    assert!(
+        first
+            .windows(b"toolCallProgress".len())
+            .any(|w| w == b"toolCallProgress"),
+        "the first event carries progress: {:?}",
+        String::from_utf8_lossy(&first)
+    );
+    let events: Vec<Vec<u8>> = (0..600).map(delta_event).collect();
+    for event in &events[..100] {
+        step(event);
+    }
+    let mut last = Bytes::new();
+    let n = allocations(|| {
+        for event in &events[100..] {
+            last = step(event);
+        }
+    });
+    assert_eq!(n, 0, "allocations over 500 events");
+    // The events were annotated, not passed through: the last one says how
+    // many characters of arguments have come.
+    let text = String::from_utf8_lossy(&last);
+    assert!(text.contains("\"charsAccumulated\":"), "{text}");
+}
