@@ -253,6 +253,8 @@ impl Conn {
     /// Reads what has arrived into `buf`: `Ready(Ok(0))` at the upstream's
     /// end of the connection.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        #[cfg(test)]
+        tests::SOCKET_POLLS.with(|n| n.set(n.get() + 1));
         let room = self.make_room();
         let read = ready!(tokio_util::io::poll_read_buf(
             Pin::new(&mut self.io),
@@ -374,6 +376,7 @@ impl H1Pool {
             sending,
             conn: Some(conn),
             pool: Arc::clone(self),
+            gate: Gate::new(),
         });
         *response.status_mut() = head.status;
         *response.version_mut() = head.version;
@@ -722,6 +725,93 @@ pub struct DrivenBody {
     /// The upstream keeps the connection open after this response.
     reusable: bool,
     pool: Arc<H1Pool>,
+    gate: Gate,
+}
+
+/// Whether the socket can have anything new for a body poll, without
+/// polling it.
+///
+/// hyper's server polls a response body again right after each frame
+/// (before it writes the frame), and again after the write: two polls an
+/// event that find nothing, each about 230 instructions of tokio's
+/// readiness check and waiter registration (BENCHMARKS.md, nineteenth
+/// round). So the socket is polled with a waker of the gate's own, which
+/// records the wake-up and passes it on to the task's. Once a poll of the
+/// socket found nothing, the body answers `Pending` at once until that
+/// waker was woken — or until the body is polled with another task's
+/// waker, which the socket does not know yet.
+struct Gate {
+    shared: Arc<GateShared>,
+    /// `shared` as a waker, made once.
+    waker: Waker,
+    /// The task waker last passed on to (the one in `shared`), kept here
+    /// too to compare without a lock.
+    outer: Option<Waker>,
+    /// The last poll of the socket found nothing, and registered `waker`.
+    parked: bool,
+}
+
+#[derive(Default)]
+struct GateShared {
+    woken: AtomicBool,
+    outer: Mutex<Option<Waker>>,
+}
+
+impl std::task::Wake for GateShared {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        let outer = self.outer.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(outer) = outer.as_ref() {
+            outer.wake_by_ref();
+        }
+    }
+}
+
+impl Gate {
+    fn new() -> Gate {
+        let shared = Arc::new(GateShared::default());
+        Gate {
+            waker: Waker::from(Arc::clone(&shared)),
+            shared,
+            outer: None,
+            parked: false,
+        }
+    }
+
+    /// Nothing can have come since the socket was last polled for the
+    /// task that polls now.
+    fn closed(&mut self, cx: &Context<'_>) -> bool {
+        if !self.parked {
+            return false;
+        }
+        // Cleared before the socket is polled again, so that a wake-up
+        // from then on is seen by the next check.
+        let woken = self.shared.woken.swap(false, Ordering::AcqRel);
+        let same_task = self.outer.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
+        if !woken && same_task {
+            return true;
+        }
+        self.parked = false;
+        false
+    }
+
+    /// The waker to poll the socket with, passing wake-ups on to `cx`'s.
+    fn waker(&mut self, cx: &Context<'_>) -> &Waker {
+        if !self.outer.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            let outer = cx.waker().clone();
+            *self
+                .shared
+                .outer
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(outer.clone());
+            self.outer = Some(outer);
+        }
+        &self.waker
+    }
 }
 
 impl DrivenBody {
@@ -814,6 +904,8 @@ impl Body for DrivenBody {
         let this = self.get_mut();
         if this.sending.is_some() {
             this.send_rest(cx);
+        } else if this.gate.closed(cx) {
+            return Poll::Pending;
         }
         loop {
             match this.take() {
@@ -827,7 +919,19 @@ impl Body for DrivenBody {
             if matches!(this.reader, Reader::Done) {
                 return Poll::Ready(None);
             }
-            match ready!(conn.poll_fill(cx)) {
+            // While the rest of the request is sent, the socket's write
+            // side holds the task's waker: read with it too.
+            let polled = if this.sending.is_some() {
+                conn.poll_fill(cx)
+            } else {
+                let waker = this.gate.waker(cx);
+                conn.poll_fill(&mut Context::from_waker(waker))
+            };
+            let Poll::Ready(filled) = polled else {
+                this.gate.parked = this.sending.is_none();
+                return Poll::Pending;
+            };
+            match filled {
                 Ok(0) => {
                     if matches!(this.reader, Reader::Close) {
                         this.reader = Reader::Done;
@@ -953,6 +1057,100 @@ mod tests {
                 .unwrap_or_else(|_| panic!("{round} response not read in time"));
             assert_eq!(pool.idle_connections(), 1, "{round}: kept for reuse");
         }
+    }
+
+    thread_local! {
+        /// Polls of an upstream socket for reading, on this thread.
+        pub(super) static SOCKET_POLLS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    fn socket_polls() -> u64 {
+        SOCKET_POLLS.with(Cell::get)
+    }
+
+    /// A body polled as hyper's server polls it: once for a frame, then
+    /// twice more before the next event has come. Only the first of those
+    /// reads the socket; the next wakes the task and is read whole. Moved to
+    /// another task mid-stream, the body wakes that task.
+    #[tokio::test]
+    async fn a_body_reads_its_socket_only_when_woken() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            stream.set_nodelay(true).expect("nodelay");
+            if !read_request_head(&mut stream).await {
+                return;
+            }
+            let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+            if stream.write_all(head).await.is_err() {
+                return;
+            }
+            for event in [
+                "1\r\na\r\n",
+                "1\r\nb\r\n",
+                "1\r\nc\r\n",
+                "1\r\nd\r\n",
+                "0\r\n\r\n",
+            ] {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                if stream.write_all(event.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+            let _ = stream.read(&mut [0u8; 1]).await;
+        });
+        let pool = H1Pool::new(Duration::from_secs(1));
+        let response = pool.request(get(addr)).await.expect("response");
+        let mut body = response.into_body();
+        // One frame, polled as hyper polls; the socket polls it took.
+        async fn next(body: &mut DrivenBody) -> (Option<Bytes>, u64) {
+            let before = socket_polls();
+            let frame = std::future::poll_fn(|cx| {
+                let polled = Pin::new(&mut *body).poll_frame(cx);
+                if let Poll::Ready(Some(_)) = polled {
+                    for again in ["once", "twice"] {
+                        assert!(
+                            Pin::new(&mut *body).poll_frame(cx).is_pending(),
+                            "polled {again} more: nothing has come"
+                        );
+                    }
+                }
+                polled
+            })
+            .await;
+            let data = frame.map(|f| f.expect("frame").into_data().expect("data"));
+            (data, socket_polls() - before)
+        }
+        let deadline = Duration::from_secs(10);
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let (data, polls) = tokio::time::timeout(deadline, next(&mut body))
+                .await
+                .expect("in time");
+            seen.push(data.expect("an event"));
+            // The read that found it, the poll that found nothing after it;
+            // a poll that found nothing before it (the wait) may come too.
+            assert!(
+                (2..=3).contains(&polls),
+                "{polls} socket polls for one event"
+            );
+        }
+        // The rest, in another task: its waker is the one woken.
+        let rest = tokio::spawn(async move {
+            let mut rest = Vec::new();
+            while let (Some(data), _) = tokio::time::timeout(deadline, next(&mut body))
+                .await
+                .expect("in time")
+            {
+                rest.push(data);
+            }
+            rest
+        });
+        seen.extend(rest.await.expect("the other task"));
+        assert_eq!(seen, [&b"a"[..], b"b", b"c", b"d"]);
     }
 
     /// A finished response leaves its connection in the pool; a sweep
