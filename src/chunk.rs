@@ -49,8 +49,9 @@ impl<'a> JsonLiteral<'a> {
         JsonLiteral(json)
     }
 
-    /// `json`, a validated JSON value, as a string literal, or `None` when
-    /// it is another kind of value.
+    /// `json`, a JSON value a decoder of this crate validated, as a string
+    /// literal, or `None` when it is another kind of value. Only the quotes
+    /// are looked at: the escapes were checked with the value.
     pub(crate) fn string(json: &'a str) -> Option<Self> {
         (json.len() >= 2 && json.starts_with('"') && json.ends_with('"'))
             .then_some(JsonLiteral(json))

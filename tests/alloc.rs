@@ -66,7 +66,8 @@ fn allocations(f: impl FnOnce()) -> u64 {
 }
 
 /// Event `i` of a streamed tool call, as an OpenAI-compatible upstream
-/// sends it: 3–12 characters of arguments, some of them escaped or not ASCII.
+/// sends it: 3–12 characters of arguments, some of them escaped or not
+/// ASCII; every third repeats the tool's name, as some providers do.
 fn delta_event(i: usize) -> Vec<u8> {
     const PIECES: [&str; 6] = [
         "{\\\"path\\\"",
@@ -77,10 +78,15 @@ fn delta_event(i: usize) -> Vec<u8> {
         "\\n    let x",
     ];
     let piece = PIECES[i % PIECES.len()];
+    let name = if i.is_multiple_of(3) {
+        "\"name\":\"write_file\","
+    } else {
+        ""
+    };
     format!(
         "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\
          \"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\
-         \"function\":{{\"arguments\":\"{piece}\"}}}}]}},\"finish_reason\":null}}]}}\n\n"
+         \"function\":{{{name}\"arguments\":\"{piece}\"}}}}]}},\"finish_reason\":null}}]}}\n\n"
     )
     .into_bytes()
 }
@@ -96,26 +102,32 @@ const FIRST_EVENT: &[u8] = b"data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.comp
 fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
     let events: Vec<Vec<u8>> = (0..600).map(delta_event).collect();
     let mut out = OutBuf::default();
-    let mut held: Option<Bytes> = None;
+    // The piece the connection holds, and the event it is.
+    let mut held: Option<(Bytes, usize)> = None;
     let mut pieces = Vec::new();
-    let step = |out: &mut OutBuf, held: &mut Option<Bytes>, event: &[u8]| {
-        out.room().extend_from_slice(event);
+    let step = |out: &mut OutBuf, held: &mut Option<(Bytes, usize)>, i: usize| {
+        out.room().extend_from_slice(&events[i]);
         let piece = out.take();
-        // The previous piece is written and dropped only now.
-        let previous = held.replace(piece.clone());
-        drop(previous);
+        // The previous piece is written and dropped only now: writing this
+        // event left it as it was.
+        if let Some((previous, at)) = held.replace((piece.clone(), i)) {
+            assert_eq!(
+                previous, events[at],
+                "event {at} after event {i} was written"
+            );
+        }
         piece
     };
-    for event in &events[..100] {
-        pieces.push(step(&mut out, &mut held, event));
+    for i in 0..100 {
+        pieces.push(step(&mut out, &mut held, i));
     }
     // The pieces kept above hold their own buffers; from here on only the
     // connection's one held piece does.
     pieces.clear();
     let mut written = Vec::with_capacity(events.len());
     let n = allocations(|| {
-        for event in &events[100..] {
-            let piece = step(&mut out, &mut held, event);
+        for i in 100..events.len() {
+            let piece = step(&mut out, &mut held, i);
             written.push(piece.len());
         }
     });
@@ -143,8 +155,11 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
     assert_eq!(n, 0, "allocations over 550 events, nothing held");
 }
 
-/// `serve`'s whole per-event work on a stream: annotate (parse, inject,
-/// count), gather into the output buffer, publish to the session.
+/// What `serve` does with each event of a stream besides reading and
+/// writing it (`TapBody`'s work between its upstream and its client):
+/// annotate (parse, inject, count), gather into the output buffer, publish
+/// to the session, which nobody watches here (frames for subscribers are
+/// made, and allocated, only when someone listens).
 #[test]
 fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
     let registry = SessionRegistry::new();

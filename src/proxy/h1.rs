@@ -16,8 +16,10 @@
 //! as much again, about 2,000 instructions of an SSE event's 11,700 in
 //! all. The HTTP/1.1 framing it took over is in [`wire`]; what it does not
 //! do: tunnels (`101`, `CONNECT`), content codings (the proxy asks for
-//! `identity`), and a request body still being sent once the response head
-//! has come (the rest of it is dropped, and the connection is not reused).
+//! `identity`), and a request body still being sent once the response body
+//! has ended (the rest of it is dropped, and the connection is not reused).
+//! After a poll of the socket that found nothing, the body does not poll it
+//! again until it was woken ([`Gate`], nineteenth round).
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
 //! (each at most [`IDLE_KEEP`]) in a list per thread (at most [`MAX_IDLE`]
@@ -1070,8 +1072,8 @@ mod tests {
 
     /// A body polled as hyper's server polls it: once for a frame, then
     /// twice more before the next event has come. Only the first of those
-    /// reads the socket; the next wakes the task and is read whole. Moved to
-    /// another task mid-stream, the body wakes that task.
+    /// two polls the socket; the next event wakes the task and is read
+    /// whole. Moved to another task mid-stream, the body wakes that task.
     #[tokio::test]
     async fn a_body_reads_its_socket_only_when_woken() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -1105,24 +1107,27 @@ mod tests {
         let pool = H1Pool::new(Duration::from_secs(1));
         let response = pool.request(get(addr)).await.expect("response");
         let mut body = response.into_body();
-        // One frame, polled as hyper polls; the socket polls it took.
+        // One frame, polled as hyper polls, and the socket polls that the
+        // two polls after it took.
         async fn next(body: &mut DrivenBody) -> (Option<Bytes>, u64) {
-            let before = socket_polls();
+            let mut after = 0;
             let frame = std::future::poll_fn(|cx| {
                 let polled = Pin::new(&mut *body).poll_frame(cx);
                 if let Poll::Ready(Some(_)) = polled {
+                    let before = socket_polls();
                     for again in ["once", "twice"] {
                         assert!(
                             Pin::new(&mut *body).poll_frame(cx).is_pending(),
                             "polled {again} more: nothing has come"
                         );
                     }
+                    after = socket_polls() - before;
                 }
                 polled
             })
             .await;
             let data = frame.map(|f| f.expect("frame").into_data().expect("data"));
-            (data, socket_polls() - before)
+            (data, after)
         }
         let deadline = Duration::from_secs(10);
         let mut seen = Vec::new();
@@ -1131,20 +1136,18 @@ mod tests {
                 .await
                 .expect("in time");
             seen.push(data.expect("an event"));
-            // The read that found it, the poll that found nothing after it;
-            // a poll that found nothing before it (the wait) may come too.
-            assert!(
-                (2..=3).contains(&polls),
-                "{polls} socket polls for one event"
-            );
+            // The first poll after the frame finds nothing; the second
+            // does not look.
+            assert_eq!(polls, 1, "socket polls after a frame");
         }
         // The rest, in another task: its waker is the one woken.
         let rest = tokio::spawn(async move {
             let mut rest = Vec::new();
-            while let (Some(data), _) = tokio::time::timeout(deadline, next(&mut body))
+            while let (Some(data), polls) = tokio::time::timeout(deadline, next(&mut body))
                 .await
                 .expect("in time")
             {
+                assert_eq!(polls, 1, "socket polls after a frame, in the other task");
                 rest.push(data);
             }
             rest
