@@ -159,7 +159,9 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
 /// writing it (`TapBody`'s work between its upstream and its client):
 /// annotate (parse, inject, count), gather into the output buffer, publish
 /// to the session, which nobody watches here (frames for subscribers are
-/// made, and allocated, only when someone listens).
+/// made, and allocated, only when someone listens). Tool-call deltas only:
+/// a text delta is still copied into the collected events, one allocation
+/// each (see BENCHMARKS.md, nineteenth round).
 #[test]
 fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
     let registry = SessionRegistry::new();
