@@ -19,7 +19,7 @@
 //! `identity`), and a request body still being sent once the response body
 //! has ended (the rest of it is dropped, and the connection is not reused).
 //! After a poll of the socket that found nothing, the body does not poll it
-//! again until it was woken ([`Gate`], nineteenth round).
+//! again until it was woken (`Gate`, nineteenth round).
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
 //! (each at most [`IDLE_KEEP`]) in a list per thread (at most [`MAX_IDLE`]
@@ -1025,18 +1025,31 @@ mod tests {
         assert_eq!(&whole(response).await[..], b"ok");
     }
 
+    /// An upstream that runs `script` on the first connection it accepts
+    /// (with `TCP_NODELAY`, so that each write leaves at once).
+    async fn upstream_script<F, Fut>(script: F) -> SocketAddr
+    where
+        F: FnOnce(TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            stream.set_nodelay(true).expect("nodelay");
+            script(stream).await;
+        });
+        addr
+    }
+
     /// A response written a byte at a time, each byte read on its own (the
     /// upstream waits between them): the head's end is found across reads,
     /// and the body comes whole. Its connection is then reused.
     #[tokio::test]
     async fn a_response_that_comes_a_byte_at_a_time_is_read_whole() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        tokio::spawn(async move {
-            let Ok((mut stream, _)) = listener.accept().await else {
-                return;
-            };
-            stream.set_nodelay(true).expect("nodelay");
+        let addr = upstream_script(|mut stream| async move {
             let reply =
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
             for _ in 0..2 {
@@ -1051,7 +1064,8 @@ mod tests {
                 }
             }
             let _ = stream.read(&mut [0u8; 1]).await;
-        });
+        })
+        .await;
         let pool = H1Pool::new(Duration::from_secs(1));
         for round in ["first", "second, on the same connection"] {
             tokio::time::timeout(Duration::from_secs(10), get_ok(&pool, addr))
@@ -1076,13 +1090,7 @@ mod tests {
     /// whole. Moved to another task mid-stream, the body wakes that task.
     #[tokio::test]
     async fn a_body_reads_its_socket_only_when_woken() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        tokio::spawn(async move {
-            let Ok((mut stream, _)) = listener.accept().await else {
-                return;
-            };
-            stream.set_nodelay(true).expect("nodelay");
+        let addr = upstream_script(|mut stream| async move {
             if !read_request_head(&mut stream).await {
                 return;
             }
@@ -1103,7 +1111,8 @@ mod tests {
                 }
             }
             let _ = stream.read(&mut [0u8; 1]).await;
-        });
+        })
+        .await;
         let pool = H1Pool::new(Duration::from_secs(1));
         let response = pool.request(get(addr)).await.expect("response");
         let mut body = response.into_body();
