@@ -349,10 +349,14 @@ impl ToolCallTracker {
         match &delta.arguments {
             ArgumentsDelta::Unchanged => {}
             ArgumentsDelta::Append(fragment) => {
+                // Unescaped only to be kept; counted as it stands otherwise.
                 if keep_arguments {
-                    call.arguments.push_str(&fragment.get());
+                    let text = fragment.get();
+                    call.arguments.push_str(&text);
+                    call.chars_accumulated += utf16_len(&text);
+                } else {
+                    call.chars_accumulated += fragment.utf16_len();
                 }
-                call.chars_accumulated += fragment.utf16_len();
             }
             ArgumentsDelta::Replace(whole) => {
                 call.arguments.clear();
