@@ -801,8 +801,13 @@ impl Gate {
         false
     }
 
-    /// The waker to poll the socket with, passing wake-ups on to `cx`'s.
-    fn waker(&mut self, cx: &Context<'_>) -> &Waker {
+    /// Polls the socket (`read`) with the gate's waker, which passes
+    /// wake-ups on to `cx`'s; a poll that finds nothing closes the gate.
+    fn poll<T>(
+        &mut self,
+        cx: &Context<'_>,
+        read: impl FnOnce(&mut Context<'_>) -> Poll<T>,
+    ) -> Poll<T> {
         if !self.outer.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
             let outer = cx.waker().clone();
             *self
@@ -812,7 +817,9 @@ impl Gate {
                 .unwrap_or_else(PoisonError::into_inner) = Some(outer.clone());
             self.outer = Some(outer);
         }
-        &self.waker
+        let polled = read(&mut Context::from_waker(&self.waker));
+        self.parked = polled.is_pending();
+        polled
     }
 }
 
@@ -923,15 +930,10 @@ impl Body for DrivenBody {
             }
             // While the rest of the request is sent, the socket's write
             // side holds the task's waker: read with it too.
-            let polled = if this.sending.is_some() {
-                conn.poll_fill(cx)
+            let filled = if this.sending.is_some() {
+                ready!(conn.poll_fill(cx))
             } else {
-                let waker = this.gate.waker(cx);
-                conn.poll_fill(&mut Context::from_waker(waker))
-            };
-            let Poll::Ready(filled) = polled else {
-                this.gate.parked = this.sending.is_none();
-                return Poll::Pending;
+                ready!(this.gate.poll(cx, |cx| conn.poll_fill(cx)))
             };
             match filled {
                 Ok(0) => {
