@@ -96,8 +96,22 @@ async fn stream(base: &str, model: &str, session: &str) -> (Vec<u8>, Vec<u64>) {
 /// The three files of the one recording in `dir`, once all are written
 /// (the closing writes happen on the blocking pool, just after the stream).
 fn recorded_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    // The timing and request files are written after the stream ends, on a
+    // blocking thread: each is created, then written. Wait until all three
+    // are there and none is empty, or a loaded machine reads one between
+    // the two (seen once in a full `cargo test`, the request read as "").
+    let written = || {
+        let entries: Vec<_> = std::fs::read_dir(dir)
+            .expect("record dir")
+            .filter_map(Result::ok)
+            .collect();
+        entries.len() >= 3
+            && entries
+                .iter()
+                .all(|e| e.metadata().is_ok_and(|m| m.len() > 0))
+    };
     let deadline = Instant::now() + Duration::from_secs(5);
-    while std::fs::read_dir(dir).expect("record dir").count() < 3 && Instant::now() < deadline {
+    while !written() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
     let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
