@@ -76,6 +76,22 @@ impl<'a> ChunkText<'a> {
         }
     }
 
+    /// Appends the text, unescaped, to `out`: [`get`](Self::get) into a
+    /// string the caller keeps, without allocating one of its own.
+    pub fn push_to(&self, out: &mut String) {
+        match self {
+            ChunkText::Decoded(text) => out.push_str(text),
+            ChunkText::Json(json) => {
+                let start = out.len();
+                if crate::providers::decode_string_into(json.0, out).is_none() {
+                    // As `get`: the literal itself, rather than a part.
+                    out.truncate(start);
+                    out.push_str(json.0);
+                }
+            }
+        }
+    }
+
     /// The length of the text in UTF-16 units (JavaScript's
     /// `string.length`), counted without unescaping a JSON literal.
     pub fn utf16_len(&self) -> usize {
@@ -263,6 +279,14 @@ mod tests {
             assert_eq!(
                 ChunkText::from(decoded.as_ref()).utf16_len(),
                 text.utf16_len()
+            );
+            // Appended to what a string already holds, the same text.
+            let mut appended = String::from("kept");
+            text.push_to(&mut appended);
+            assert_eq!(
+                appended.strip_prefix("kept"),
+                Some(decoded.as_ref()),
+                "{literal}"
             );
         }
         // A lone low surrogate too, and one at the end after a high one's

@@ -116,39 +116,87 @@ impl ClearReason {
     }
 }
 
-/// What subscribers hear of one applied chunk.
-fn record_event(events: &mut Vec<StreamEvent>, chunk: &Chunk<'_>, applied: &Applied<'_>) {
-    if let Applied::Cleared = applied {
-        let reason = match chunk {
-            Chunk::Text { .. } | Chunk::Reasoning { .. } => ClearReason::Text,
-            Chunk::Error { .. } => ClearReason::Error,
-            Chunk::Done | Chunk::ToolCallDelta(_) | Chunk::Finish { .. } | Chunk::Usage(_) => {
-                ClearReason::Done
+/// The increments collected for subscribers
+/// ([`AnnotatorConfig::collect_events`]), and the strings of texts already
+/// published, kept for the next ones: a stream's text deltas are collected
+/// without an allocation each.
+#[derive(Default)]
+struct EventLog {
+    events: Vec<StreamEvent>,
+    /// Emptied strings of published [`StreamEvent::Content`] and
+    /// [`StreamEvent::Reasoning`] events.
+    spare_texts: Vec<String>,
+}
+
+/// Strings an [`EventLog`] keeps for texts to come: a read holds a few text
+/// deltas, and a stream's reads are alike.
+const SPARE_TEXTS: usize = 16;
+/// A string grown past this (a long text delta) is not kept: an idle
+/// stream holds at most `SPARE_TEXTS` of these.
+const SPARE_TEXT_BYTES: usize = 256;
+
+impl EventLog {
+    /// What subscribers hear of one applied chunk.
+    fn record(&mut self, chunk: &Chunk<'_>, applied: &Applied<'_>) {
+        let events = &mut self.events;
+        if let Applied::Cleared = applied {
+            let reason = match chunk {
+                Chunk::Text { .. } | Chunk::Reasoning { .. } => ClearReason::Text,
+                Chunk::Error { .. } => ClearReason::Error,
+                Chunk::Done | Chunk::ToolCallDelta(_) | Chunk::Finish { .. } | Chunk::Usage(_) => {
+                    ClearReason::Done
+                }
+            };
+            events.push(StreamEvent::Cleared(reason));
+        }
+        match (chunk, applied) {
+            (_, Applied::Progress(p)) => events.push(StreamEvent::Progress(ProgressEntry {
+                choice: p.choice,
+                index: p.index,
+                name: std::sync::Arc::clone(p.name),
+                chars_accumulated: p.chars_accumulated,
+                started_at_ms: p.started_at_ms,
+            })),
+            (Chunk::Text { choice, text }, _) => {
+                let mut owned = self.spare_texts.pop().unwrap_or_default();
+                text.push_to(&mut owned);
+                events.push(StreamEvent::Content {
+                    choice: *choice,
+                    text: owned,
+                });
             }
-        };
-        events.push(StreamEvent::Cleared(reason));
+            (Chunk::Reasoning { choice, text }, _) => {
+                let mut owned = self.spare_texts.pop().unwrap_or_default();
+                text.push_to(&mut owned);
+                events.push(StreamEvent::Reasoning {
+                    choice: *choice,
+                    text: owned,
+                });
+            }
+            (Chunk::Done, _) => events.push(StreamEvent::Done),
+            (
+                Chunk::ToolCallDelta(_)
+                | Chunk::Finish { .. }
+                | Chunk::Usage(_)
+                | Chunk::Error { .. },
+                Applied::Cleared | Applied::Unchanged,
+            ) => {}
+        }
     }
-    match (chunk, applied) {
-        (_, Applied::Progress(p)) => events.push(StreamEvent::Progress(ProgressEntry {
-            choice: p.choice,
-            index: p.index,
-            name: std::sync::Arc::clone(p.name),
-            chars_accumulated: p.chars_accumulated,
-            started_at_ms: p.started_at_ms,
-        })),
-        (Chunk::Text { choice, text }, _) => events.push(StreamEvent::Content {
-            choice: *choice,
-            text: text.get().into_owned(),
-        }),
-        (Chunk::Reasoning { choice, text }, _) => events.push(StreamEvent::Reasoning {
-            choice: *choice,
-            text: text.get().into_owned(),
-        }),
-        (Chunk::Done, _) => events.push(StreamEvent::Done),
-        (
-            Chunk::ToolCallDelta(_) | Chunk::Finish { .. } | Chunk::Usage(_) | Chunk::Error { .. },
-            Applied::Cleared | Applied::Unchanged,
-        ) => {}
+
+    /// Empties the increments, keeping their texts' strings (emptied) for
+    /// the next ones.
+    fn clear(&mut self) {
+        for event in self.events.drain(..) {
+            if let StreamEvent::Content { mut text, .. } | StreamEvent::Reasoning { mut text, .. } =
+                event
+                && self.spare_texts.len() < SPARE_TEXTS
+                && text.capacity() <= SPARE_TEXT_BYTES
+            {
+                text.clear();
+                self.spare_texts.push(text);
+            }
+        }
     }
 }
 
@@ -226,7 +274,7 @@ struct StreamState {
     probed_frames: u64,
     /// Increments for subscribers, kept only when asked for
     /// ([`AnnotatorConfig::collect_events`]).
-    events: Vec<StreamEvent>,
+    events: EventLog,
     /// [`AnnotatorConfig::collect_events`].
     collect_events: bool,
 }
@@ -266,7 +314,7 @@ impl Annotator {
                 done_written: false,
                 frames: 0,
                 probed_frames: 0,
-                events: Vec::new(),
+                events: EventLog::default(),
                 collect_events: config.collect_events,
             },
         };
@@ -332,7 +380,7 @@ impl Annotator {
     /// Takes the increments collected since the last call (empty unless
     /// [`AnnotatorConfig::collect_events`]).
     pub fn take_events(&mut self) -> Vec<StreamEvent> {
-        std::mem::take(&mut self.state.events)
+        std::mem::take(&mut self.state.events.events)
     }
 
     /// Takes the warnings collected since the last call.
@@ -358,10 +406,17 @@ impl Annotator {
     }
 
     /// The tracker, with the increments collected since they were last
-    /// emptied, in place: a caller that empties them keeps their allocation
-    /// for the next ones (the proxy publishes them on every read).
-    pub fn collected(&mut self) -> (&ToolCallTracker, &mut Vec<StreamEvent>) {
-        (&self.state.tracker, &mut self.state.events)
+    /// emptied ([`clear_events`](Self::clear_events)), in place (the proxy
+    /// publishes them on every read).
+    pub fn collected(&self) -> (&ToolCallTracker, &[StreamEvent]) {
+        (&self.state.tracker, &self.state.events.events)
+    }
+
+    /// Empties the collected increments (they were published), keeping
+    /// what they were made of for the next ones: neither the list nor a
+    /// text delta's string is allocated again in steady state.
+    pub fn clear_events(&mut self) {
+        self.state.events.clear();
     }
 
     fn start(&mut self, framing: Framing) {
@@ -654,7 +709,7 @@ impl StreamState {
             }
             let applied = tracker.apply(&chunk, now_ms);
             if let Some(events) = events.as_deref_mut() {
-                record_event(events, &chunk, &applied);
+                events.record(&chunk, &applied);
             }
             match applied {
                 Applied::Progress(p) if render => {

@@ -159,9 +159,8 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
 /// writing it (`TapBody`'s work between its upstream and its client):
 /// annotate (parse, inject, count), gather into the output buffer, publish
 /// to the session, which nobody watches here (frames for subscribers are
-/// made, and allocated, only when someone listens). Tool-call deltas only:
-/// a text delta is still copied into the collected events, one allocation
-/// each (see BENCHMARKS.md, nineteenth round).
+/// made, and allocated, only when someone listens). Tool-call deltas; text
+/// deltas are the next test's.
 #[test]
 fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
     let registry = SessionRegistry::new();
@@ -180,6 +179,7 @@ fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
         annotator.push(event, 1_700_000_000_000, out.room());
         let (tracker, events) = annotator.collected();
         session.publish_at(tracker, events, Instant::now());
+        annotator.clear_events();
         let piece = out.take();
         drop(held.replace(piece.clone()));
         piece
@@ -207,4 +207,92 @@ fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
     // many characters of arguments have come.
     let text = String::from_utf8_lossy(&last);
     assert!(text.contains("\"charsAccumulated\":"), "{text}");
+}
+
+/// Text (`content`) or reasoning delta `i` as it comes, and its text as
+/// subscribers hear it: escaped, not ASCII, or plain.
+fn text_event(i: usize) -> (Vec<u8>, &'static str) {
+    const PIECES: [(&str, &str); 5] = [
+        ("Hello", "Hello"),
+        (", \\\"quoted\\\"", ", \"quoted\""),
+        (" wörld 🙂", " wörld 🙂"),
+        ("\\n\\tnext line", "\n\tnext line"),
+        (" \\u00e9t\\u00e9", " été"),
+    ];
+    let (json, text) = PIECES[i % PIECES.len()];
+    let field = if i % 7 < 3 {
+        "reasoning_content"
+    } else {
+        "content"
+    };
+    let event = format!(
+        "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\
+         \"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"{field}\":\"{json}\"}},\
+         \"finish_reason\":null}}]}}\n\n"
+    );
+    (event.into_bytes(), text)
+}
+
+/// Text and reasoning deltas, read one to four at a time as a socket
+/// hands them over: each is collected for the session's subscribers (with
+/// its text, unescaped) and published, and none allocates once the
+/// collected strings are reused.
+#[test]
+fn text_deltas_are_collected_and_published_without_allocating() {
+    use aalis_proxy::pipeline::StreamEvent;
+
+    let registry = SessionRegistry::new();
+    let mut session = registry.begin_stream("alloc-text");
+    let mut annotator = Annotator::new(AnnotatorConfig {
+        output: OutputFormat::Sse,
+        inject: InjectMode::Field,
+        session_id: Some("alloc-text".to_owned()),
+        framing: Some(Framing::Sse),
+        max_event_bytes: 1 << 20,
+        collect_events: true,
+    });
+    let events: Vec<(Vec<u8>, &str)> = (0..700).map(text_event).collect();
+    // Reads of 1, 2, 3, 4, 1, 2, … events.
+    let mut reads: Vec<(Vec<u8>, Vec<&str>)> = Vec::new();
+    let mut at = 0;
+    while at < events.len() {
+        let n = (reads.len() % 4 + 1).min(events.len() - at);
+        let batch = &events[at..at + n];
+        reads.push((
+            batch.iter().flat_map(|(e, _)| e.iter().copied()).collect(),
+            batch.iter().map(|(_, t)| *t).collect(),
+        ));
+        at += n;
+    }
+    let mut out = OutBuf::default();
+    let mut held: Option<Bytes> = None;
+    let mut collected = 0usize;
+    let mut step = |read: &(Vec<u8>, Vec<&str>)| {
+        annotator.push(&read.0, 1_700_000_000_000, out.room());
+        let (tracker, events) = annotator.collected();
+        let texts = events.iter().filter_map(|event| match event {
+            StreamEvent::Content { text, .. } | StreamEvent::Reasoning { text, .. } => {
+                Some(text.as_str())
+            }
+            _ => None,
+        });
+        assert!(texts.eq(read.1.iter().copied()), "{events:?}");
+        collected += read.1.len();
+        session.publish_at(tracker, events, Instant::now());
+        annotator.clear_events();
+        drop(held.replace(out.take()));
+    };
+    let (warm_up, counted) = reads.split_at(reads.len() / 4);
+    for read in warm_up {
+        step(read);
+    }
+    let n = allocations(|| {
+        for read in counted {
+            step(read);
+        }
+    });
+    let counted_events: usize = counted.iter().map(|r| r.1.len()).sum();
+    assert!(counted_events > 500, "{counted_events}");
+    assert_eq!(n, 0, "allocations over {counted_events} text deltas");
+    assert_eq!(collected, events.len(), "each delta was collected once");
 }

@@ -252,13 +252,27 @@ pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
         return Some(Cow::Borrowed(inner));
     }
     let mut out = String::with_capacity(inner.len());
+    unescape_into(inner, &mut out)?;
+    Some(Cow::Owned(out))
+}
+
+/// Appends the text of `json`, a validated JSON string literal (quotes
+/// included), to `out`, as [`decode_string`] decodes it; `None` (with
+/// `out` partly written) when it is not a string literal.
+pub(crate) fn decode_string_into(json: &str, out: &mut String) -> Option<()> {
+    let inner = json.strip_prefix('"')?.strip_suffix('"')?;
+    unescape_into(inner, out)
+}
+
+/// Appends `inner`, the inside of a JSON string literal, unescaped.
+fn unescape_into(inner: &str, out: &mut String) -> Option<()> {
     let mut rest = inner;
     let mut pending_high: Option<u16> = None;
     // Runs without escapes are copied whole; each escape is decoded.
     while let Some(at) = memchr::memchr(b'\\', rest.as_bytes()) {
         let (run, escape) = rest.split_at(at);
         if !run.is_empty() {
-            flush_high(&mut pending_high, &mut out);
+            flush_high(&mut pending_high, out);
             out.push_str(run);
         }
         let mut chars = escape.get(1..)?.chars();
@@ -302,15 +316,15 @@ pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
             _ => return None,
         };
         rest = escape.get(2..)?;
-        flush_high(&mut pending_high, &mut out);
+        flush_high(&mut pending_high, out);
         out.push(escaped);
     }
     if !rest.is_empty() {
-        flush_high(&mut pending_high, &mut out);
+        flush_high(&mut pending_high, out);
         out.push_str(rest);
     }
-    flush_high(&mut pending_high, &mut out);
-    Some(Cow::Owned(out))
+    flush_high(&mut pending_high, out);
+    Some(())
 }
 
 /// A high surrogate not followed by a low one stands alone: U+FFFD.

@@ -344,10 +344,7 @@ impl Body for TapBody {
                     };
                     annotator.push(&data, unix_ms(), this.out.room());
                     log_warnings(annotator, this.log);
-                    if let Some(session) = this.session.as_mut() {
-                        let (tracker, events) = annotator.collected();
-                        session.publish_at(tracker, events, now.into_std());
-                    }
+                    publish(annotator, this.session, now.into_std());
                     this.metrics.added_latency.observe(now.elapsed());
                     if last {
                         finish(this.annotator, this.session, this.out, this.log);
@@ -499,11 +496,18 @@ fn finish(
     if let Some(annotator) = annotator.as_mut() {
         annotator.finish(unix_ms(), out.room());
         log_warnings(annotator, log);
-        if let Some(session) = session.as_mut() {
-            let (tracker, events) = annotator.collected();
-            session.publish(tracker, events);
-        }
+        publish(annotator, session, Instant::now());
     }
+}
+
+/// Publishes what the annotator collected to the stream's session, if it
+/// has one, and empties it for the next read.
+fn publish(annotator: &mut Annotator, session: &mut Option<StreamHandle>, now: Instant) {
+    if let Some(session) = session.as_mut() {
+        let (tracker, events) = annotator.collected();
+        session.publish_at(tracker, events, now);
+    }
+    annotator.clear_events();
 }
 
 fn log_warnings(annotator: &mut Annotator, log: &RequestLog) {

@@ -468,27 +468,16 @@ impl SessionRegistry {
 impl StreamHandle {
     /// Publishes what the stream did since the last call: the tracker's
     /// in-progress calls (when they changed) and `events` for subscribers,
-    /// as long as this stream still owns the session. Empties `events`,
-    /// keeping its allocation.
-    pub fn publish(&mut self, tracker: &ToolCallTracker, events: &mut Vec<StreamEvent>) {
+    /// as long as this stream still owns the session. The caller empties
+    /// `events` ([`Annotator::clear_events`](crate::pipeline::Annotator::clear_events)).
+    pub fn publish(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent]) {
         self.publish_at(tracker, events, Instant::now());
     }
 
     /// [`publish`](Self::publish), with `now` (a moment ago) as the
     /// session's last activity: a caller that has just read the clock
     /// passes that, and publishing costs no clock read of its own.
-    pub fn publish_at(
-        &mut self,
-        tracker: &ToolCallTracker,
-        events: &mut Vec<StreamEvent>,
-        now: Instant,
-    ) {
-        self.publish_events(tracker, events, now);
-        events.clear();
-    }
-
-    /// [`publish_at`](Self::publish_at), leaving `events` as they were.
-    fn publish_events(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent], now: Instant) {
+    pub fn publish_at(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent], now: Instant) {
         let changed = tracker.changes() != self.published;
         if !changed && events.is_empty() {
             return;

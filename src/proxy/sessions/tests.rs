@@ -51,10 +51,7 @@ fn without_server_time(frame: &str) -> String {
 fn publish_snapshot_and_end() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
-    stream.publish(
-        &tracker_with(&[(1, "b", "xy"), (0, "a", "")], 5),
-        &mut Vec::new(),
-    );
+    stream.publish(&tracker_with(&[(1, "b", "xy"), (0, "a", "")], 5), &[]);
     let names: Vec<_> = registry
         .snapshot("s1")
         .into_iter()
@@ -72,10 +69,10 @@ fn same_index_keeps_started_at_new_index_gets_its_own() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "x")], 1_000);
-    stream.publish(&tracker, &mut Vec::new());
+    stream.publish(&tracker, &[]);
     tracker.apply(&delta(0, "a", "yz"), 2_000);
     tracker.apply(&delta(1, "b", ""), 3_000);
-    stream.publish(&tracker, &mut Vec::new());
+    stream.publish(&tracker, &[]);
     let started: Vec<_> = registry
         .snapshot("s1")
         .iter()
@@ -89,15 +86,15 @@ fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
     let registry = SessionRegistry::new();
     let mut sub = registry.subscribe("s1");
     let mut old = registry.begin_stream("s1");
-    old.publish(&tracker_with(&[(0, "a", "abc")], 1), &mut Vec::new());
+    old.publish(&tracker_with(&[(0, "a", "abc")], 1), &[]);
     let mut new = registry.begin_stream("s1");
     assert!(registry.snapshot("s1").is_empty());
     old.publish(
         &tracker_with(&[(0, "stale", "")], 2),
-        &mut vec![progress_event(0, "stale", 0, 2)],
+        &[progress_event(0, "stale", 0, 2)],
     );
     assert!(registry.snapshot("s1").is_empty());
-    new.publish(&tracker_with(&[(0, "fresh", "")], 3), &mut Vec::new());
+    new.publish(&tracker_with(&[(0, "fresh", "")], 3), &[]);
     drop(old);
     assert_eq!(&*registry.snapshot("s1")[0].name, "fresh");
     let frames: Vec<_> = received(&mut sub)
@@ -128,7 +125,7 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
         let mut sub = registry.subscribe("s2");
         let mut s2 = streamed.then(|| registry.begin_stream("s2"));
         if let Some(s2) = &mut s2 {
-            s2.publish(&tracker_with(&[(0, "mine", "x")], 1), &mut Vec::new());
+            s2.publish(&tracker_with(&[(0, "mine", "x")], 1), &[]);
         }
         assert_eq!(
             registry.lock().sessions.by_id.get("s2"),
@@ -138,7 +135,7 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
         let before = registry.snapshot("s2");
         old.publish(
             &tracker_with(&[(0, "stale", "abc")], 2),
-            &mut vec![progress_event(0, "stale", 3, 2)],
+            &[progress_event(0, "stale", 3, 2)],
         );
         assert_eq!(registry.snapshot("s2"), before, "streamed: {streamed}");
         assert!(
@@ -153,7 +150,7 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
         assert!(registry.is_empty());
     }
     let mut s3 = registry.begin_stream("s3");
-    s3.publish(&tracker_with(&[(0, "kept", "xy")], 4), &mut Vec::new());
+    s3.publish(&tracker_with(&[(0, "kept", "xy")], 4), &[]);
     drop(old);
     assert_eq!(
         &*registry.snapshot("s3")[0].name,
@@ -173,17 +170,14 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
     );
     let mut stream = registry.begin_stream("s1");
     let tracker = tracker_with(&[(0, "get_weather", "{\"c")], 7);
-    let mut events = vec![
+    let events = vec![
         StreamEvent::Reasoning {
             choice: 0,
             text: "hm".into(),
         },
         progress_event(0, "get_weather", 3, 7),
     ];
-    stream.publish(&tracker, &mut events);
-    // Published and emptied, its allocation kept for the next read's.
-    assert!(events.is_empty());
-    assert!(events.capacity() >= 2);
+    stream.publish(&tracker, &events);
     let mut later = ToolCallTracker::new(true);
     later.apply(&delta(0, "get_weather", "{\"c"), 7);
     later.apply(
@@ -195,7 +189,7 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
     );
     stream.publish(
         &later,
-        &mut vec![
+        &[
             StreamEvent::Cleared(ClearReason::Text),
             StreamEvent::Content {
                 choice: 0,
@@ -227,14 +221,14 @@ fn a_late_subscriber_resumes_mid_call_and_loses_nothing_after() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "12345"), (1, "b", "1")], 100);
-    stream.publish(&tracker, &mut Vec::new());
+    stream.publish(&tracker, &[]);
     let mut sub = registry.subscribe("s1");
     assert_eq!(
         without_server_time(&sub.resume),
         r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":5,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":100}]}"#
     );
     tracker.apply(&delta(1, "b", "23"), 200);
-    stream.publish(&tracker, &mut vec![progress_event(1, "b", 3, 100)]);
+    stream.publish(&tracker, &[progress_event(1, "b", 3, 100)]);
     assert_eq!(received(&mut sub).len(), 1);
 }
 
@@ -252,7 +246,7 @@ fn a_session_keeps_a_subscriber_backlog_only_once_subscribed() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "x")], 1);
-    stream.publish(&tracker, &mut vec![progress_event(0, "a", 1, 1)]);
+    stream.publish(&tracker, &[progress_event(0, "a", 1, 1)]);
     assert!(
         !has_backlog(&registry, "s1"),
         "no subscriber yet: no channel"
@@ -260,7 +254,7 @@ fn a_session_keeps_a_subscriber_backlog_only_once_subscribed() {
     let mut sub = registry.subscribe("s1");
     assert!(has_backlog(&registry, "s1"));
     tracker.apply(&delta(0, "a", "yz"), 2);
-    stream.publish(&tracker, &mut vec![progress_event(0, "a", 3, 1)]);
+    stream.publish(&tracker, &[progress_event(0, "a", 3, 1)]);
     assert_eq!(received(&mut sub).len(), 1, "made late, it still delivers");
     drop(sub);
     drop(stream);
@@ -271,10 +265,7 @@ fn a_session_keeps_a_subscriber_backlog_only_once_subscribed() {
 fn tool_execution_clears_and_tells_subscribers() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
-    stream.publish(
-        &tracker_with(&[(0, "a", "x"), (1, "b", "")], 1),
-        &mut Vec::new(),
-    );
+    stream.publish(&tracker_with(&[(0, "a", "x"), (1, "b", "")], 1), &[]);
     let mut sub = registry.subscribe("s1");
     assert_eq!(registry.tool_execution_started("s1"), 2);
     assert!(registry.snapshot("s1").is_empty());
@@ -319,7 +310,7 @@ fn a_slow_subscriber_is_told_it_lagged_instead_of_being_buffered_for() {
     let mut stream = registry.begin_stream("s1");
     let tracker = tracker_with(&[(0, "a", "")], 1);
     for i in 0..(SUBSCRIBER_BACKLOG + 10) {
-        stream.publish(&tracker, &mut vec![progress_event(0, "a", i, 1)]);
+        stream.publish(&tracker, &[progress_event(0, "a", i, 1)]);
     }
     assert!(matches!(
         sub.frames.try_recv(),
