@@ -155,6 +155,72 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
     assert_eq!(n, 0, "allocations over 550 events, nothing held");
 }
 
+/// An unpaced stream's pattern: events are gathered up to 64 KiB before a
+/// piece goes out (`COALESCE_BYTES`), and the connection queues several
+/// pieces before it writes them, more than the two buffers that take turns.
+/// Each burst then needs a buffer of its own, allocated once at the size of
+/// the last burst and never grown while gathering (growing copies all that
+/// was gathered; before, three to five times per burst).
+#[test]
+fn a_burst_gathered_while_several_pieces_are_held_does_not_grow_its_buffer() {
+    const BURST: usize = 64 * 1024;
+    const HELD: usize = 3;
+    type Held = std::collections::VecDeque<(Bytes, Vec<u8>)>;
+    let events: Vec<Vec<u8>> = (0..600).map(delta_event).collect();
+    let mut out = OutBuf::default();
+    let mut held = Held::new();
+    let mut next = 0;
+    // Allocations of the output buffer per burst: for its first event
+    // (finding or making a buffer) with the take, and while gathering.
+    let mut burst = |out: &mut OutBuf, held: &mut Held| {
+        let mut expected = Vec::with_capacity(BURST + 1024);
+        let first = &events[next % events.len()];
+        expected.extend_from_slice(first);
+        next += 1;
+        let mut finding = allocations(|| out.room().extend_from_slice(first));
+        // All the burst fits: it is neither grown nor moved within its
+        // allocation (`bytes` moves what it holds back to the start of a
+        // buffer that runs out of room at its end).
+        let room = out.room().capacity();
+        let gathering = allocations(|| {
+            while out.len() < BURST {
+                let event = &events[next % events.len()];
+                out.room().extend_from_slice(event);
+                next += 1;
+                // Within capacity: the test's own copy does not allocate.
+                expected.extend_from_slice(event);
+            }
+        });
+        let mut piece = Bytes::new();
+        finding += allocations(|| piece = out.take());
+        held.push_back((piece, expected));
+        if held.len() > HELD {
+            let (piece, expected) = held.pop_front().expect("held");
+            assert!(piece == expected, "a held piece changed");
+        }
+        (finding, gathering, room)
+    };
+    for _ in 0..4 {
+        burst(&mut out, &mut held);
+    }
+    let (mut finding, mut gathering) = (0, 0);
+    for _ in 0..8 {
+        let (f, g, room) = burst(&mut out, &mut held);
+        assert!(room >= BURST, "a burst found room for {room} bytes");
+        finding += f;
+        gathering += g;
+    }
+    assert_eq!(gathering, 0, "allocations while gathering 8 bursts");
+    // A new buffer, and the header `bytes` gives it when it is split.
+    assert!(
+        finding <= 2 * 8,
+        "{finding} allocations to find room for 8 bursts"
+    );
+    for (piece, expected) in held {
+        assert!(piece == expected, "a held piece changed");
+    }
+}
+
 /// What `serve` does with each event of a stream besides reading and
 /// writing it (`TapBody`'s work between its upstream and its client):
 /// annotate (parse, inject, count), gather into the output buffer, publish

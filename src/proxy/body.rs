@@ -441,47 +441,81 @@ fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio:
 ///
 /// A piece handed on shares the buffer's allocation until the connection
 /// has written and dropped it; then the buffer is whole again, and the next
-/// event is written at its start. The connection may still hold a piece
-/// when the next event comes (it polls the body again before it writes),
-/// so a second buffer takes turns with the first: an event is written into
-/// whichever is free, and a new one is allocated only when both are held.
-/// Before this, about one event in five found its buffer held and
-/// allocated, then grew, a new buffer (BENCHMARKS.md, nineteenth round).
+/// event is written at the start of its allocation, with all of it as room
+/// (`bytes` would otherwise go on after the dropped piece, and move what it
+/// gathered back to the start once it ran out of room: a copy of up to a
+/// whole burst). The connection may still hold a piece when the next event
+/// comes (it polls the body again before it writes, and may queue several
+/// pieces), so a second buffer takes turns with the first: an event is
+/// written into whichever is free, and a new one is allocated only when
+/// both are held, as large as the last piece was, so that a burst gathered
+/// in it (up to `COALESCE_BYTES`) does not grow it step by step, each step
+/// a copy of all it holds (BENCHMARKS.md, nineteenth and twentieth rounds).
 #[derive(Default)]
 pub struct OutBuf {
-    out: BytesMut,
-    spare: BytesMut,
+    out: Whole,
+    spare: Whole,
+    /// The length of the last piece taken.
+    last_len: usize,
+}
+
+/// One of [`OutBuf`]'s buffers, with the capacity its allocation has.
+#[derive(Default)]
+struct Whole {
+    buf: BytesMut,
+    /// `buf`'s capacity when it was last made whole (0: never).
+    capacity: usize,
+}
+
+impl Whole {
+    /// Makes the empty buffer whole again: at the start of its allocation,
+    /// all of it as room. False while a piece of it is held (or it has no
+    /// allocation yet); never allocates or copies.
+    fn reclaim(&mut self) -> bool {
+        // `try_reclaim` of the whole capacity goes back to the allocation's
+        // start when the buffer is the only handle left on it.
+        if self.capacity == 0 || !self.buf.try_reclaim(self.capacity) {
+            return false;
+        }
+        self.capacity = self.buf.capacity();
+        true
+    }
 }
 
 impl OutBuf {
     /// Whether nothing was written since the last take.
     pub fn is_empty(&self) -> bool {
-        self.out.is_empty()
+        self.out.buf.is_empty()
     }
 
     /// Bytes written since the last take.
     pub fn len(&self) -> usize {
-        self.out.len()
+        self.out.buf.len()
     }
 
     /// What was written since the last take, as one piece.
     pub fn take(&mut self) -> Bytes {
-        self.out.split().freeze()
+        self.last_len = self.out.buf.len();
+        self.out.buf.split().freeze()
     }
 
     /// The buffer to write the next output into. When it is empty, room is
-    /// made first: reclaimed in this buffer or in the spare, allocated only
-    /// when the connection still holds pieces of both.
+    /// made first: this buffer or the spare made whole, or a new one
+    /// allocated when the connection still holds pieces of both.
     pub fn room(&mut self) -> &mut BytesMut {
-        if self.out.is_empty() && !self.out.try_reclaim(OUT_ROOM) {
+        if self.out.buf.is_empty() && !self.out.reclaim() {
             // Held: the spare takes its turn, and this buffer waits as the
-            // spare until its piece is dropped.
+            // spare until its pieces are dropped.
             std::mem::swap(&mut self.out, &mut self.spare);
-            if !self.out.try_reclaim(OUT_ROOM) {
-                self.out.reserve(OUT_ROOM);
+            if !self.out.reclaim() {
+                let buf = BytesMut::with_capacity(self.last_len + OUT_ROOM);
+                self.out = Whole {
+                    capacity: buf.capacity(),
+                    buf,
+                };
             }
         }
-        &mut self.out
+        &mut self.out.buf
     }
 }
 
