@@ -415,8 +415,11 @@ impl Annotator {
     /// Empties the collected increments (they were published), keeping
     /// what they were made of for the next ones: neither the list nor a
     /// text delta's string is allocated again in steady state.
+    #[inline]
     pub fn clear_events(&mut self) {
-        self.state.events.clear();
+        if !self.state.events.events.is_empty() {
+            self.state.events.clear();
+        }
     }
 
     fn start(&mut self, framing: Framing) {

@@ -269,6 +269,7 @@ impl Body for TapBody {
                 // Nothing more has arrived: what was gathered goes out now,
                 // never waiting for a later event.
                 Poll::Pending if !this.out.is_empty() => {
+                    publish_read(this.annotator, this.session, *this.heard);
                     let chunk = this.out.take();
                     *this.bytes_out += chunk.len() as u64;
                     this.metrics
@@ -278,6 +279,9 @@ impl Body for TapBody {
                 }
                 Poll::Pending => {
                     if !idle_fired(this.idle.as_mut(), this.idle_waker, cx) {
+                        // A read whose frame is not whole yet collected
+                        // nothing; this costs a comparison.
+                        publish_read(this.annotator, this.session, *this.heard);
                         return Poll::Pending;
                     }
                     // The timer is moved only when it fires (moving it on
@@ -344,7 +348,8 @@ impl Body for TapBody {
                     };
                     annotator.push(&data, unix_ms(), this.out.room());
                     log_warnings(annotator, this.log);
-                    publish(annotator, this.session, now.into_std());
+                    // Published when its output goes out, once for all the
+                    // reads gathered into it.
                     this.metrics.added_latency.observe(now.elapsed());
                     if last {
                         finish(this.annotator, this.session, this.out, this.log);
@@ -369,6 +374,7 @@ impl Body for TapBody {
             // write instead of one write per event.
             let more_may_come = *this.phase == Phase::Streaming && this.out.len() < COALESCE_BYTES;
             if !this.out.is_empty() && !more_may_come {
+                publish_read(this.annotator, this.session, *this.heard);
                 let chunk = this.out.take();
                 *this.bytes_out += chunk.len() as u64;
                 this.metrics
@@ -531,6 +537,18 @@ fn finish(
         annotator.finish(unix_ms(), out.room());
         log_warnings(annotator, log);
         publish(annotator, session, Instant::now());
+    }
+}
+
+/// Publishes what the reads gathered into the output collected, as that
+/// output goes out (`heard`: when the last of them came).
+fn publish_read(
+    annotator: &mut Option<Annotator>,
+    session: &mut Option<StreamHandle>,
+    heard: tokio::time::Instant,
+) {
+    if let Some(annotator) = annotator.as_mut() {
+        publish(annotator, session, heard.into_std());
     }
 }
 

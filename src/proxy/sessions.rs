@@ -477,11 +477,25 @@ impl StreamHandle {
     /// [`publish`](Self::publish), with `now` (a moment ago) as the
     /// session's last activity: a caller that has just read the clock
     /// passes that, and publishing costs no clock read of its own.
+    #[inline]
     pub fn publish_at(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent], now: Instant) {
+        // Most calls find nothing new (a stream's body is polled more often
+        // than it reads): a comparison, without a call.
         let changed = tracker.changes() != self.published;
-        if !changed && events.is_empty() {
-            return;
+        if changed || !events.is_empty() {
+            self.publish_changes(tracker, events, now, changed);
         }
+    }
+
+    /// [`publish_at`](Self::publish_at) when there is something to
+    /// publish: `changed` says whether the tracker's calls changed.
+    fn publish_changes(
+        &mut self,
+        tracker: &ToolCallTracker,
+        events: &[StreamEvent],
+        now: Instant,
+        changed: bool,
+    ) {
         self.published = tracker.changes();
         let mut state = self.registry.lock();
         let State { sessions, all, .. } = &mut *state;
