@@ -200,7 +200,19 @@ fn progress(frames: &[Value]) -> Vec<(u64, u64)> {
 /// subscribed across the session's next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
-    let run = start(Duration::from_millis(5)).await;
+    two_tools_then_the_clear(Duration::from_millis(5)).await;
+}
+
+/// The same with the capture sent at once: the proxy reads its events in
+/// a few reads, writes each read's output in one piece, and publishes once
+/// per piece; subscribers still hear every increment, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_hears_every_increment_of_a_burst() {
+    two_tools_then_the_clear(Duration::ZERO).await;
+}
+
+async fn two_tools_then_the_clear(delay: Duration) {
+    let run = start(delay).await;
     let mut frames = Frames::open(&run.proxy, "early").await;
     let resume = frames.next().await;
     assert_eq!(resume["type"], "stream_resume");
