@@ -126,6 +126,9 @@ struct EventLog {
     /// Emptied strings of published [`StreamEvent::Content`] and
     /// [`StreamEvent::Reasoning`] events.
     spare_texts: Vec<String>,
+    /// Whether `events` holds a text event (else they are emptied without
+    /// a look at each).
+    has_texts: bool,
 }
 
 /// Strings an [`EventLog`] keeps for texts to come: a read holds a few text
@@ -158,6 +161,7 @@ impl EventLog {
                 started_at_ms: p.started_at_ms,
             })),
             (Chunk::Text { choice, text }, _) => {
+                self.has_texts = true;
                 let mut owned = self.spare_texts.pop().unwrap_or_default();
                 text.push_to(&mut owned);
                 events.push(StreamEvent::Content {
@@ -166,6 +170,7 @@ impl EventLog {
                 });
             }
             (Chunk::Reasoning { choice, text }, _) => {
+                self.has_texts = true;
                 let mut owned = self.spare_texts.pop().unwrap_or_default();
                 text.push_to(&mut owned);
                 events.push(StreamEvent::Reasoning {
@@ -187,6 +192,10 @@ impl EventLog {
     /// Empties the increments, keeping their texts' strings (emptied) for
     /// the next ones.
     fn clear(&mut self) {
+        if !std::mem::take(&mut self.has_texts) {
+            self.events.clear();
+            return;
+        }
         for event in self.events.drain(..) {
             if let StreamEvent::Content { mut text, .. } | StreamEvent::Reasoning { mut text, .. } =
                 event
@@ -380,6 +389,7 @@ impl Annotator {
     /// Takes the increments collected since the last call (empty unless
     /// [`AnnotatorConfig::collect_events`]).
     pub fn take_events(&mut self) -> Vec<StreamEvent> {
+        self.state.events.has_texts = false;
         std::mem::take(&mut self.state.events.events)
     }
 

@@ -6,11 +6,15 @@
 #   scripts/bench/callgrind_serve.sh                       # this checkout's release build
 #   BIN=/path/to/aalis-proxy scripts/bench/callgrind_serve.sh   # another build, same drive
 #   C=64 EVENTS=100 scripts/bench/callgrind_serve.sh
+#   DELAY_US=0 C=16 EVENTS=1000 scripts/bench/callgrind_serve.sh   # unpaced: as fast as it goes
+#   sample=/tmp/text.sse C=1 EVENTS=1000 scripts/bench/callgrind_serve.sh   # another capture
 #   CACHE_SIM=1 C=4 EVENTS=400 ARGS="--threads 1" scripts/bench/callgrind_serve.sh
 #   CACHE_SIM=1 C=4 EVENTS=400 TARGET=nginx scripts/bench/callgrind_serve.sh
 #
-# Two drives of C streams × EVENTS events, one every 5 ms per stream, from
-# the stamping upstream of examples/loadgen.rs (tool-heavy capture, seed 8).
+# Two drives of C streams × EVENTS events, one every 5 ms per stream
+# (DELAY_US), from the stamping upstream of examples/loadgen.rs (tool-heavy
+# capture, seed 8, unless `sample` names another capture, for example one of
+# scripts/bench/gen_captures.py's).
 # Prints the total, the instructions per event and the calls of the hot
 # spots; the callgrind file stays in the work directory for
 # `callgrind_annotate`.
@@ -31,6 +35,9 @@ cd "$(dirname "$0")/../.."
 work=${WORKDIR:-/tmp/aalis-bench/callgrind-serve}
 conc=${C:-16}
 events=${EVENTS:-200}
+delay_us=${DELAY_US:-5000}
+pace=paced
+[ "$delay_us" = 0 ] && pace=unpaced
 target=${TARGET:-serve}
 mkdir -p "$work"
 command -v valgrind >/dev/null || { echo "callgrind_serve: valgrind is missing" >&2; exit 1; }
@@ -78,7 +85,7 @@ wait_port "$port" 60
 total_events=0
 for _ in 1 2; do
   n=$(timeout 300 "$loadgen" drive --target "127.0.0.1:$port" --concurrency "$conc" --events "$events" \
-    --delay-us 5000 --timeout-seconds 240 | python3 -c 'import json,sys; print(json.load(sys.stdin)["events"])')
+    --delay-us "$delay_us" --timeout-seconds 240 | python3 -c 'import json,sys; print(json.load(sys.stdin)["events"])')
   total_events=$((total_events + n))
 done
 # serve shuts down gracefully on SIGINT, nginx on SIGQUIT; callgrind then
@@ -87,7 +94,7 @@ if [ "$target" = nginx ]; then kill -QUIT "$target_pid"; else kill -INT "$target
 timeout 60 tail --pid="$target_pid" -f /dev/null || true
 
 total=$(grep -E '^(summary|totals):' "$out" | head -1 | awk '{print $2}')
-echo "$target: $total instructions for $total_events paced events (C=$conc), $((total / total_events)) per event"
+echo "$target: $total instructions for $total_events $pace events (C=$conc), $((total / total_events)) per event"
 if [ "${CACHE_SIM:-0}" = 1 ]; then
   python3 - "$out" "$total_events" <<'PY'
 import sys

@@ -238,16 +238,7 @@ impl<'a> JsonStr<'a> {
 /// which is one UTF-16 unit like the surrogate, so lengths stay JavaScript's.
 pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
     let inner = json.strip_prefix('"')?.strip_suffix('"')?;
-    let bytes = inner.as_bytes();
-    // A tool call's argument delta is a few bytes: the slice's own search
-    // (a plain loop at that length) finds its escapes in less than
-    // `memchr`'s set-up costs.
-    let plain = if bytes.len() < 16 {
-        !bytes.contains(&b'\\')
-    } else {
-        memchr::memchr(b'\\', bytes).is_none()
-    };
-    if plain {
+    if plain(inner) {
         // A validated JSON string without escapes is its own text.
         return Some(Cow::Borrowed(inner));
     }
@@ -261,7 +252,24 @@ pub(crate) fn decode_string(json: &str) -> Option<Cow<'_, str>> {
 /// `out` partly written) when it is not a string literal.
 pub(crate) fn decode_string_into(json: &str, out: &mut String) -> Option<()> {
     let inner = json.strip_prefix('"')?.strip_suffix('"')?;
+    if plain(inner) {
+        out.push_str(inner);
+        return Some(());
+    }
     unescape_into(inner, out)
+}
+
+/// Whether the inside of a JSON string literal has no escape.
+fn plain(inner: &str) -> bool {
+    let bytes = inner.as_bytes();
+    // A tool call's argument delta is a few bytes: the slice's own search
+    // (a plain loop at that length) finds its escapes in less than
+    // `memchr`'s set-up costs.
+    if bytes.len() < 16 {
+        !bytes.contains(&b'\\')
+    } else {
+        memchr::memchr(b'\\', bytes).is_none()
+    }
 }
 
 /// Appends `inner`, the inside of a JSON string literal, unescaped.

@@ -446,11 +446,13 @@ fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio:
 /// connection a piece at a time ([`take`](Self::take)) without a copy.
 ///
 /// A piece handed on shares the buffer's allocation until the connection
-/// has written and dropped it; then the buffer is whole again, and the next
-/// event is written at the start of its allocation, with all of it as room
-/// (`bytes` would otherwise go on after the dropped piece, and move what it
-/// gathered back to the start once it ran out of room: a copy of up to a
-/// whole burst). The connection may still hold a piece when the next event
+/// has written and dropped it. The next output is written after it while
+/// the rest of the allocation has room for as much as the last piece took;
+/// otherwise the buffer is made whole again once the piece is dropped,
+/// and the output is written at the start of its allocation (left to
+/// itself, `bytes` would move what was gathered back to the start once it
+/// ran out of room: a copy of up to a whole burst, and in an unpaced
+/// stream nearly every burst). The connection may still hold a piece when the next event
 /// comes (it polls the body again before it writes, and may queue several
 /// pieces), so a second buffer takes turns with the first: an event is
 /// written into whichever is free, and a new one is allocated only when
@@ -474,10 +476,16 @@ struct Whole {
 }
 
 impl Whole {
-    /// Makes the empty buffer whole again: at the start of its allocation,
-    /// all of it as room. False while a piece of it is held (or it has no
-    /// allocation yet); never allocates or copies.
-    fn reclaim(&mut self) -> bool {
+    /// Room for `need` bytes in the empty buffer: where it is, if it has
+    /// that much left after the pieces taken before (a paced stream's
+    /// events, one at a time), or else by making it whole again, at the
+    /// start of its allocation with all of it as room. False while a piece
+    /// of it is held (or it has no allocation yet); never allocates or
+    /// copies.
+    fn reclaim(&mut self, need: usize) -> bool {
+        if self.buf.capacity() >= need {
+            return true;
+        }
         // `try_reclaim` of the whole capacity goes back to the allocation's
         // start when the buffer is the only handle left on it.
         if self.capacity == 0 || !self.buf.try_reclaim(self.capacity) {
@@ -509,12 +517,14 @@ impl OutBuf {
     /// made first: this buffer or the spare made whole, or a new one
     /// allocated when the connection still holds pieces of both.
     pub fn room(&mut self) -> &mut BytesMut {
-        if self.out.buf.is_empty() && !self.out.reclaim() {
+        // As much as the last piece took, and some.
+        let need = self.last_len + OUT_ROOM;
+        if self.out.buf.is_empty() && !self.out.reclaim(need) {
             // Held: the spare takes its turn, and this buffer waits as the
             // spare until its pieces are dropped.
             std::mem::swap(&mut self.out, &mut self.spare);
-            if !self.out.reclaim() {
-                let buf = BytesMut::with_capacity(self.last_len + OUT_ROOM);
+            if !self.out.reclaim(need) {
+                let buf = BytesMut::with_capacity(need);
                 self.out = Whole {
                     capacity: buf.capacity(),
                     buf,
