@@ -299,6 +299,18 @@ mod tests {
                 decoded.encode_utf16().count(),
                 "{literal}"
             );
+            let mut appended = String::new();
+            text.push_to(&mut appended);
+            assert_eq!(appended, decoded, "{literal}");
+        }
+        // A literal that does not decode (only a bug could make one) reads
+        // as itself, with nothing of a partial decoding left before it.
+        for literal in [r#""ab\x""#, r#""ab\u12""#, r#""é\n\q""#] {
+            let text = ChunkText::Json(JsonLiteral::validated(literal));
+            assert_eq!(text.get(), literal);
+            let mut appended = String::from("kept");
+            text.push_to(&mut appended);
+            assert_eq!(appended, format!("kept{literal}"));
         }
     }
 }

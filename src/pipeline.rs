@@ -200,7 +200,7 @@ impl EventLog {
             if let StreamEvent::Content { mut text, .. } | StreamEvent::Reasoning { mut text, .. } =
                 event
                 && self.spare_texts.len() < SPARE_TEXTS
-                && text.capacity() <= SPARE_TEXT_BYTES
+                && (1..=SPARE_TEXT_BYTES).contains(&text.capacity())
             {
                 text.clear();
                 self.spare_texts.push(text);
@@ -417,7 +417,7 @@ impl Annotator {
 
     /// The tracker, with the increments collected since they were last
     /// emptied ([`clear_events`](Self::clear_events)), in place (the proxy
-    /// publishes them on every read).
+    /// publishes them on every write to its client).
     pub fn collected(&self) -> (&ToolCallTracker, &[StreamEvent]) {
         (&self.state.tracker, &self.state.events.events)
     }

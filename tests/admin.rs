@@ -204,8 +204,8 @@ async fn a_subscriber_before_the_request_sees_two_tools_then_the_clear() {
 }
 
 /// The same with the capture sent at once: the proxy reads its events in
-/// a few reads, writes each read's output in one piece, and publishes once
-/// per piece; subscribers still hear every increment, in order.
+/// a few reads, gathers their output into one write, and publishes once
+/// per write; subscribers still hear every increment, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_hears_every_increment_of_a_burst() {
     two_tools_then_the_clear(Duration::ZERO).await;

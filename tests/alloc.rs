@@ -156,34 +156,31 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
 }
 
 /// An unpaced stream's pattern: events are gathered up to 64 KiB before a
-/// piece goes out (`COALESCE_BYTES`), and the connection queues several
-/// pieces before it writes them, more than the two buffers that take turns.
-/// Each burst then needs a buffer of its own, allocated once at the size of
-/// the last burst and never grown while gathering (growing copies all that
-/// was gathered; before, three to five times per burst).
-#[test]
-fn a_burst_gathered_while_several_pieces_are_held_does_not_grow_its_buffer() {
+/// piece goes out (`COALESCE_BYTES`; less when the upstream pauses), and
+/// the connection may queue several pieces before it writes them.
+/// Allocations of the output buffer over 8 bursts after a warm-up of 4,
+/// with `held_at_once` pieces held at a time: to find room for each burst
+/// (its first event, and the take), and while gathering it. Bursts of
+/// 64 KiB but every other one, which is of `small` bytes.
+fn gather_bursts(held_at_once: usize, small: usize) -> (u64, u64) {
     const BURST: usize = 64 * 1024;
-    const HELD: usize = 3;
     type Held = std::collections::VecDeque<(Bytes, Vec<u8>)>;
     let events: Vec<Vec<u8>> = (0..600).map(delta_event).collect();
     let mut out = OutBuf::default();
     let mut held = Held::new();
     let mut next = 0;
-    // Allocations of the output buffer per burst: for its first event
-    // (finding or making a buffer) with the take, and while gathering.
+    let mut count = 0;
     let mut burst = |out: &mut OutBuf, held: &mut Held| {
+        let size = if count % 2 == 1 { small } else { BURST };
+        count += 1;
         let mut expected = Vec::with_capacity(BURST + 1024);
         let first = &events[next % events.len()];
         expected.extend_from_slice(first);
         next += 1;
         let mut finding = allocations(|| out.room().extend_from_slice(first));
-        // All the burst fits: it is neither grown nor moved within its
-        // allocation (`bytes` moves what it holds back to the start of a
-        // buffer that runs out of room at its end).
         let room = out.room().capacity();
         let gathering = allocations(|| {
-            while out.len() < BURST {
+            while out.len() < size {
                 let event = &events[next % events.len()];
                 out.room().extend_from_slice(event);
                 next += 1;
@@ -194,30 +191,56 @@ fn a_burst_gathered_while_several_pieces_are_held_does_not_grow_its_buffer() {
         let mut piece = Bytes::new();
         finding += allocations(|| piece = out.take());
         held.push_back((piece, expected));
-        if held.len() > HELD {
+        if held.len() > held_at_once {
             let (piece, expected) = held.pop_front().expect("held");
             assert!(piece == expected, "a held piece changed");
         }
-        (finding, gathering, room)
+        // All the burst fits where it starts, after a warm-up: it is
+        // neither grown nor moved (`bytes` moves what it holds back to the
+        // start of a buffer that runs out of room at its end).
+        (finding, gathering, room >= size)
     };
     for _ in 0..4 {
         burst(&mut out, &mut held);
     }
     let (mut finding, mut gathering) = (0, 0);
     for _ in 0..8 {
-        let (f, g, room) = burst(&mut out, &mut held);
-        assert!(room >= BURST, "a burst found room for {room} bytes");
+        let (f, g, fits) = burst(&mut out, &mut held);
+        assert!(fits, "a burst found too little room at its start");
         finding += f;
         gathering += g;
     }
-    assert_eq!(gathering, 0, "allocations while gathering 8 bursts");
-    // A new buffer, and the header `bytes` gives it when it is split.
-    assert!(
-        finding <= 2 * 8,
-        "{finding} allocations to find room for 8 bursts"
-    );
     for (piece, expected) in held {
         assert!(piece == expected, "a held piece changed");
+    }
+    (finding, gathering)
+}
+
+/// One piece held while the next burst is gathered: the two buffers take
+/// turns, each made whole at its turn, and nothing is allocated. (Growing
+/// a buffer copies all that was gathered; before this round, three to five
+/// times per burst.)
+#[test]
+fn bursts_with_one_piece_held_take_turns_without_allocating() {
+    for small in [64 * 1024, 8 * 1024] {
+        let (finding, gathering) = gather_bursts(1, small);
+        assert_eq!(gathering, 0, "small {small}: allocations while gathering");
+        assert_eq!(finding, 0, "small {small}: allocations to find room");
+    }
+}
+
+/// More pieces held than there are buffers: each burst needs a new one,
+/// made once at the size of the last burst and never grown while gathering.
+#[test]
+fn bursts_with_several_pieces_held_get_a_buffer_each_and_never_grow_it() {
+    for held in [2, 3] {
+        let (finding, gathering) = gather_bursts(held, 64 * 1024);
+        assert_eq!(gathering, 0, "{held} held: allocations while gathering");
+        // A new buffer, and the header `bytes` gives it when it is split.
+        assert!(
+            finding <= 2 * 8,
+            "{held} held: {finding} allocations to find room"
+        );
     }
 }
 
@@ -343,7 +366,15 @@ fn text_deltas_are_collected_and_published_without_allocating() {
             _ => None,
         });
         assert!(texts.eq(read.1.iter().copied()), "{events:?}");
-        collected += read.1.len();
+        collected += events
+            .iter()
+            .filter(|event| {
+                matches!(
+                    event,
+                    StreamEvent::Content { .. } | StreamEvent::Reasoning { .. }
+                )
+            })
+            .count();
         session.publish_at(tracker, events, Instant::now());
         annotator.clear_events();
         drop(held.replace(out.take()));

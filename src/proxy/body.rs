@@ -41,9 +41,9 @@ use crate::pipeline::Annotator;
 /// has more ready (see `poll_frame`): fewer writes, no added wait.
 const COALESCE_BYTES: usize = 64 * 1024;
 
-/// Room made in a stream's output buffer before an event is written into
-/// it when it is empty (see [`OutBuf`]); a larger output grows the buffer,
-/// which then keeps its size.
+/// Room made in a stream's output buffer, beyond what its last piece took,
+/// before output is written into it when it is empty (see [`OutBuf`]); a
+/// larger output grows the buffer.
 const OUT_ROOM: usize = 2 * 1024;
 
 /// The upstream sent nothing for longer than `--idle-timeout`.
@@ -448,17 +448,20 @@ fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio:
 /// A piece handed on shares the buffer's allocation until the connection
 /// has written and dropped it. The next output is written after it while
 /// the rest of the allocation has room for as much as the last piece took;
-/// otherwise the buffer is made whole again once the piece is dropped,
-/// and the output is written at the start of its allocation (left to
-/// itself, `bytes` would move what was gathered back to the start once it
-/// ran out of room: a copy of up to a whole burst, and in an unpaced
-/// stream nearly every burst). The connection may still hold a piece when the next event
-/// comes (it polls the body again before it writes, and may queue several
-/// pieces), so a second buffer takes turns with the first: an event is
-/// written into whichever is free, and a new one is allocated only when
-/// both are held, as large as the last piece was, so that a burst gathered
-/// in it (up to `COALESCE_BYTES`) does not grow it step by step, each step
-/// a copy of all it holds (BENCHMARKS.md, nineteenth and twentieth rounds).
+/// otherwise the buffer is made whole again once the piece is dropped, and
+/// the output is written at the start of its allocation. (Left to itself,
+/// `bytes` would move what was gathered back to the start once it ran out
+/// of room: a copy of up to a whole burst, in an unpaced stream nearly
+/// every burst.)
+///
+/// The connection may still hold a piece when the next event comes (it
+/// polls the body again before it writes, and may queue several pieces),
+/// so a second buffer takes turns with the first: output is written into
+/// whichever has room, and a new buffer is allocated only when neither
+/// has, as large as the last piece was plus `OUT_ROOM`. A burst gathered
+/// in it (up to `COALESCE_BYTES`) then does not grow it step by step, each
+/// step a copy of all it holds, unless it is larger than the last one
+/// (BENCHMARKS.md, nineteenth and twentieth rounds).
 #[derive(Default)]
 pub struct OutBuf {
     out: Whole,
@@ -471,28 +474,43 @@ pub struct OutBuf {
 #[derive(Default)]
 struct Whole {
     buf: BytesMut,
-    /// `buf`'s capacity when it was last made whole (0: never).
+    /// The most room `buf` has been seen to have from its start (when made
+    /// whole, or when a piece is taken after `bytes` grew it); 0: it has
+    /// no allocation yet.
     capacity: usize,
 }
 
 impl Whole {
-    /// Room for `need` bytes in the empty buffer: where it is, if it has
-    /// that much left after the pieces taken before (a paced stream's
-    /// events, one at a time), or else by making it whole again, at the
-    /// start of its allocation with all of it as room. False while a piece
-    /// of it is held (or it has no allocation yet); never allocates or
-    /// copies.
+    /// Room in the empty buffer: where it is, if it has `need` bytes left
+    /// after the pieces taken before (a paced stream's events, one at a
+    /// time); or the whole allocation, at its start, once no piece of it is
+    /// held (an allocation smaller than `need` then grows as it is
+    /// written). False while a piece is held and there is less room than
+    /// `need`, or when it has no allocation yet; never allocates or copies.
     fn reclaim(&mut self, need: usize) -> bool {
-        if self.buf.capacity() >= need {
-            return true;
-        }
-        // `try_reclaim` of the whole capacity goes back to the allocation's
-        // start when the buffer is the only handle left on it.
-        if self.capacity == 0 || !self.buf.try_reclaim(self.capacity) {
+        let room = self.buf.capacity();
+        if self.capacity == 0 {
             return false;
         }
-        self.capacity = self.buf.capacity();
+        if room >= need || room >= self.capacity {
+            // Room enough, or nothing taken since it was last whole.
+            return true;
+        }
+        // Asked for more than it has left, `try_reclaim` goes back to the
+        // allocation's start when this is the only handle left on it (a
+        // piece was taken, so the start is further back); it never
+        // allocates.
+        if !self.buf.try_reclaim(room + 1) {
+            return false;
+        }
+        self.capacity = self.capacity.max(self.buf.capacity());
         true
+    }
+
+    /// What was written since the last take, as one piece.
+    fn take(&mut self) -> Bytes {
+        self.capacity = self.capacity.max(self.buf.capacity());
+        self.buf.split().freeze()
     }
 }
 
@@ -510,7 +528,7 @@ impl OutBuf {
     /// What was written since the last take, as one piece.
     pub fn take(&mut self) -> Bytes {
         self.last_len = self.out.buf.len();
-        self.out.buf.split().freeze()
+        self.out.take()
     }
 
     /// The buffer to write the next output into. When it is empty, room is
@@ -563,7 +581,7 @@ fn publish_read(
 }
 
 /// Publishes what the annotator collected to the stream's session, if it
-/// has one, and empties it for the next read.
+/// has one, and empties it for the next write.
 fn publish(annotator: &mut Annotator, session: &mut Option<StreamHandle>, now: Instant) {
     if let Some(session) = session.as_mut() {
         let (tracker, events) = annotator.collected();
