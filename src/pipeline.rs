@@ -19,7 +19,7 @@
 //! [`Sink::insert`]. A frame that cannot be understood is forwarded unchanged
 //! and reported once.
 
-use crate::chunk::Chunk;
+use crate::chunk::{Chunk, ChunkText};
 use crate::encode::inject::{self, Frame};
 use crate::encode::ndjson::{LineEncoder, LineFormat, TextField};
 use crate::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
@@ -161,21 +161,17 @@ impl EventLog {
                 started_at_ms: p.started_at_ms,
             })),
             (Chunk::Text { choice, text }, _) => {
-                self.has_texts = true;
-                let mut owned = self.spare_texts.pop().unwrap_or_default();
-                text.push_to(&mut owned);
-                events.push(StreamEvent::Content {
+                let text = self.owned(text);
+                self.events.push(StreamEvent::Content {
                     choice: *choice,
-                    text: owned,
+                    text,
                 });
             }
             (Chunk::Reasoning { choice, text }, _) => {
-                self.has_texts = true;
-                let mut owned = self.spare_texts.pop().unwrap_or_default();
-                text.push_to(&mut owned);
-                events.push(StreamEvent::Reasoning {
+                let text = self.owned(text);
+                self.events.push(StreamEvent::Reasoning {
                     choice: *choice,
-                    text: owned,
+                    text,
                 });
             }
             (Chunk::Done, _) => events.push(StreamEvent::Done),
@@ -187,6 +183,14 @@ impl EventLog {
                 Applied::Cleared | Applied::Unchanged,
             ) => {}
         }
+    }
+
+    /// A text event's text, in a string a published one left if any.
+    fn owned(&mut self, text: &ChunkText<'_>) -> String {
+        self.has_texts = true;
+        let mut owned = self.spare_texts.pop().unwrap_or_default();
+        text.push_to(&mut owned);
+        owned
     }
 
     /// Empties the increments, keeping their texts' strings (emptied) for

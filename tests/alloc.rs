@@ -14,7 +14,7 @@ use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::Framing;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
 use aalis_proxy::proxy::body::OutBuf;
-use aalis_proxy::proxy::sessions::SessionRegistry;
+use aalis_proxy::proxy::sessions::{SessionRegistry, StreamHandle};
 use bytes::Bytes;
 
 struct Counting;
@@ -244,6 +244,22 @@ fn bursts_with_several_pieces_held_get_a_buffer_each_and_never_grow_it() {
     }
 }
 
+/// A stream as `serve` sets it up for an SSE response: its session (which
+/// nobody watches) and its annotator, with field injection.
+fn proxied_stream(session_id: &str) -> (SessionRegistry, StreamHandle, Annotator) {
+    let registry = SessionRegistry::new();
+    let session = registry.begin_stream(session_id);
+    let annotator = Annotator::new(AnnotatorConfig {
+        output: OutputFormat::Sse,
+        inject: InjectMode::Field,
+        session_id: Some(session_id.to_owned()),
+        framing: Some(Framing::Sse),
+        max_event_bytes: 1 << 20,
+        collect_events: true,
+    });
+    (registry, session, annotator)
+}
+
 /// What `serve` does with each event of a stream besides reading and
 /// writing it (`TapBody`'s work between its upstream and its client):
 /// annotate (parse, inject, count), gather into the output buffer, publish
@@ -252,16 +268,7 @@ fn bursts_with_several_pieces_held_get_a_buffer_each_and_never_grow_it() {
 /// deltas are the next test's.
 #[test]
 fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
-    let registry = SessionRegistry::new();
-    let mut session = registry.begin_stream("alloc-test");
-    let mut annotator = Annotator::new(AnnotatorConfig {
-        output: OutputFormat::Sse,
-        inject: InjectMode::Field,
-        session_id: Some("alloc-test".to_owned()),
-        framing: Some(Framing::Sse),
-        max_event_bytes: 1 << 20,
-        collect_events: true,
-    });
+    let (_registry, mut session, mut annotator) = proxied_stream("alloc-test");
     let mut out = OutBuf::default();
     let mut held: Option<Bytes> = None;
     let mut step = |event: &[u8]| {
@@ -330,16 +337,7 @@ fn text_event(i: usize) -> (Vec<u8>, &'static str) {
 fn text_deltas_are_collected_and_published_without_allocating() {
     use aalis_proxy::pipeline::StreamEvent;
 
-    let registry = SessionRegistry::new();
-    let mut session = registry.begin_stream("alloc-text");
-    let mut annotator = Annotator::new(AnnotatorConfig {
-        output: OutputFormat::Sse,
-        inject: InjectMode::Field,
-        session_id: Some("alloc-text".to_owned()),
-        framing: Some(Framing::Sse),
-        max_event_bytes: 1 << 20,
-        collect_events: true,
-    });
+    let (_registry, mut session, mut annotator) = proxied_stream("alloc-text");
     let events: Vec<(Vec<u8>, &str)> = (0..700).map(text_event).collect();
     // Reads of 1, 2, 3, 4, 1, 2, … events.
     let mut reads: Vec<(Vec<u8>, Vec<&str>)> = Vec::new();
