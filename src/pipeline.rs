@@ -141,7 +141,6 @@ const SPARE_TEXT_BYTES: usize = 256;
 impl EventLog {
     /// What subscribers hear of one applied chunk.
     fn record(&mut self, chunk: &Chunk<'_>, applied: &Applied<'_>) {
-        let events = &mut self.events;
         if let Applied::Cleared = applied {
             let reason = match chunk {
                 Chunk::Text { .. } | Chunk::Reasoning { .. } => ClearReason::Text,
@@ -150,10 +149,10 @@ impl EventLog {
                     ClearReason::Done
                 }
             };
-            events.push(StreamEvent::Cleared(reason));
+            self.events.push(StreamEvent::Cleared(reason));
         }
         match (chunk, applied) {
-            (_, Applied::Progress(p)) => events.push(StreamEvent::Progress(ProgressEntry {
+            (_, Applied::Progress(p)) => self.events.push(StreamEvent::Progress(ProgressEntry {
                 choice: p.choice,
                 index: p.index,
                 name: std::sync::Arc::clone(p.name),
@@ -174,7 +173,7 @@ impl EventLog {
                     text,
                 });
             }
-            (Chunk::Done, _) => events.push(StreamEvent::Done),
+            (Chunk::Done, _) => self.events.push(StreamEvent::Done),
             (
                 Chunk::ToolCallDelta(_)
                 | Chunk::Finish { .. }
