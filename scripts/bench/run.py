@@ -162,6 +162,9 @@ def floor(get):
     return max(get["cat | cat"], get.get(FLOOR_ONE_CPU, 0.0))
 
 
+# The proxy target of examples/h1_serve_spike.rs (`--spike`).
+SPIKE = "own server (prototype)"
+
 # The contenders measured a second time on the plain build (`--plain`).
 PLAIN = "plain build: "
 
@@ -783,7 +786,8 @@ def human_ns(ns):
 
 # Proxy targets that are other builds of `serve`, reported beside the
 # verdicts: (target name, how a verdict line names it).
-OTHER_BUILDS = [("aalis (plain build)", "the plain build"), ("forward-only", "the forward-only build")]
+OTHER_BUILDS = [("aalis (plain build)", "the plain build"), ("forward-only", "the forward-only build"),
+                (SPIKE, "the own-server prototype")]
 
 
 def targets(results):
@@ -828,9 +832,10 @@ def targets(results):
             x = a["events_per_s"] / n["events_per_s"]
             lines.append(f"unpaced C={c}: throughput ≥ nginx's: {'MET' if x >= 1 else 'MISSED'} "
                          f"({x:.2f}× nginx; {a['throughput_ratio']:.2f} vs {n['throughput_ratio']:.2f} of direct)")
-            if "aalis (plain build)" in get:
-                x = get["aalis (plain build)"]["events_per_s"] / n["events_per_s"]
-                lines.append(f"  (not a target) the plain build at C={c}: {x:.2f}× nginx")
+            for target, build in OTHER_BUILDS:
+                if target in get:
+                    x = get[target]["events_per_s"] / n["events_per_s"]
+                    lines.append(f"  (not a target) {build} at C={c}: {x:.2f}× nginx")
     for r in results["idle"]:
         if r["target"] == "aalis":
             ok = r["kib_per_stream"] <= 64 and r["ready"] == r["streams"]
@@ -862,6 +867,9 @@ def main():
                     "--release` gives), measured beside --aalis: filter contenders, instruction counts, a proxy target")
     ap.add_argument("--forward-only", help="a build made with --cfg aalis_forward_only (annotates nothing): "
                     "a fourth proxy target, the HTTP path's cost without parsing")
+    ap.add_argument("--spike", help="examples/h1_serve_spike (a measurement prototype, plain release build): "
+                    "serve's streaming path behind an HTTP/1.1 server of its own instead of hyper's, a fifth "
+                    "proxy target")
     ap.add_argument("--workdir", default="/tmp/aalis-bench")
     ap.add_argument("--soak-seconds", type=int)
     ap.add_argument("--reps", type=int)
@@ -909,6 +917,11 @@ def main():
                 forward, forward_port = start_aalis(a.forward_only, up_port, a.workdir, "serve-forward-only.log")
                 targets_["forward-only"] = forward_port
                 pids["forward-only"] = forward.pid
+            spike = None
+            if a.spike and "proxy" in only:
+                spike, spike_port = start_aalis(a.spike, up_port, a.workdir, "serve-spike.log")
+                targets_[SPIKE] = spike_port
+                pids[SPIKE] = spike.pid
             nginx = None
             if have_nginx:
                 nginx, nginx_port = start_nginx(up_port, a.workdir)
@@ -920,6 +933,8 @@ def main():
                 results["proxy"] = proxy_overhead(cfg, a.loadgen, targets_, pids, notes)
                 if forward:
                     stop(forward)
+                if spike:
+                    stop(spike)
                 if plain:
                     stop(plain)
                 # High-water RSS after the unpaced runs: what buffering cost.
