@@ -1128,6 +1128,42 @@ async fn request_bodies_reach_an_http_1_upstream_however_they_are_framed() {
     assert_no_foreign_panic();
 }
 
+/// A stream whose upstream ends it with trailers, its last event not
+/// ended: that event is held until the trailers come, and goes out just
+/// before them. Every byte the client gets is counted in
+/// `aalis_bytes_out_total`, those too, and equals what came in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_sent_before_an_upstreams_trailers_are_counted() {
+    let first = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"}}]}\n\n";
+    let last = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"}}]}";
+    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\
+                transfer-encoding: chunked\r\n\r\n";
+    let steps = vec![
+        RawStep::Write(Bytes::from(format!(
+            "{head}{:x}\r\n{first}\r\n",
+            first.len()
+        ))),
+        RawStep::Write(Bytes::from(format!(
+            "{:x}\r\n{last}\r\n0\r\nx-usage: 12\r\n\r\n",
+            last.len()
+        ))),
+    ];
+    let raw = RawUpstream::start(move |_| steps.clone()).await;
+    let proxy = Served::start(proxy_config(&raw.url())).await;
+    let response = raw_request(proxy.addr, "/v1/chat/completions", &[b"te: trailers"]).await;
+    assert_eq!(response.status, 200);
+    assert!(response.complete);
+    let sent = format!("{first}{last}");
+    assert_eq!(String::from_utf8_lossy(&response.body), sent);
+    let want = sent.len() as f64;
+    assert!(
+        eventually(PATIENCE, || proxy.metric("aalis_bytes_out_total") == want).await,
+        "aalis_bytes_out_total is {}, not {want}",
+        proxy.metric("aalis_bytes_out_total")
+    );
+    assert_eq!(proxy.metric("aalis_bytes_in_total"), want);
+}
+
 /// The proxy counts `resets` upstream resets (in time: the count follows
 /// the stream's end).
 async fn assert_resets_counted(proxy: &Served, resets: f64) {

@@ -271,10 +271,7 @@ impl Body for TapBody {
                 Poll::Pending if !this.out.is_empty() => {
                     publish_read(this.annotator, this.session, *this.heard);
                     let chunk = this.out.take();
-                    *this.bytes_out += chunk.len() as u64;
-                    this.metrics
-                        .bytes_out_total
-                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    count_out(this.bytes_out, this.metrics, chunk.len());
                     return Poll::Ready(Some(Ok(Frame::data(chunk))));
                 }
                 Poll::Pending => {
@@ -317,7 +314,7 @@ impl Body for TapBody {
                             }
                             *this.trailers = Some(frame);
                             let chunk = this.out.take();
-                            *this.bytes_out += chunk.len() as u64;
+                            count_out(this.bytes_out, this.metrics, chunk.len());
                             return Poll::Ready(Some(Ok(Frame::data(chunk))));
                         }
                     };
@@ -340,10 +337,7 @@ impl Body for TapBody {
                         *this.phase = Phase::Done;
                     }
                     let Some(annotator) = this.annotator.as_mut() else {
-                        *this.bytes_out += data.len() as u64;
-                        this.metrics
-                            .bytes_out_total
-                            .fetch_add(data.len() as u64, Ordering::Relaxed);
+                        count_out(this.bytes_out, this.metrics, data.len());
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     };
                     annotator.push(&data, unix_ms(), this.out.room());
@@ -376,10 +370,7 @@ impl Body for TapBody {
             if !this.out.is_empty() && !more_may_come {
                 publish_read(this.annotator, this.session, *this.heard);
                 let chunk = this.out.take();
-                *this.bytes_out += chunk.len() as u64;
-                this.metrics
-                    .bytes_out_total
-                    .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                count_out(this.bytes_out, this.metrics, chunk.len());
                 return Poll::Ready(Some(Ok(Frame::data(chunk))));
             }
         }
@@ -566,6 +557,16 @@ fn finish(
         log_warnings(annotator, log);
         publish(annotator, session, Instant::now());
     }
+}
+
+/// Counts `len` bytes handed to the client, in the request's log line and
+/// in the proxy's `bytes_out_total`: every piece of output goes through here.
+#[inline]
+fn count_out(bytes_out: &mut u64, metrics: &Metrics, len: usize) {
+    *bytes_out += len as u64;
+    metrics
+        .bytes_out_total
+        .fetch_add(len as u64, Ordering::Relaxed);
 }
 
 /// Publishes what the reads gathered into the output collected, as that
