@@ -17,10 +17,12 @@
 //! BIN=target/release/examples/h1_serve_spike scripts/bench/callgrind_serve.sh
 //! ```
 
+use std::future::poll_fn;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use aalis_proxy::encode::{InjectMode, OutputFormat};
@@ -35,8 +37,15 @@ use bytes::{Bytes, BytesMut};
 use clap::Parser;
 use http::{Request, Uri};
 use http_body_util::{BodyExt, Full};
+use hyper::body::Body;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+/// The allocator `serve` runs on (`src/main.rs`), so that the two differ
+/// only in their server.
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 #[derive(Parser)]
 #[command(
@@ -101,14 +110,22 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..threads {
         let listener = listener.try_clone()?;
         let shared = shared.clone();
-        workers.push(std::thread::spawn(move || -> io::Result<()> {
+        let worker = std::thread::Builder::new().spawn(move || -> io::Result<()> {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             runtime.block_on(async move {
                 let listener = TcpListener::from_std(listener)?;
                 loop {
-                    let (socket, _) = listener.accept().await?;
+                    let (socket, _) = match listener.accept().await {
+                        Ok(accepted) => accepted,
+                        Err(err) => {
+                            // As `serve` does: wait instead of spinning.
+                            eprintln!("h1_serve_spike: accept failed: {err}");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
                     let _ = socket.set_nodelay(true);
                     let shared = shared.clone();
                     tokio::spawn(async move {
@@ -118,7 +135,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     });
                 }
             })
-        }));
+        })?;
+        workers.push(worker);
     }
     // SIGINT ends the process at once, and normally, so that a profiler
     // running it (callgrind_serve.sh) writes its counts before the script
@@ -126,8 +144,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let signals = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    signals.block_on(tokio::signal::ctrl_c())?;
-    drop(workers);
+    signals.block_on(async {
+        tokio::select! {
+            signal = tokio::signal::ctrl_c() => signal,
+            // A worker ends only on an error: say so and stop.
+            () = async {
+                while workers.iter().all(|w| !w.is_finished()) {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            } => Err(io::Error::other("a worker stopped")),
+        }
+    })?;
     Ok(())
 }
 
@@ -239,7 +266,7 @@ async fn respond(
         inject: InjectMode::Field,
         session_id: Some(session_id.clone()),
         framing: Some(Framing::Sse),
-        max_event_bytes: 1024 * 1024,
+        max_event_bytes: aalis_proxy::framing::sse::DEFAULT_MAX_EVENT_BYTES,
         collect_events: true,
     });
     let stream = shared.sessions.begin_stream(&session_id);
@@ -274,9 +301,26 @@ async fn respond(
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n");
-    // The head goes out with the first chunk, as hyper sends it.
     let mut head_bytes = Some(out);
-    while let Some(frame) = tap.frame().await {
+    loop {
+        // As hyper does: the head goes out with the first chunk when that
+        // is ready, and alone when it is not.
+        let frame = if head_bytes.is_some() {
+            match poll_fn(|cx| Poll::Ready(tap.as_mut().poll_frame(cx))).await {
+                Poll::Ready(frame) => frame,
+                Poll::Pending => {
+                    if let Some(head) = head_bytes.take() {
+                        socket.write_all(&head).await?;
+                    }
+                    tap.frame().await
+                }
+            }
+        } else {
+            tap.frame().await
+        };
+        let Some(frame) = frame else {
+            break;
+        };
         let frame = frame.map_err(io::Error::other)?;
         let Ok(data) = frame.into_data() else {
             continue; // trailers: dropped by this prototype
@@ -284,29 +328,36 @@ async fn respond(
         if data.is_empty() {
             continue;
         }
-        write_chunk(
-            socket,
-            head_bytes.take().as_deref().unwrap_or_default(),
-            &data,
-        )
-        .await?;
+        // The last chunk and the end in one write, as hyper writes them.
+        let last = tap.is_end_stream();
+        let head = head_bytes.take();
+        let end: &[u8] = if last { b"0\r\n\r\n" } else { b"" };
+        write_chunk(socket, head.as_deref().unwrap_or_default(), &data, end).await?;
+        if last {
+            return Ok(());
+        }
     }
     let mut end = head_bytes.take().unwrap_or_default();
     end.extend_from_slice(b"0\r\n\r\n");
     socket.write_all(&end).await
 }
 
-/// Writes `prefix`, then `data` as one chunk of a chunked body, with one
-/// `writev` when the socket takes it all.
-async fn write_chunk(socket: &mut TcpStream, prefix: &[u8], data: &[u8]) -> io::Result<()> {
+/// Writes `prefix`, then `data` as one chunk of a chunked body, then
+/// `suffix`, with one `writev` when the socket takes it all.
+async fn write_chunk(
+    socket: &mut TcpStream,
+    prefix: &[u8],
+    data: &[u8],
+    suffix: &[u8],
+) -> io::Result<()> {
     let mut line = [0u8; 18];
     let line_len = size_line(data.len(), &mut line);
-    let parts: [&[u8]; 4] = [prefix, &line[..line_len], data, b"\r\n"];
+    let parts: [&[u8]; 5] = [prefix, &line[..line_len], data, b"\r\n", suffix];
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let mut written = 0;
     while written < total {
         let mut skip = written;
-        let mut slices = [IoSlice::new(&[]); 4];
+        let mut slices = [IoSlice::new(&[]); 5];
         let mut used = 0;
         for part in parts {
             if skip >= part.len() {
