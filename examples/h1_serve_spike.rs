@@ -29,7 +29,7 @@ use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::Framing;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
 use aalis_proxy::proxy::body::{RequestLog, TapBody};
-use aalis_proxy::proxy::h1::H1Pool;
+use aalis_proxy::proxy::h1::{H1Pool, wire};
 use aalis_proxy::proxy::metrics::Metrics;
 use aalis_proxy::proxy::sessions::SessionRegistry;
 use aalis_proxy::proxy::upstream::{ProxyBody, Upstream, UpstreamBody, strip_hop_by_hop};
@@ -301,22 +301,26 @@ async fn respond(
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n");
-    let mut head_bytes = Some(out);
+    // What goes before the next chunk's data: the head until it is sent,
+    // then the chunk's size line (`wire::write_chunk_size`, as the
+    // upstream client writes request bodies).
+    let mut prefix = out;
+    let mut head_sent = false;
     loop {
         // As hyper does: the head goes out with the first chunk when that
         // is ready, and alone when it is not.
-        let frame = if head_bytes.is_some() {
+        let frame = if head_sent {
+            tap.frame().await
+        } else {
             match poll_fn(|cx| Poll::Ready(tap.as_mut().poll_frame(cx))).await {
                 Poll::Ready(frame) => frame,
                 Poll::Pending => {
-                    if let Some(head) = head_bytes.take() {
-                        socket.write_all(&head).await?;
-                    }
+                    socket.write_all(&prefix).await?;
+                    prefix.clear();
+                    head_sent = true;
                     tap.frame().await
                 }
             }
-        } else {
-            tap.frame().await
         };
         let Some(frame) = frame else {
             break;
@@ -328,36 +332,29 @@ async fn respond(
         if data.is_empty() {
             continue;
         }
+        wire::write_chunk_size(data.len(), &mut prefix);
         // The last chunk and the end in one write, as hyper writes them.
         let last = tap.is_end_stream();
-        let head = head_bytes.take();
-        let end: &[u8] = if last { b"0\r\n\r\n" } else { b"" };
-        write_chunk(socket, head.as_deref().unwrap_or_default(), &data, end).await?;
+        let after: &[u8] = if last { b"\r\n0\r\n\r\n" } else { b"\r\n" };
+        write_all_vectored(socket, [&prefix, &data, after]).await?;
+        prefix.clear();
+        head_sent = true;
         if last {
             return Ok(());
         }
     }
-    let mut end = head_bytes.take().unwrap_or_default();
-    end.extend_from_slice(b"0\r\n\r\n");
-    socket.write_all(&end).await
+    prefix.extend_from_slice(b"0\r\n\r\n");
+    socket.write_all(&prefix).await
 }
 
-/// Writes `prefix`, then `data` as one chunk of a chunked body, then
-/// `suffix`, with one `writev` when the socket takes it all.
-async fn write_chunk(
-    socket: &mut TcpStream,
-    prefix: &[u8],
-    data: &[u8],
-    suffix: &[u8],
-) -> io::Result<()> {
-    let mut line = [0u8; 18];
-    let line_len = size_line(data.len(), &mut line);
-    let parts: [&[u8]; 5] = [prefix, &line[..line_len], data, b"\r\n", suffix];
+/// Writes `parts` in order, with one `writev` when the socket takes them
+/// all.
+async fn write_all_vectored(socket: &mut TcpStream, parts: [&[u8]; 3]) -> io::Result<()> {
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let mut written = 0;
     while written < total {
         let mut skip = written;
-        let mut slices = [IoSlice::new(&[]); 5];
+        let mut slices = [IoSlice::new(&[]); 3];
         let mut used = 0;
         for part in parts {
             if skip >= part.len() {
@@ -375,17 +372,4 @@ async fn write_chunk(
         written += n;
     }
     Ok(())
-}
-
-/// `len` in hexadecimal and a CRLF, into `line`; its length.
-fn size_line(len: usize, line: &mut [u8; 18]) -> usize {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let digits = ((usize::BITS - len.leading_zeros()).div_ceil(4)).max(1) as usize;
-    for (i, slot) in line.iter_mut().take(digits).enumerate() {
-        let shift = 4 * (digits - 1 - i);
-        *slot = HEX[(len >> shift) & 0xf];
-    }
-    line[digits] = b'\r';
-    line[digits + 1] = b'\n';
-    digits + 2
 }

@@ -907,21 +907,18 @@ def main():
             aalis, aalis_port = start_aalis(a.aalis, up_port, a.workdir)
             targets_ = {"direct": up_port, "aalis": aalis_port}
             pids = {"aalis": aalis.pid}
-            forward = None
-            plain = None
-            if a.plain and "proxy" in only:
-                plain, plain_port = start_aalis(a.plain, up_port, a.workdir, "serve-plain.log")
-                targets_["aalis (plain build)"] = plain_port
-                pids["aalis (plain build)"] = plain.pid
-            if a.forward_only and "proxy" in only:
-                forward, forward_port = start_aalis(a.forward_only, up_port, a.workdir, "serve-forward-only.log")
-                targets_["forward-only"] = forward_port
-                pids["forward-only"] = forward.pid
-            spike = None
-            if a.spike and "proxy" in only:
-                spike, spike_port = start_aalis(a.spike, up_port, a.workdir, "serve-spike.log")
-                targets_[SPIKE] = spike_port
-                pids[SPIKE] = spike.pid
+            # The other builds (OTHER_BUILDS), each in serve's place, for the
+            # proxy part only.
+            others = []
+            builds = [(a.plain, "aalis (plain build)", "serve-plain.log"),
+                      (a.forward_only, "forward-only", "serve-forward-only.log"),
+                      (a.spike, SPIKE, "serve-spike.log")]
+            for binary, name, log_name in builds:
+                if binary and "proxy" in only:
+                    p, port = start_aalis(binary, up_port, a.workdir, log_name)
+                    targets_[name] = port
+                    pids[name] = p.pid
+                    others.append(p)
             nginx = None
             if have_nginx:
                 nginx, nginx_port = start_nginx(up_port, a.workdir)
@@ -931,12 +928,8 @@ def main():
                 notes.append("nginx is not available: no nginx comparison.")
             if "proxy" in only:
                 results["proxy"] = proxy_overhead(cfg, a.loadgen, targets_, pids, notes)
-                if forward:
-                    stop(forward)
-                if spike:
-                    stop(spike)
-                if plain:
-                    stop(plain)
+                for p in others:
+                    stop(p)
                 # High-water RSS after the unpaced runs: what buffering cost.
                 results["peak_rss"] = [dict(target="aalis", vm_hwm_kib=hwm_kib(aalis.pid),
                                             rss_kib=tree_rss_kib(aalis.pid))]

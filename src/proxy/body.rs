@@ -270,8 +270,7 @@ impl Body for TapBody {
                 // never waiting for a later event.
                 Poll::Pending if !this.out.is_empty() => {
                     publish_read(this.annotator, this.session, *this.heard);
-                    let chunk = this.out.take();
-                    count_out(this.bytes_out, this.metrics, chunk.len());
+                    let chunk = take_out(this.out, this.bytes_out, this.metrics);
                     return Poll::Ready(Some(Ok(Frame::data(chunk))));
                 }
                 Poll::Pending => {
@@ -313,8 +312,7 @@ impl Body for TapBody {
                                 return Poll::Ready(Some(Ok(frame)));
                             }
                             *this.trailers = Some(frame);
-                            let chunk = this.out.take();
-                            count_out(this.bytes_out, this.metrics, chunk.len());
+                            let chunk = take_out(this.out, this.bytes_out, this.metrics);
                             return Poll::Ready(Some(Ok(Frame::data(chunk))));
                         }
                     };
@@ -369,8 +367,7 @@ impl Body for TapBody {
             let more_may_come = *this.phase == Phase::Streaming && this.out.len() < COALESCE_BYTES;
             if !this.out.is_empty() && !more_may_come {
                 publish_read(this.annotator, this.session, *this.heard);
-                let chunk = this.out.take();
-                count_out(this.bytes_out, this.metrics, chunk.len());
+                let chunk = take_out(this.out, this.bytes_out, this.metrics);
                 return Poll::Ready(Some(Ok(Frame::data(chunk))));
             }
         }
@@ -557,6 +554,14 @@ fn finish(
         log_warnings(annotator, log);
         publish(annotator, session, Instant::now());
     }
+}
+
+/// The gathered output, taken to go to the client, and counted.
+#[inline]
+fn take_out(out: &mut OutBuf, bytes_out: &mut u64, metrics: &Metrics) -> Bytes {
+    let chunk = out.take();
+    count_out(bytes_out, metrics, chunk.len());
+    chunk
 }
 
 /// Counts `len` bytes handed to the client, in the request's log line and

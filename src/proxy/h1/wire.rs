@@ -227,10 +227,15 @@ pub fn write_head(
     out.extend_from_slice(b"\r\n");
 }
 
-/// Appends the size line of a chunk of `len` bytes (`len` > 0).
+/// Appends the size line of a chunk of `len` bytes (`len` > 0): its
+/// length in lower-case hexadecimal and a CRLF, written digit by digit (no
+/// formatting machinery, no allocation).
 pub fn write_chunk_size(len: usize, out: &mut Vec<u8>) {
-    let digits = format!("{len:x}");
-    out.extend_from_slice(digits.as_bytes());
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1);
+    for digit in (0..digits).rev() {
+        out.push(HEX[(len >> (4 * digit)) & 0xf]);
+    }
     out.extend_from_slice(b"\r\n");
 }
 

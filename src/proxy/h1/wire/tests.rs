@@ -312,6 +312,28 @@ fn a_request_head_is_written_with_the_framing_it_needs() {
     assert_eq!(out, b"1a2b\r\n");
 }
 
+/// The size line is what `format!("{len:x}")` gives, at every number of
+/// digits, appended after what the buffer held.
+#[test]
+fn a_chunk_size_line_is_lower_case_hex_at_every_width() {
+    let mut lens: Vec<usize> = (0..=4096).collect();
+    for bits in 0..usize::BITS {
+        let power = 1usize << bits;
+        lens.extend([
+            power - 1,
+            power,
+            power | (power >> 1),
+            power.wrapping_mul(0xb),
+        ]);
+    }
+    lens.push(usize::MAX);
+    for len in lens {
+        let mut out = b"x".to_vec();
+        write_chunk_size(len, &mut out);
+        assert_eq!(out, format!("x{len:x}\r\n").as_bytes(), "{len}");
+    }
+}
+
 #[test]
 fn a_head_ends_only_at_its_blank_line() {
     assert!(has_blank_line(b"HTTP/1.1 200 OK\r\n\r\n"));
