@@ -83,21 +83,17 @@ if [ "$mode" = full ]; then
       RUSTFLAGS="${RUSTFLAGS:-} --cfg aalis_forward_only" CARGO_TARGET_DIR=target/forward-only \
         cargo build --locked --release --quiet --bin aalis-proxy
       args+=(--forward-only target/forward-only/release/aalis-proxy)
-      # The own-server prototype (examples/h1_serve_spike.rs), a fifth
-      # target: serve's streaming path without hyper's server.
-      cargo build --locked --release --quiet --example h1_serve_spike
-      args+=(--spike "$bin/examples/h1_serve_spike")
       ;;
   esac
   limit=45m
 else
   # The test profile's builds (CI has them from `cargo test` already): the
   # smoke run proves the suite works; its numbers mean nothing.
-  cargo build --locked --quiet --bin aalis-proxy --example loadgen --example h1_serve_spike
+  cargo build --locked --quiet --bin aalis-proxy --example loadgen
   bin=target/debug
   aalis=$bin/aalis-proxy
   # The same binary again as the plain build: exercises those rows.
-  args+=(--plain "$bin/aalis-proxy" --spike "$bin/examples/h1_serve_spike")
+  args+=(--plain "$bin/aalis-proxy")
   limit=10m
 fi
 
