@@ -13,6 +13,7 @@ pub mod ndjson;
 pub mod splice;
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::js::push_string;
 use crate::progress::Progress;
@@ -86,6 +87,37 @@ pub enum OutputFormat {
 pub struct ProgressBatch {
     json: String,
     spans: Vec<Range<usize>>,
+    /// The last object's fields before its count, kept across frames.
+    head: ProgressHead,
+}
+
+/// `{"index":0,"name":"f","charsAccumulated":` for one call: the part of a
+/// progress object that stays the same from one delta of a call to the
+/// next. A stream's deltas nearly all continue the call before them, so
+/// the name is escaped once a call, not once a delta.
+#[derive(Debug, Default)]
+struct ProgressHead {
+    index: i64,
+    /// Held, so the same allocation is the same name.
+    name: Option<Arc<str>>,
+    json: String,
+}
+
+impl ProgressHead {
+    /// The head of `p`'s object, rendered anew unless it is the last one's.
+    fn of(&mut self, p: &Progress<'_>) -> &str {
+        let same_name = self
+            .name
+            .as_ref()
+            .is_some_and(|name| Arc::ptr_eq(name, p.name) || name == p.name);
+        if !same_name || self.index != p.index {
+            self.index = p.index;
+            self.name = Some(Arc::clone(p.name));
+            self.json.clear();
+            write_head(p, &mut self.json);
+        }
+        &self.json
+    }
 }
 
 impl ProgressBatch {
@@ -96,7 +128,8 @@ impl ProgressBatch {
 
     pub fn push(&mut self, p: &Progress<'_>) {
         let start = self.json.len();
-        write_progress(p, &mut self.json);
+        self.json.push_str(self.head.of(p));
+        write_tail(p, &mut self.json);
         self.spans.push(start..self.json.len());
     }
 
@@ -119,8 +152,8 @@ impl ProgressBatch {
     }
 }
 
-/// Renders one progress object.
-pub fn write_progress(p: &Progress<'_>, out: &mut String) {
+/// A progress object up to its count: `{"index":0,"name":"f","charsAccumulated":`.
+fn write_head(p: &Progress<'_>, out: &mut String) {
     // itoa, not `write!`: this runs once per tool-call delta.
     let mut digits = itoa::Buffer::new();
     out.push_str("{\"index\":");
@@ -128,10 +161,83 @@ pub fn write_progress(p: &Progress<'_>, out: &mut String) {
     out.push_str(",\"name\":");
     push_string(p.name, out);
     out.push_str(",\"charsAccumulated\":");
+}
+
+/// The rest of a progress object: its count, its choice if not 0, `}`.
+fn write_tail(p: &Progress<'_>, out: &mut String) {
+    let mut digits = itoa::Buffer::new();
     out.push_str(digits.format(p.chars_accumulated));
     if p.choice != 0 {
         out.push_str(",\"choice\":");
         out.push_str(digits.format(p.choice));
     }
     out.push('}');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn progress(choice: i64, index: i64, name: &Arc<str>, chars: usize) -> Progress<'_> {
+        Progress {
+            choice,
+            index,
+            name,
+            chars_accumulated: chars,
+            started_at_ms: 0,
+        }
+    }
+
+    /// The object as SPEC.md writes it, built without the batch's code.
+    fn expected(p: &Progress<'_>) -> String {
+        let name = serde_json::to_string(&**p.name).expect("a string serializes");
+        let choice = if p.choice == 0 {
+            String::new()
+        } else {
+            format!(",\"choice\":{}", p.choice)
+        };
+        format!(
+            "{{\"index\":{},\"name\":{name},\"charsAccumulated\":{}{choice}}}",
+            p.index, p.chars_accumulated
+        )
+    }
+
+    #[test]
+    fn a_kept_head_renders_what_a_fresh_one_would() {
+        // Each frame's progress, in order: the same call again, another
+        // index, a renamed call, another choice, a name that needs escapes,
+        // and back to a call seen before.
+        let weather: Arc<str> = Arc::from("get_weather");
+        let time: Arc<str> = Arc::from("get_time");
+        // Another allocation of the same name, and a name of the same
+        // length as another.
+        let weather_again: Arc<str> = Arc::from("get_weather");
+        let set_time: Arc<str> = Arc::from("set_time");
+        let quoted: Arc<str> = Arc::from("say \"hi\"\n\u{1}");
+        let empty: Arc<str> = Arc::from("");
+        let frames: Vec<Vec<Progress<'_>>> = vec![
+            vec![progress(0, 0, &weather, 3)],
+            vec![progress(0, 0, &weather, 11)],
+            vec![progress(0, 1, &weather, 2), progress(0, 0, &weather, 12)],
+            vec![progress(0, 1, &time, 9)],
+            vec![progress(2, 1, &time, 10)],
+            vec![progress(0, 1, &time, 13)],
+            vec![progress(0, 1, &set_time, 14)],
+            vec![progress(0, 1, &quoted, 1)],
+            vec![progress(0, 1, &empty, 0)],
+            vec![progress(0, 0, &weather_again, 40)],
+            vec![progress(0, 0, &weather, 41), progress(-1, 7, &time, 5)],
+        ];
+        let mut batch = ProgressBatch::default();
+        for frame in &frames {
+            batch.clear();
+            for p in frame {
+                batch.push(p);
+            }
+            let got: Vec<&str> = batch.iter().collect();
+            let want: Vec<String> = frame.iter().map(expected).collect();
+            assert_eq!(got, want);
+            assert_eq!(batch.last(), want.last().map(String::as_str));
+        }
+    }
 }

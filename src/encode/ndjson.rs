@@ -91,7 +91,7 @@ impl LineEncoder {
     }
 
     /// A `toolCallProgress` line, from an object rendered by
-    /// [`write_progress`](super::write_progress).
+    /// [`ProgressBatch`](super::ProgressBatch).
     pub fn progress(&mut self, out: &mut impl Sink, progress_json: &str) {
         self.open();
         self.line.push_str("\"toolCallProgress\":");
