@@ -87,36 +87,66 @@ pub enum OutputFormat {
 pub struct ProgressBatch {
     json: String,
     spans: Vec<Range<usize>>,
-    /// The last object's fields before its count, kept across frames.
-    head: ProgressHead,
+    /// The calls' heads, kept across frames.
+    heads: ProgressHeads,
 }
 
-/// `{"index":0,"name":"f","charsAccumulated":` for one call: the part of a
-/// progress object that stays the same from one delta of a call to the
-/// next. A stream's deltas nearly all continue the call before them, so
-/// the name is escaped once a call, not once a delta.
+/// How many calls keep a rendered head; a stream with more starts over
+/// (models send a handful of parallel calls at most).
+const MAX_HEADS: usize = 16;
+
+/// `{"index":0,"name":"f","charsAccumulated":` for each call: the part of
+/// a progress object that stays the same from one delta of a call to the
+/// next, so the name is escaped once a call, not once a delta (parallel
+/// calls' deltas interleave, so one per call, not only the last).
 #[derive(Debug, Default)]
+struct ProgressHeads {
+    heads: Vec<ProgressHead>,
+}
+
+#[derive(Debug)]
 struct ProgressHead {
+    choice: i64,
     index: i64,
     /// Held, so the same allocation is the same name.
-    name: Option<Arc<str>>,
+    name: Arc<str>,
     json: String,
 }
 
-impl ProgressHead {
-    /// The head of `p`'s object, rendered anew unless it is the last one's.
-    fn of(&mut self, p: &Progress<'_>) -> &str {
-        let same_name = self
-            .name
-            .as_ref()
-            .is_some_and(|name| Arc::ptr_eq(name, p.name) || name == p.name);
-        if !same_name || self.index != p.index {
-            self.index = p.index;
-            self.name = Some(Arc::clone(p.name));
-            self.json.clear();
-            write_head(p, &mut self.json);
+impl ProgressHeads {
+    /// Appends the head of `p`'s object, rendered anew unless its call's
+    /// name is the one it was rendered with.
+    fn write(&mut self, p: &Progress<'_>, out: &mut String) {
+        let at = self
+            .heads
+            .iter()
+            .position(|h| h.index == p.index && h.choice == p.choice);
+        let at = match at {
+            Some(at) => at,
+            None => {
+                if self.heads.len() >= MAX_HEADS {
+                    self.heads.clear();
+                }
+                self.heads.push(ProgressHead {
+                    choice: p.choice,
+                    index: p.index,
+                    name: Arc::clone(p.name),
+                    json: String::new(),
+                });
+                self.heads.len() - 1
+            }
+        };
+        let Some(head) = self.heads.get_mut(at) else {
+            write_head(p, out);
+            return;
+        };
+        let same_name = Arc::ptr_eq(&head.name, p.name) || head.name == *p.name;
+        if head.json.is_empty() || !same_name {
+            head.name = Arc::clone(p.name);
+            head.json.clear();
+            write_head(p, &mut head.json);
         }
-        &self.json
+        out.push_str(&head.json);
     }
 }
 
@@ -128,7 +158,7 @@ impl ProgressBatch {
 
     pub fn push(&mut self, p: &Progress<'_>) {
         let start = self.json.len();
-        self.json.push_str(self.head.of(p));
+        self.heads.write(p, &mut self.json);
         write_tail(p, &mut self.json);
         self.spans.push(start..self.json.len());
     }
@@ -227,7 +257,20 @@ mod tests {
             vec![progress(0, 1, &empty, 0)],
             vec![progress(0, 0, &weather_again, 40)],
             vec![progress(0, 0, &weather, 41), progress(-1, 7, &time, 5)],
+            // Parallel calls interleaved, and the same index in two
+            // choices with two names.
+            vec![progress(0, 1, &time, 6), progress(0, 0, &weather, 42)],
+            vec![progress(3, 1, &set_time, 1), progress(0, 1, &time, 7)],
+            vec![progress(3, 1, &set_time, 2), progress(0, 1, &time, 8)],
         ];
+        // More calls than heads are kept, then the first again.
+        let many: Vec<Progress<'_>> = (0..=MAX_HEADS as i64 + 2)
+            .map(|index| progress(0, index, &set_time, 1))
+            .collect();
+        let frames: Vec<Vec<Progress<'_>>> = frames
+            .into_iter()
+            .chain([many, vec![progress(0, 0, &weather, 43)]])
+            .collect();
         let mut batch = ProgressBatch::default();
         for frame in &frames {
             batch.clear();
