@@ -29,7 +29,8 @@ STAGES = [
     ("SSE / NDJSON framing", r"aalis_proxy::framing|memchr"),
     ("progress tracker + UTF-16 counts", r"aalis_proxy::progress|aalis_proxy::js::utf16_len"),
     ("encode: progress JSON (core::fmt, push_string)",
-     r"core::fmt|pad_integral|aalis_proxy::encode::write_progress|aalis_proxy::js::push_string"
+     r"core::fmt|pad_integral|aalis_proxy::encode::(write_head|write_tail|ProgressBatch::push|ProgressHeads::write)"
+     r"|aalis_proxy::js::push_string"
      r"|<alloc::string::String as core::fmt::Write>"),
     ("encode: injection / NDJSON lines", r"aalis_proxy::encode"),
     ("memcpy (forwarding, buffer moves)", r"memmove|memcpy|Sink>::insert|Sink>::forward"),
