@@ -114,39 +114,37 @@ struct ProgressHead {
 }
 
 impl ProgressHeads {
-    /// Appends the head of `p`'s object, rendered anew unless its call's
-    /// name is the one it was rendered with.
+    /// Appends the head of `p`'s object: its call's kept one, rendered
+    /// again if the call's name is not the one it was rendered with.
     fn write(&mut self, p: &Progress<'_>, out: &mut String) {
-        let at = self
+        let kept = self
             .heads
-            .iter()
-            .position(|h| h.index == p.index && h.choice == p.choice);
-        let at = match at {
-            Some(at) => at,
+            .iter_mut()
+            .find(|h| h.index == p.index && h.choice == p.choice);
+        match kept {
+            Some(head) => {
+                if !(Arc::ptr_eq(&head.name, p.name) || head.name == *p.name) {
+                    head.name = Arc::clone(p.name);
+                    head.json.clear();
+                    write_head(p, &mut head.json);
+                }
+                out.push_str(&head.json);
+            }
             None => {
                 if self.heads.len() >= MAX_HEADS {
                     self.heads.clear();
                 }
+                let mut json = String::new();
+                write_head(p, &mut json);
+                out.push_str(&json);
                 self.heads.push(ProgressHead {
                     choice: p.choice,
                     index: p.index,
                     name: Arc::clone(p.name),
-                    json: String::new(),
+                    json,
                 });
-                self.heads.len() - 1
             }
-        };
-        let Some(head) = self.heads.get_mut(at) else {
-            write_head(p, out);
-            return;
-        };
-        let same_name = Arc::ptr_eq(&head.name, p.name) || head.name == *p.name;
-        if head.json.is_empty() || !same_name {
-            head.name = Arc::clone(p.name);
-            head.json.clear();
-            write_head(p, &mut head.json);
         }
-        out.push_str(&head.json);
     }
 }
 
