@@ -540,6 +540,83 @@ mod tests {
         assert!(checked > 50_000, "{checked}");
     }
 
+    /// Frames next to the steady shape of a streaming call (one entry with
+    /// arguments and nothing else), each decoded twice in a row: learned,
+    /// then matched. The fixtures' frames that carry a name carry an id too;
+    /// these do not.
+    #[test]
+    fn fast_path_equals_serde_on_shapes_beside_a_streaming_call() {
+        // (top level before `choices`, the choice's keys before `delta`, the
+        // delta's keys before `tool_calls`, choices after the first, top
+        // level after `choices`)
+        let frame = |entry: &str, parts: [&str; 5]| {
+            let [top, choice, delta, choices, after] = parts;
+            format!(
+                r#"{{"id":"c",{top}"choices":[{{{choice}"delta":{{{delta}"tool_calls":[{entry}]}}}}{choices}]{after}}}"#
+            )
+        };
+        let entries = [
+            r#"{"index":1,"function":{"arguments":"{\"a\":"}}"#,
+            r#"{"index":1,"function":{"name":"f","arguments":"x"}}"#,
+            r#"{"index":1,"id":"call_1","function":{"arguments":"x"}}"#,
+            r#"{"function":{"arguments":"x"}}"#,
+            r#"{"index":2,"function":{"arguments":""}}"#,
+            r#"{"index":-3,"type":"function","function":{"arguments":"\u00e9"}}"#,
+            r#"{"index":1,"function":{"arguments":"x"}},{"index":9,"function":{"arguments":"y"}}"#,
+        ];
+        let neighbours = [
+            ["", r#""index":0,"#, "", "", ""],
+            ["", r#""index":0,"finish_reason":"tool_calls","#, "", "", ""],
+            ["", r#""finish_reason":null,"#, "", "", ""],
+            ["", "", r#""content":"t","#, "", ""],
+            ["", "", r#""reasoning":"r","#, "", ""],
+            ["", "", r#""reasoning_content":"r","#, "", ""],
+            ["", "", "", "", r#","usage":{"total_tokens":3}"#],
+            ["", "", "", "", r#","x_groq":{"usage":{"total_tokens":3}}"#],
+            [r#""error":"e","#, "", "", "", ""],
+            [r#""toolCallProgress":[],"#, "", "", "", ""],
+            ["", r#""index":1,"#, "", r#",{"index":2,"delta":{}}"#, ""],
+        ];
+        let mut frames = Vec::new();
+        for entry in entries {
+            for parts in neighbours {
+                let frame = frame(entry, parts);
+                assert!(
+                    serde_json::from_str::<serde_json::Value>(&frame).is_ok(),
+                    "{frame}"
+                );
+                frames.push(frame);
+            }
+        }
+        let mut state = DecoderState::default();
+        for frame in &frames {
+            same_as_serde(Provider::OpenAiChat, frame, &mut state);
+            same_as_serde(Provider::OpenAiChat, frame, &mut state);
+        }
+        // Without the frame head, as every inject mode but `chunk` decodes.
+        let mut state = DecoderState {
+            without_frame_head: true,
+            ..DecoderState::default()
+        };
+        for frame in &frames {
+            for _ in 0..2 {
+                let mut fast = Vec::new();
+                let info = decode(
+                    Provider::OpenAiChat,
+                    frame.as_bytes(),
+                    &mut state,
+                    &mut |c| fast.push(c),
+                );
+                let mut slow = Vec::new();
+                let slow_info = openai_chat::decode_serde(frame, &mut |c| slow.push(c));
+                assert_eq!(fast, slow, "{frame}");
+                let (info, slow_info) = (info.expect("fast"), slow_info.expect("serde"));
+                assert_eq!(info.id, None, "{frame}");
+                assert_eq!(info.flags, slow_info.flags, "{frame}");
+            }
+        }
+    }
+
     #[test]
     fn fast_path_equals_serde_on_shapes_it_hands_over() {
         let openai = [

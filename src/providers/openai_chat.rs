@@ -160,7 +160,8 @@ pub fn decode<'a>(
     let spans = &mut state.spans;
     let head = !state.without_frame_head;
     match spans.scan(data, head, probed) {
-        Ok(top) => Ok(spans.emit(data, &top, head, emit)),
+        Ok(Scanned::Steady(call)) => Ok(spans.emit_steady(data, call, head, emit)),
+        Ok(Scanned::Spans(top)) => Ok(spans.emit(data, &top, head, emit)),
         Err(Bail) => decode_serde(data, emit),
     }
 }
@@ -336,6 +337,58 @@ pub(crate) struct Spans {
     learned_calls: Vec<CallSpans>,
     /// … and the holes of the frame at hand.
     holes: Vec<Span>,
+    /// The learned shape, when it is the steady one of a streaming call.
+    steady: Option<SteadyCall>,
+}
+
+/// A learned shape whose frames say one thing only: more arguments for one
+/// tool call (one choice with a delta, one `tool_calls` entry with an
+/// `arguments` string and neither `id` nor `name`; no text, reasoning,
+/// finish, usage or error). Nearly every frame of a streaming call has it,
+/// and its one chunk is read straight from the holes (as hole ranks):
+/// [`Spans::emit`] on [`Spans::moved_from_template`] would give the same,
+/// through every span the shape does not have.
+#[derive(Debug, Clone, Copy)]
+struct SteadyCall {
+    choice_index: Option<Span>,
+    call_index: Option<Span>,
+    arguments: Span,
+}
+
+impl SteadyCall {
+    /// The steady call of a learned shape (its spans as hole ranks), if it
+    /// is that shape.
+    fn of(top: &TopSpans, choices: &[ChoiceSpans], calls: &[CallSpans]) -> Option<SteadyCall> {
+        // (A frame's one call is its one choice's, in that choice's delta.)
+        let ([choice], [call]) = (choices, calls) else {
+            return None;
+        };
+        let only_a_call = top.error.is_none()
+            && top.usage.is_none()
+            && top.groq_usage.is_none()
+            && choice.reasoning_content.is_none()
+            && choice.reasoning.is_none()
+            && choice.content.is_none()
+            && choice.finish_reason.is_none()
+            && call.id.is_none()
+            && call.name.is_none();
+        Some(SteadyCall {
+            choice_index: choice.index,
+            call_index: call.index,
+            arguments: call.arguments.filter(|_| only_a_call)?,
+        })
+    }
+}
+
+/// What [`Spans::scan`] found. Returned, never stored: boxing the large
+/// variant would allocate per frame.
+#[allow(clippy::large_enum_variant)]
+enum Scanned {
+    /// The frame has the learned steady shape ([`SteadyCall`]); its holes
+    /// are in `Spans::holes`.
+    Steady(SteadyCall),
+    /// The spans of the frame's values.
+    Spans(TopSpans),
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -384,11 +437,14 @@ impl Spans {
     /// `object`, `created`, `model`) only when `head` asks for them, or
     /// the frame was walked. `probed`: `data` is the frame
     /// [`match_prefix`](Self::match_prefix) recognized last.
-    fn scan(&mut self, data: &str, head: bool, probed: bool) -> Result<TopSpans, Bail> {
-        if (probed || self.template.matches(data, &mut self.holes))
-            && let Ok(top) = self.moved_from_template(head)
-        {
-            return Ok(top);
+    fn scan(&mut self, data: &str, head: bool, probed: bool) -> Result<Scanned, Bail> {
+        if probed || self.template.matches(data, &mut self.holes) {
+            if let Some(call) = self.steady {
+                return Ok(Scanned::Steady(call));
+            }
+            if let Ok(top) = self.moved_from_template(head) {
+                return Ok(Scanned::Spans(top));
+            }
         }
         self.choices.clear();
         self.calls.clear();
@@ -397,7 +453,7 @@ impl Spans {
         self.holes = c.into_holes();
         let top = top?;
         self.learn(data, &top);
-        Ok(top)
+        Ok(Scanned::Spans(top))
     }
 
     /// See [`DecoderState::match_prefix`]: the holes it finds are the
@@ -442,9 +498,17 @@ impl Spans {
             }
             Ok(())
         };
-        if learn().is_err() {
-            self.template.forget();
-        }
+        self.steady = match learn() {
+            Ok(()) => SteadyCall::of(
+                &self.learned_top,
+                &self.learned_choices,
+                &self.learned_calls,
+            ),
+            Err(Bail) => {
+                self.template.forget();
+                None
+            }
+        };
     }
 
     /// Walks a whole frame.
@@ -632,6 +696,46 @@ impl Spans {
         }
         self.calls.push(call);
         Ok(())
+    }
+
+    /// The one chunk of a frame of the steady shape, and its info: what
+    /// [`emit`](Self::emit) gives for it.
+    fn emit_steady<'a>(
+        &self,
+        data: &'a str,
+        call: SteadyCall,
+        head: bool,
+        emit: &mut dyn FnMut(Chunk<'a>),
+    ) -> FrameInfo<'a> {
+        let holes = self.holes.as_slice();
+        // A matched frame has a hole of every rank, so this is never `None`
+        // for a rank the shape has.
+        let raw = |rank: Option<Span>| {
+            from_rank(holes, rank)
+                .ok()
+                .flatten()
+                .map(|span| span.of(data))
+        };
+        let top = &self.learned_top;
+        let mut info = FrameInfo::object(top.annotated);
+        if head {
+            info.id = raw(top.id);
+            info.object = raw(top.object);
+            info.created = raw(top.created);
+            info.model = raw(top.model);
+        }
+        let arguments = match raw(Some(call.arguments)).and_then(JsonLiteral::string) {
+            Some(fragment) => ArgumentsDelta::Append(ChunkText::Json(fragment)),
+            None => ArgumentsDelta::Unchanged,
+        };
+        emit(Chunk::ToolCallDelta(ToolCallDelta {
+            choice: raw_i64(raw(call.choice_index)).unwrap_or(0),
+            index: raw_i64(raw(call.call_index)),
+            id: None,
+            name: None,
+            arguments,
+        }));
+        info
     }
 
     /// The chunks of a scanned frame, in the serde path's order.
