@@ -143,7 +143,11 @@ fn short_literal_utf16_len(inner: &str) -> usize {
     while let Some(&b) = bytes.get(i) {
         if b == b'\\' {
             units += 1;
-            i += if bytes.get(i + 1) == Some(&b'u') { 6 } else { 2 };
+            i += if bytes.get(i + 1) == Some(&b'u') {
+                6
+            } else {
+                2
+            };
         } else {
             units += usize::from((b & 0xC0) != 0x80) + usize::from(b >= 0xF0);
             i += 1;
