@@ -452,21 +452,23 @@ fn chunk_size(line: &[u8]) -> Option<u64> {
         return None;
     }
     // Leading zeros are no part of the value; more than 16 digits after
-    // them do not fit in 64 bits.
-    let text = std::str::from_utf8(&line[..digits]).ok()?;
-    let significant = text.trim_start_matches('0');
-    if significant.len() > 16 {
-        return None;
+    // them do not fit in 64 bits. (Folded here: a `str` and
+    // `from_str_radix` cost about a hundred instructions more per chunk,
+    // and an upstream sends a chunk per event.)
+    let significant = line[..digits].iter().skip_while(|&&b| b == b'0');
+    let mut value = 0u64;
+    for (n, &b) in significant.enumerate() {
+        if n == 16 {
+            return None;
+        }
+        let digit = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            _ => b - b'A' + 10,
+        };
+        value = value << 4 | u64::from(digit);
     }
-    u64::from_str_radix(
-        if significant.is_empty() {
-            "0"
-        } else {
-            significant
-        },
-        16,
-    )
-    .ok()
+    Some(value)
 }
 
 #[cfg(test)]

@@ -142,6 +142,46 @@ fn a_bad_size_line_is_an_error_that_says_where() {
     ));
 }
 
+/// A size line's digits read as `u64::from_str_radix` reads them, with
+/// any number of leading zeros, and no more than 16 digits after them.
+#[test]
+fn a_size_is_its_hex_digits_at_every_width_and_case() {
+    let mut digits = vec![
+        "0".to_owned(),
+        "00000000000000000000".to_owned(),
+        "ffffffffffffffff".to_owned(),
+        "FFFFFFFFFFFFFFFF".to_owned(),
+        "0000ffffffffffffffff".to_owned(),
+        "10000000000000000".to_owned(),
+        "aBcDeF0123456789".to_owned(),
+    ];
+    for width in 1..=17 {
+        for fill in ['1', '9', 'a', 'f', 'A', 'F'] {
+            digits.push(fill.to_string().repeat(width));
+            digits.push(format!("00{}", fill.to_string().repeat(width)));
+        }
+    }
+    for text in &digits {
+        let significant = text.trim_start_matches('0');
+        let want = if significant.len() > 16 {
+            None
+        } else {
+            u64::from_str_radix(
+                if significant.is_empty() {
+                    "0"
+                } else {
+                    significant
+                },
+                16,
+            )
+            .ok()
+        };
+        for line in [format!("{text}\r"), format!("{text} ;x=1\r")] {
+            assert_eq!(chunk_size(line.as_bytes()), want, "{line:?}");
+        }
+    }
+}
+
 #[test]
 fn data_not_followed_by_crlf_is_an_error_that_says_where() {
     assert_eq!(
