@@ -396,6 +396,14 @@ impl Annotator {
         std::mem::take(&mut self.state.events.events)
     }
 
+    /// Whether warnings were collected since they were last taken: a
+    /// look, where taking them builds and drops a list (the proxy asks
+    /// after every read).
+    #[inline]
+    pub fn has_warnings(&self) -> bool {
+        !self.state.warnings.is_empty()
+    }
+
     /// Takes the warnings collected since the last call.
     pub fn take_warnings(&mut self) -> Vec<Warning> {
         std::mem::take(&mut self.state.warnings)

@@ -596,7 +596,11 @@ fn publish(annotator: &mut Annotator, session: &mut Option<StreamHandle>, now: I
     annotator.clear_events();
 }
 
+#[inline]
 fn log_warnings(annotator: &mut Annotator, log: &RequestLog) {
+    if !annotator.has_warnings() {
+        return;
+    }
     for warning in annotator.take_warnings() {
         tracing::warn!(session = %log.session_id, path = %log.path, "{warning}");
     }
