@@ -131,6 +131,22 @@ pub struct ToolCallTracker {
     changes: u64,
     /// Keep the arguments text (for the final `toolCalls`), or only count.
     keep_arguments: bool,
+    /// Where the last delta went, for the next one: nearly every delta of
+    /// a streaming call goes to the call the one before it went to.
+    last: Option<LastCall>,
+}
+
+/// The call the last delta went to: its place in `choices` and in that
+/// choice's `calls` (checked before use: a new choice or call moves them),
+/// and its start in the in-progress map (forgotten when the map is
+/// cleared, the only way an entry leaves it).
+#[derive(Debug, Clone, Copy)]
+struct LastCall {
+    choice: i64,
+    index: i64,
+    choice_pos: usize,
+    slot: usize,
+    started_at_ms: u64,
 }
 
 impl ToolCallTracker {
@@ -295,6 +311,7 @@ impl ToolCallTracker {
             return Applied::Unchanged;
         }
         self.in_progress.clear();
+        self.last = None;
         self.changes += 1;
         Applied::Cleared
     }
@@ -306,7 +323,37 @@ impl ToolCallTracker {
     fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now_ms: u64) -> Progress<'_> {
         let keep_arguments = self.keep_arguments;
         self.changes += 1;
-        let choice = choice_entry(&mut self.choices, delta.choice);
+        // More arguments for the call the last delta went to (with an
+        // index, which is authoritative; no id or name to record): what
+        // the searches below would find, without them.
+        if let Some(last) = self.last
+            && delta.id.is_none()
+            && delta.name.is_none()
+            && delta.choice == last.choice
+            && delta.index == Some(last.index)
+            && self.choices.get(last.choice_pos).is_some_and(|choice| {
+                choice.choice == last.choice
+                    && choice
+                        .calls
+                        .get(last.slot)
+                        .is_some_and(|call| call.index == last.index)
+            })
+        {
+            // (Both places were just checked.)
+            let choice = &mut self.choices[last.choice_pos];
+            choice.last_touched = Some(last.index);
+            let call = &mut choice.calls[last.slot];
+            append_arguments(call, &delta.arguments, keep_arguments);
+            return Progress {
+                choice: last.choice,
+                index: last.index,
+                name: &call.name,
+                chars_accumulated: call.chars_accumulated,
+                started_at_ms: last.started_at_ms,
+            };
+        }
+        let choice_pos = choice_position(&mut self.choices, delta.choice);
+        let choice = &mut self.choices[choice_pos];
         let index = resolve_index(choice, delta);
         if let Some(id) = &delta.id {
             // The latest call an id named is the one it names.
@@ -346,33 +393,18 @@ impl ToolCallTracker {
         {
             call.name = Arc::from(name.as_ref());
         }
-        match &delta.arguments {
-            ArgumentsDelta::Unchanged => {}
-            ArgumentsDelta::Append(fragment) => {
-                // Unescaped only to be kept; counted as it stands otherwise.
-                if keep_arguments {
-                    let text = fragment.get();
-                    call.arguments.push_str(&text);
-                    call.chars_accumulated += utf16_len(&text);
-                } else {
-                    call.chars_accumulated += fragment.utf16_len();
-                }
-            }
-            ArgumentsDelta::Replace(whole) => {
-                call.arguments.clear();
-                if keep_arguments {
-                    call.arguments.push_str(whole);
-                }
-                call.chars_accumulated = utf16_len(whole);
-            }
-        }
-        if call.chars_accumulated > 0 {
-            call.state = CallState::StreamingArgs;
-        }
+        append_arguments(call, &delta.arguments, keep_arguments);
         let started_at_ms = *self
             .in_progress
             .entry((delta.choice, index))
             .or_insert(now_ms);
+        self.last = Some(LastCall {
+            choice: delta.choice,
+            index,
+            choice_pos,
+            slot,
+            started_at_ms,
+        });
         Progress {
             choice: delta.choice,
             index,
@@ -383,9 +415,43 @@ impl ToolCallTracker {
     }
 }
 
+/// A delta's arguments, added to its call.
+fn append_arguments(call: &mut ToolCall, arguments: &ArgumentsDelta<'_>, keep_arguments: bool) {
+    match arguments {
+        ArgumentsDelta::Unchanged => {}
+        ArgumentsDelta::Append(fragment) => {
+            // Unescaped only to be kept; counted as it stands otherwise.
+            if keep_arguments {
+                let text = fragment.get();
+                call.arguments.push_str(&text);
+                call.chars_accumulated += utf16_len(&text);
+            } else {
+                call.chars_accumulated += fragment.utf16_len();
+            }
+        }
+        ArgumentsDelta::Replace(whole) => {
+            call.arguments.clear();
+            if keep_arguments {
+                call.arguments.push_str(whole);
+            }
+            call.chars_accumulated = utf16_len(whole);
+        }
+    }
+    if call.chars_accumulated > 0 {
+        call.state = CallState::StreamingArgs;
+    }
+}
+
 /// The calls of `choice`, created in choice order when new.
 fn choice_entry(choices: &mut Vec<ChoiceCalls>, choice: i64) -> &mut ChoiceCalls {
-    let pos = match choices.binary_search_by_key(&choice, |c| c.choice) {
+    let pos = choice_position(choices, choice);
+    &mut choices[pos]
+}
+
+/// Where the calls of `choice` are in `choices`, created in choice order
+/// when new.
+fn choice_position(choices: &mut Vec<ChoiceCalls>, choice: i64) -> usize {
+    match choices.binary_search_by_key(&choice, |c| c.choice) {
         Ok(pos) => pos,
         Err(pos) => {
             let calls = ChoiceCalls {
@@ -395,8 +461,7 @@ fn choice_entry(choices: &mut Vec<ChoiceCalls>, choice: i64) -> &mut ChoiceCalls
             choices.insert(pos, calls);
             pos
         }
-    };
-    &mut choices[pos]
+    }
 }
 
 /// SPEC.md, "Which call a `tool_calls` entry belongs to".
@@ -546,6 +611,77 @@ mod tests {
             ),
             ("other", "get_weather", "12")
         );
+    }
+
+    /// The shortcut to the call the last delta went to gives what the
+    /// searches give: two trackers take the same chunks, one of them with
+    /// its last call forgotten before each, and must agree on every
+    /// answer and on what they hold at the end. The chunks move the
+    /// shortcut's places: new choices before and after, new calls before,
+    /// clears, finishes, deltas without an index, ids and names.
+    #[test]
+    fn the_last_call_shortcut_answers_as_the_searches_do() {
+        for seed in 1..=20u64 {
+            let mut fast = ToolCallTracker::new(seed % 2 == 0);
+            let mut slow = ToolCallTracker::new(seed % 2 == 0);
+            let mut state = seed;
+            let mut next = |n: u64| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                (state >> 33) % n
+            };
+            let mut shortcuts = 0;
+            for step in 0..2_000u64 {
+                let roll = next(100);
+                let chunk = if roll < 80 {
+                    let index = match next(10) {
+                        0 => None,
+                        i => Some(i64::try_from(i % 4).expect("small") * 2 - 1),
+                    };
+                    let arguments = match next(20) {
+                        0 => ArgumentsDelta::Unchanged,
+                        1 => ArgumentsDelta::Replace("{\"é\":1}".into()),
+                        _ => ArgumentsDelta::Append(
+                            Cow::<str>::Owned("ab😀".repeat(1 + step as usize % 3)).into(),
+                        ),
+                    };
+                    Chunk::ToolCallDelta(ToolCallDelta {
+                        choice: [0, 0, 0, 2, -1][next(5) as usize],
+                        index,
+                        id: (next(8) == 0).then(|| Cow::Owned(format!("call_{}", next(3)))),
+                        name: (next(8) == 0).then(|| Cow::Owned(format!("f{}", next(3)))),
+                        arguments,
+                    })
+                } else if roll < 90 {
+                    Chunk::Text {
+                        choice: 0,
+                        text: "t".into(),
+                    }
+                } else {
+                    // A new choice first, at times: every choice after it
+                    // moves.
+                    Chunk::Finish {
+                        choice: [0, 1, 5, -1 - step as i64][next(4) as usize],
+                    }
+                };
+                shortcuts += u64::from(fast.last.is_some());
+                slow.last = None;
+                let (a, b) = (fast.apply(&chunk, step), slow.apply(&chunk, step));
+                assert_eq!(a, b, "seed {seed}, step {step}: {chunk:?}");
+            }
+            assert!(shortcuts > 500, "seed {seed}: {shortcuts}");
+            assert_eq!(
+                fast.in_progress().collect::<Vec<_>>(),
+                slow.in_progress().collect::<Vec<_>>()
+            );
+            let calls = |t: &ToolCallTracker| {
+                t.calls()
+                    .map(|(choice, calls)| (choice, format!("{calls:?}")))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(calls(&fast), calls(&slow), "seed {seed}");
+        }
     }
 
     #[test]
