@@ -716,14 +716,7 @@ impl Spans {
                 .flatten()
                 .map(|span| span.of(data))
         };
-        let top = &self.learned_top;
-        let mut info = FrameInfo::object(top.annotated);
-        if head {
-            info.id = raw(top.id);
-            info.object = raw(top.object);
-            info.created = raw(top.created);
-            info.model = raw(top.model);
-        }
+        let info = self.learned_top.info(head, raw);
         let arguments = match raw(Some(call.arguments)).and_then(JsonLiteral::string) {
             Some(fragment) => ArgumentsDelta::Append(ChunkText::Json(fragment)),
             None => ArgumentsDelta::Unchanged,
@@ -747,13 +740,7 @@ impl Spans {
         emit: &mut dyn FnMut(Chunk<'a>),
     ) -> FrameInfo<'a> {
         let raw = |span: Option<Span>| span.map(|s| s.of(data));
-        let mut info = FrameInfo::object(top.annotated);
-        if head {
-            info.id = raw(top.id);
-            info.object = raw(top.object);
-            info.created = raw(top.created);
-            info.model = raw(top.model);
-        }
+        let mut info = top.info(head, raw);
         if let Some(error) = raw(top.error) {
             emit(Chunk::Error {
                 message: error_message(error),
@@ -804,6 +791,20 @@ impl Spans {
 }
 
 impl TopSpans {
+    /// The frame's info: whether it is annotated, and its head (`id`,
+    /// `object`, `created`, `model`) when `head` asks for it, each span
+    /// read through `raw`.
+    fn info<'a>(&self, head: bool, raw: impl Fn(Option<Span>) -> Option<&'a str>) -> FrameInfo<'a> {
+        let mut info = FrameInfo::object(self.annotated);
+        if head {
+            info.id = raw(self.id);
+            info.object = raw(self.object);
+            info.created = raw(self.created);
+            info.model = raw(self.model);
+        }
+        info
+    }
+
     /// The spans through `f`; the frame head's only with `head` (else
     /// `None`).
     fn map(&self, f: &mut SpanMap<'_>, head: bool) -> Result<TopSpans, Bail> {
