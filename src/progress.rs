@@ -139,7 +139,11 @@ pub struct ToolCallTracker {
 /// The call the last delta went to: its place in `choices` and in that
 /// choice's `calls` (checked before use: a new choice or call moves them),
 /// and its start in the in-progress map (forgotten when the map is
-/// cleared, the only way an entry leaves it).
+/// cleared, the only way an entry leaves it). `choice` and `index` are
+/// not derivable from the places: they name the call whose start is
+/// kept, and a new choice can move another choice, with a call of the
+/// same index, into the kept place (the shortcut's test fails when the
+/// delta is checked against the places alone).
 #[derive(Debug, Clone, Copy)]
 struct LastCall {
     choice: i64,
