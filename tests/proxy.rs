@@ -1991,6 +1991,86 @@ async fn shutdown_lets_open_streams_finish_and_refuses_new_connections() {
     );
 }
 
+/// Keep-alive connections with nothing in flight are closed as soon as the
+/// shutdown starts, on both worker threads: each connection's task sleeps
+/// (its last poll was long before), so only the shutdown signal itself,
+/// which each connection registered for once, can wake it. The accept
+/// loop returns well within `shutdown_grace` (5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_idle_keep_alive_connections_at_once() {
+    use tokio::io::AsyncReadExt;
+
+    let upstream = FakeUpstream::start(paced_sse(frames_of(SINGLE_CALL), Duration::ZERO)).await;
+    let mut config = proxy_config(&upstream.url(""));
+    config.shutdown_grace = Duration::from_secs(5);
+    let mut proxy = TestProxy::start(config).await;
+    // Four connections, so both workers hold some; each asks once and
+    // reads its whole answer (a 403: the proxy's own routes want a token
+    // here; any whole answer leaves the connection open), then stays open.
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        let mut conn = TcpStream::connect(proxy.addr).await.expect("connect");
+        conn.write_all(b"GET /_aalis/metrics HTTP/1.1\r\nhost: test\r\n\r\n")
+            .await
+            .expect("request");
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let answered = tokio::time::timeout(PATIENCE, async {
+            loop {
+                let n = conn.read(&mut buf).await.expect("read the answer");
+                assert!(n > 0, "the connection closed before its answer");
+                got.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&got);
+                if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                    let length = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .expect("a content-length");
+                    if body.len() >= length {
+                        break;
+                    }
+                }
+            }
+        })
+        .await;
+        assert!(
+            answered.is_ok(),
+            "no whole answer: {}",
+            String::from_utf8_lossy(&got)
+        );
+        assert!(
+            got.starts_with(b"HTTP/1.1 "),
+            "{}",
+            String::from_utf8_lossy(&got)
+        );
+        idle.push(conn);
+    }
+    // Long enough for every connection's task to be parked.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let shutdown_at = Instant::now();
+    let _ = proxy.shutdown.take().expect("shutdown sender").send(());
+    for (i, conn) in idle.iter_mut().enumerate() {
+        let mut buf = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_secs(2), conn.read(&mut buf)).await;
+        assert!(
+            matches!(read, Ok(Ok(0))),
+            "idle connection {i} was not closed at the shutdown: {read:?}"
+        );
+    }
+    let task = &mut proxy.task;
+    tokio::time::timeout(Duration::from_secs(2), task)
+        .await
+        .expect("serve returns without waiting out the grace")
+        .expect("serve did not panic");
+    assert!(
+        shutdown_at.elapsed() < Duration::from_secs(3),
+        "serve took {:?} after the shutdown",
+        shutdown_at.elapsed()
+    );
+}
+
 /// After `shutdown_grace` (300 ms) what is still open is dropped (the
 /// promise of `proxy::server`'s docs): a stream that would run for 3 s is
 /// cut soon after the grace (its client sees an error within 1.5 s of the

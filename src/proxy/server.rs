@@ -1,8 +1,9 @@
 //! The accept loop: one task per connection, HTTP/1.1 and HTTP/2 (cleartext,
-//! negotiated per connection) from the client, and graceful shutdown
-//! (hyper-util `examples/server_graceful.rs`): when `shutdown` resolves the
-//! listener closes, open connections finish their responses, and after
-//! `grace` whatever is left is dropped.
+//! negotiated per connection) from the client, and graceful shutdown (as in
+//! hyper-util's `examples/server_graceful.rs`, with a cheaper watch: see
+//! [`Drain`]): when `shutdown` resolves the listener closes, open
+//! connections finish their responses, and after `grace` whatever is left
+//! is dropped.
 //!
 //! `serve` hands its connections in turn to [`Workers`]: one thread per
 //! CPU, each running a current-thread runtime, as nginx runs one worker
@@ -21,6 +22,10 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::thread;
 use std::time::Duration;
 
@@ -30,10 +35,10 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::GracefulConnection;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::{self, Handle};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
 
 use super::h1::CONN_BUF_BYTES;
@@ -53,7 +58,7 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let graceful = GracefulShutdown::new();
+    let graceful = Drain::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // hyper queues a response's frames up to its buffer size before it
     // stops polling the body. Its default (about 400 KiB) let each slow
@@ -128,6 +133,109 @@ pub async fn serve<H, F>(
         () = tokio::time::sleep(grace) => tracing::warn!("grace period over: closing open streams"),
     }
     connections.shutdown().await;
+}
+
+/// Graceful shutdown of the open connections, as hyper-util's
+/// `GracefulShutdown` does it (a watch channel: its send tells every
+/// connection to finish its response and close, and its sender sees when
+/// the last of them has), with a flag in front of the channel. A
+/// connection's task polls its receiver once, which registers the task's
+/// waker, and after that only once the flag says the signal was sent:
+/// hyper-util's polls the receiver every time the connection is polled,
+/// about 160 instructions a poll, and in a paced stream a poll is an event
+/// (BENCHMARKS.md, twenty-fifth round).
+struct Drain {
+    tx: watch::Sender<()>,
+    started: Arc<AtomicBool>,
+}
+
+/// What a connection holds to hear of the shutdown.
+struct DrainWatcher {
+    rx: watch::Receiver<()>,
+    started: Arc<AtomicBool>,
+}
+
+impl Drain {
+    fn new() -> Drain {
+        Drain {
+            tx: watch::channel(()).0,
+            started: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    fn watcher(&self) -> DrainWatcher {
+        DrainWatcher {
+            rx: self.tx.subscribe(),
+            started: Arc::clone(&self.started),
+        }
+    }
+
+    /// Tells every connection to finish, and waits until they all have.
+    async fn shutdown(self) {
+        // The flag first: a connection woken by the send must see it.
+        self.started.store(true, Ordering::Release);
+        let _ = self.tx.send(());
+        self.tx.closed().await;
+    }
+}
+
+impl DrainWatcher {
+    /// Runs `conn`, shut down gracefully once the drain starts; the
+    /// receiver is held until `conn` is done, so that the drain waits
+    /// for it.
+    fn watch<C: GracefulConnection>(self, conn: C) -> Watched<C, impl Future<Output = ()>> {
+        let DrainWatcher { mut rx, started } = self;
+        Watched {
+            conn,
+            signal: async move {
+                let _ = rx.changed().await;
+                // Held until the connection is done (the future is).
+                std::future::pending::<()>().await;
+            },
+            started,
+            registered: false,
+            shut: false,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A connection and its shutdown signal ([`DrainWatcher::watch`]).
+    struct Watched<C, S> {
+        #[pin]
+        conn: C,
+        #[pin]
+        signal: S,
+        started: Arc<AtomicBool>,
+        // The signal was polled once, and holds the task's waker.
+        registered: bool,
+        // The connection was told to finish.
+        shut: bool,
+    }
+}
+
+impl<C: GracefulConnection, S: Future<Output = ()>> Future for Watched<C, S> {
+    type Output = C::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
+        let mut this = self.project();
+        if !*this.shut {
+            // The signal is polled again only if it may have fired.
+            let fired = if this.started.load(Ordering::Acquire) {
+                true
+            } else if !*this.registered {
+                *this.registered = true;
+                this.signal.as_mut().poll(cx).is_ready()
+            } else {
+                false
+            };
+            if fired {
+                *this.shut = true;
+                this.conn.as_mut().graceful_shutdown();
+            }
+        }
+        this.conn.poll(cx)
+    }
 }
 
 /// Threads that serve connections, each running a current-thread runtime
