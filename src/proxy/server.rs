@@ -66,7 +66,7 @@ pub async fn serve<H, F>(
     // stream's memory near one coalesced write.
     builder.http1().max_buf_size(CONN_BUF_BYTES);
     // The connection tasks, so that what outlives the grace period can be
-    // stopped (dropping GracefulShutdown does not stop them).
+    // stopped (the drain only asks them to finish).
     let mut connections = JoinSet::new();
     let mut turn = 0usize;
     tokio::pin!(shutdown);
