@@ -1,7 +1,7 @@
 //! The accept loop: one task per connection, HTTP/1.1 and HTTP/2 (cleartext,
 //! negotiated per connection) from the client, and graceful shutdown (as in
 //! hyper-util's `examples/server_graceful.rs`, with a cheaper watch: see
-//! [`Drain`]): when `shutdown` resolves the listener closes, open
+//! `Drain`): when `shutdown` resolves the listener closes, open
 //! connections finish their responses, and after `grace` whatever is left
 //! is dropped.
 //!
