@@ -187,9 +187,10 @@ impl DrainWatcher {
         let DrainWatcher { mut rx, started } = self;
         Watched {
             conn,
+            // Polled once, to register; it holds the receiver until the
+            // connection is done.
             signal: async move {
                 let _ = rx.changed().await;
-                // Held until the connection is done (the future is).
                 std::future::pending::<()>().await;
             },
             started,
@@ -207,7 +208,7 @@ pin_project_lite::pin_project! {
         #[pin]
         signal: S,
         started: Arc<AtomicBool>,
-        // The signal was polled once, and holds the task's waker.
+        // The signal was polled, and holds the task's waker.
         registered: bool,
         // The connection was told to finish.
         shut: bool,
@@ -220,18 +221,14 @@ impl<C: GracefulConnection, S: Future<Output = ()>> Future for Watched<C, S> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
         let mut this = self.project();
         if !*this.shut {
-            // The signal is polled again only if it may have fired.
-            let fired = if this.started.load(Ordering::Acquire) {
-                true
-            } else if !*this.registered {
-                *this.registered = true;
-                this.signal.as_mut().poll(cx).is_ready()
-            } else {
-                false
-            };
-            if fired {
+            if this.started.load(Ordering::Acquire) {
                 *this.shut = true;
                 this.conn.as_mut().graceful_shutdown();
+            } else if !*this.registered {
+                // Once: the channel keeps the task's waker, and its send
+                // wakes the task, which then sees the flag.
+                *this.registered = true;
+                let _ = this.signal.as_mut().poll(cx);
             }
         }
         this.conn.poll(cx)
