@@ -26,8 +26,7 @@ cd "$(dirname "$0")/../.."
 work=${WORKDIR:-/tmp/aalis-bench/per-event}
 delay_us=${DELAY_US:-0}
 reps=${REPS:-3}
-mkdir -p "$work/nginx/tmp"
-chmod 777 "$work/nginx/tmp"
+mkdir -p "$work"
 for tool in perf nginx; do
   command -v "$tool" >/dev/null || { echo "per_event: $tool is missing" >&2; exit 1; }
 done
@@ -56,21 +55,9 @@ if [ -n "${OTHER:-}" ]; then
   start_serve other "$OTHER" "${OTHER_ARGS:-}"
   targets+=(other)
 fi
-ports[nginx]=$(free_port)
-PYTHONDONTWRITEBYTECODE=1 python3 - "$work/nginx" "$up_port" "${ports[nginx]}" <<'PY'
-import sys
-sys.path.insert(0, "scripts/bench")
-import run
-d, up, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-with open(f"{d}/nginx.conf", "w") as f:
-    f.write(run.NGINX_CONF.format(dir=d, up_port=up, port=port))
-PY
-nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" >"$work/nginx/stderr.log" 2>&1 &
-nginx_master=$!
-pids+=($nginx_master)
-wait_port "${ports[nginx]}"
-sleep 0.5
-procs[nginx]=$(pgrep -P "$nginx_master" | paste -sd,)
+start_nginx
+ports[nginx]=$nginx_port
+procs[nginx]=$nginx_workers
 targets+=(nginx)
 
 # The worker threads of a serve process, or nginx's worker processes.

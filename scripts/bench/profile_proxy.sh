@@ -16,8 +16,7 @@ cd "$(dirname "$0")/../.."
 work=${WORKDIR:-/tmp/aalis-bench/profile-proxy}
 conc=${C:-16}
 events=${EVENTS:-5000}
-mkdir -p "$work/nginx/tmp"
-chmod 777 "$work/nginx/tmp"
+mkdir -p "$work"
 for tool in strace perf; do
   command -v "$tool" >/dev/null || { echo "profile_proxy: $tool is missing" >&2; exit 1; }
 done
@@ -73,19 +72,8 @@ profile() {
 profile aalis "$aalis_port" "$aalis_pid"
 
 if command -v nginx >/dev/null; then
-  nginx_port=$(free_port)
-  PYTHONDONTWRITEBYTECODE=1 python3 - "$work/nginx" "$up_port" "$nginx_port" <<'EOF'
-import sys
-sys.path.insert(0, "scripts/bench")
-import run
-d, up, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-open(f"{d}/nginx.conf", "w").write(run.NGINX_CONF.format(dir=d, up_port=up, port=port))
-EOF
-  nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" >"$work/nginx/stderr.log" 2>&1 &
-  nginx_pid=$!
-  pids+=($nginx_pid)
-  wait_port "$nginx_port"
+  start_nginx
   # shellcheck disable=SC2046
-  profile nginx "$nginx_port" $(pgrep -P "$nginx_pid")
+  profile nginx "$nginx_port" $(echo "$nginx_workers" | tr , ' ')
   kill -QUIT "$nginx_pid"
 fi

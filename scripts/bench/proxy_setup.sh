@@ -1,8 +1,8 @@
-# Sourced by the scripts that drive `serve` (profile_proxy.sh,
-# callgrind_serve.sh, scripts/pgo.sh), after they set `work`: the load
+# Sourced by the scripts that drive `serve` (profile_proxy.sh, per_event.sh,
+# callgrind_serve.sh, scripts/pgo.sh), after they make `work`: the load
 # driver's build (`loadgen`), the sample capture, the stamping upstream on a
-# free loopback port (`up_port`), and cleanup of every process started (add
-# its pid to `pids`). A caller may set `cargo_dir` (`release`, the default,
+# free loopback port (`up_port`), cleanup of every process started (add its
+# pid to `pids`), and `start_nginx` for the scripts that compare with nginx. A caller may set `cargo_dir` (`release`, the default,
 # or `debug`) and `sample` (the capture to serve; by default a tool-heavy
 # one of 2 MB, seed 8, the benchmark suite's) first.
 
@@ -29,3 +29,29 @@ wait_port() { timeout "${2:-10}" bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$1) 
 pids+=($!)
 timeout 10 bash -c "until [ -s '$work/upstream.out' ]; do sleep 0.05; done"
 up_port=$(sed 's/.*://' "$work/upstream.out")
+
+# start_nginx: nginx with the suite's configuration (run.py's NGINX_CONF,
+# `proxy_buffering off`, keep-alive upstream) in "$work/nginx", in front of
+# the upstream above. Sets nginx_port, nginx_pid (the master, in `pids`) and
+# nginx_workers (its worker processes' pids, comma-separated), once they all
+# run.
+start_nginx() {
+  mkdir -p "$work/nginx/tmp"
+  chmod 777 "$work/nginx/tmp"
+  nginx_port=$(free_port)
+  PYTHONDONTWRITEBYTECODE=1 python3 - "$work/nginx" "$up_port" "$nginx_port" <<'PY'
+import sys
+sys.path.insert(0, "scripts/bench")
+import run
+d, up, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with open(f"{d}/nginx.conf", "w") as f:
+    f.write(run.NGINX_CONF.format(dir=d, up_port=up, port=port))
+PY
+  nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" >"$work/nginx/stderr.log" 2>&1 &
+  nginx_pid=$!
+  pids+=($nginx_pid)
+  wait_port "$nginx_port"
+  # `worker_processes auto`: one per CPU.
+  timeout 10 bash -c "until [ \$(pgrep -c -P $nginx_pid) -ge $(nproc) ]; do sleep 0.05; done"
+  nginx_workers=$(pgrep -P "$nginx_pid" | paste -sd,)
+}
