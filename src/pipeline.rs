@@ -5,7 +5,8 @@
 //! each streamed response body: feed it input as it arrives
 //! ([`push`](Annotator::push)), then [`finish`](Annotator::finish) at end of
 //! input; it writes to a [`Sink`] and collects [`Warning`]s for the caller to
-//! print. It does no I/O and reads no clock: the caller passes `now_ms`.
+//! print. It does no I/O and reads no clock: the caller passes the time, or
+//! its clock, as a [`Now`].
 //!
 //! Framing and decoding meet in one place: at the start of a line, the
 //! framer asks the decoder whether the bytes there start with a payload of
@@ -28,7 +29,7 @@ use crate::framing::Framing;
 use crate::framing::ndjson::{NdjsonDecoder, NdjsonLine, NdjsonScan};
 use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlock, SseBlockKind, SseDecoder, SseScan};
 use crate::framing::window::{self, Probe};
-use crate::progress::{Applied, ProgressEntry, ToolCallTracker};
+use crate::progress::{Applied, Now, ProgressEntry, ToolCallTracker};
 use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
 /// How many undecodable frames are reported one by one before the rest are
@@ -337,7 +338,8 @@ impl Annotator {
     }
 
     /// Feeds input; complete frames are written to `out` at once.
-    pub fn push(&mut self, input: &[u8], now_ms: u64, out: &mut impl Sink) {
+    pub fn push(&mut self, input: &[u8], now: impl Into<Now>, out: &mut impl Sink) {
+        let now = now.into();
         match &mut self.framer {
             Framer::Sniffing(seen) => {
                 // The first piece nearly always tells the framing: it is
@@ -346,7 +348,7 @@ impl Annotator {
                     && let Some(framing) = Framing::sniff(input)
                 {
                     self.start(framing);
-                    self.feed(input, now_ms, out);
+                    self.feed(input, now, out);
                     return;
                 }
                 seen.extend_from_slice(input);
@@ -355,27 +357,28 @@ impl Annotator {
                 };
                 let seen = std::mem::take(seen);
                 self.start(framing);
-                self.feed(&seen, now_ms, out);
+                self.feed(&seen, now, out);
             }
-            Framer::Sse(_) | Framer::Ndjson(_) => self.feed(input, now_ms, out),
+            Framer::Sse(_) | Framer::Ndjson(_) => self.feed(input, now, out),
         }
     }
 
     /// Ends the input: writes what is left, and the `done` line(s) if no
     /// frame said the stream was over.
-    pub fn finish(&mut self, now_ms: u64, out: &mut impl Sink) {
+    pub fn finish(&mut self, now: impl Into<Now>, out: &mut impl Sink) {
+        let now = now.into();
         if let Framer::Sniffing(seen) = &mut self.framer {
             // Only whitespace (or nothing) came: forward it as SSE.
             let seen = std::mem::take(seen);
             self.start(Framing::Sse);
-            self.feed(&seen, now_ms, out);
+            self.feed(&seen, now, out);
         }
         match &mut self.framer {
             Framer::Sse(d) => d.finish(),
             Framer::Ndjson(d) => d.finish(),
             Framer::Sniffing(_) => {}
         }
-        self.feed(&[], now_ms, out);
+        self.feed(&[], now, out);
         let state = &mut self.state;
         if !state.deferred.is_empty() {
             state.line_end_tail(b"", out);
@@ -465,7 +468,7 @@ impl Annotator {
         };
     }
 
-    fn feed(&mut self, input: &[u8], now_ms: u64, out: &mut impl Sink) {
+    fn feed(&mut self, input: &[u8], now: Now, out: &mut impl Sink) {
         let provider = match self.framer {
             Framer::Ndjson(_) => Provider::OllamaChat,
             Framer::Sse(_) | Framer::Sniffing(_) => Provider::OpenAiChat,
@@ -473,7 +476,7 @@ impl Annotator {
         let mut frames = FrameHandler {
             state: &mut self.state,
             provider,
-            now_ms,
+            now,
             out,
         };
         match &mut self.framer {
@@ -490,7 +493,7 @@ impl Annotator {
 struct FrameHandler<'a, O> {
     state: &'a mut StreamState,
     provider: Provider,
-    now_ms: u64,
+    now: Now,
     out: &'a mut O,
 }
 
@@ -502,19 +505,19 @@ impl<O> Probe for FrameHandler<'_, O> {
 
 impl<O: Sink> window::Frames<SseScan> for FrameHandler<'_, O> {
     fn frame(&mut self, block: SseBlock<'_>) {
-        self.state.sse_block(block, self.now_ms, self.out);
+        self.state.sse_block(block, self.now, self.out);
     }
 }
 
 impl<O: Sink> window::Frames<NdjsonScan> for FrameHandler<'_, O> {
     fn frame(&mut self, line: NdjsonLine<'_>) {
-        self.state.ndjson_line(line, self.now_ms, self.out);
+        self.state.ndjson_line(line, self.now, self.out);
     }
 }
 
 impl StreamState {
     /// One SSE block: an event is handled, anything else forwarded.
-    fn sse_block(&mut self, block: SseBlock<'_>, now_ms: u64, out: &mut impl Sink) {
+    fn sse_block(&mut self, block: SseBlock<'_>, now: Now, out: &mut impl Sink) {
         match block.kind {
             SseBlockKind::Event(event) => {
                 // Only default-type events are chunks; named events (ours,
@@ -540,7 +543,7 @@ impl StreamState {
                         offset: block.offset,
                     },
                 };
-                self.handle(Provider::OpenAiChat, &frame, now_ms, out);
+                self.handle(Provider::OpenAiChat, &frame, now, out);
             }
             SseBlockKind::NoData => self.forward(block.raw, out),
             SseBlockKind::LineEndTail => self.line_end_tail(block.raw, out),
@@ -565,7 +568,7 @@ impl StreamState {
     }
 
     /// One NDJSON line (or a piece of an oversized one).
-    fn ndjson_line(&mut self, line: NdjsonLine<'_>, now_ms: u64, out: &mut impl Sink) {
+    fn ndjson_line(&mut self, line: NdjsonLine<'_>, now: Now, out: &mut impl Sink) {
         if let Some(piece) = line.oversized {
             let at = Location {
                 unit: "NDJSON line",
@@ -596,7 +599,7 @@ impl StreamState {
                 offset: line.offset,
             },
         };
-        self.handle(Provider::OllamaChat, &frame, now_ms, out);
+        self.handle(Provider::OllamaChat, &frame, now, out);
     }
 
     /// Forwards bytes that carry no chunk (comments, blank lines).
@@ -632,13 +635,7 @@ impl StreamState {
     }
 
     /// Decodes one frame, updates the tracker and writes the output.
-    fn handle(
-        &mut self,
-        provider: Provider,
-        frame: &RawFrame<'_>,
-        now_ms: u64,
-        out: &mut impl Sink,
-    ) {
+    fn handle(&mut self, provider: Provider, frame: &RawFrame<'_>, now: Now, out: &mut impl Sink) {
         self.batch.clear();
         self.frames += 1;
         // For this frame only: a frame left undecoded leaves it set, and
@@ -653,7 +650,7 @@ impl StreamState {
             data => data,
         };
         let decoded = match data {
-            Some(data) => self.decode(provider, data, frame.text, frame.at, now_ms, out),
+            Some(data) => self.decode(provider, data, frame.text, frame.at, now, out),
             None => Ok(FrameInfo::default()),
         };
         let info = match decoded {
@@ -702,7 +699,7 @@ impl StreamState {
         data: &'d [u8],
         text: Option<&'d str>,
         at: Location,
-        now_ms: u64,
+        now: Now,
         out: &mut impl Sink,
     ) -> Result<FrameInfo<'d>, FrameError> {
         let lines_out = self.output != OutputFormat::Sse;
@@ -731,7 +728,7 @@ impl StreamState {
                 | Chunk::Finish { .. }
                 | Chunk::Usage(_) => {}
             }
-            let applied = tracker.apply(&chunk, now_ms);
+            let applied = tracker.apply(&chunk, now);
             if let Some(events) = events.as_deref_mut() {
                 events.record(&chunk, &applied);
             }

@@ -9,8 +9,8 @@
 //!   `toolCallsProgress`, which non-empty text or reasoning, `done`, the end
 //!   or failure of the stream and a tool execution start clear.
 //!
-//! It is pure: no clock inside (callers pass `now_ms`, Unix milliseconds),
-//! no I/O, no output format. Counting is O(length of the fragment) per delta,
+//! It is pure: no clock inside (callers pass the time as a [`Now`], Unix
+//! milliseconds or a clock to read them from), no I/O, no output format. Counting is O(length of the fragment) per delta,
 //! whatever the length of the arguments so far.
 //!
 //! Read [`ToolCallTracker::apply`] first.
@@ -20,6 +20,34 @@ use std::sync::Arc;
 
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 use crate::js::utf16_len;
+
+/// The time a chunk is applied at, in Unix milliseconds: a time the
+/// caller read, or the caller's clock, read only if the chunk starts a
+/// call. A call's start is the only time the tracker keeps, and a stream
+/// has few of them, so `serve` passes its clock and reads it a few times a
+/// stream, instead of once per upstream read (BENCHMARKS.md, twenty-sixth
+/// round).
+#[derive(Debug, Clone, Copy)]
+pub enum Now {
+    At(u64),
+    Clock(fn() -> u64),
+}
+
+impl Now {
+    /// The time, read from the clock if it is one.
+    pub fn ms(self) -> u64 {
+        match self {
+            Now::At(ms) => ms,
+            Now::Clock(read) => read(),
+        }
+    }
+}
+
+impl From<u64> for Now {
+    fn from(ms: u64) -> Now {
+        Now::At(ms)
+    }
+}
 
 /// Where a stream is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -164,7 +192,7 @@ impl ToolCallTracker {
         }
     }
 
-    /// Applies one chunk at time `now_ms`.
+    /// Applies one chunk at time `now` (see [`Now`]).
     ///
     /// Always inlined into its caller, the pipeline's per-chunk closure
     /// (the only one outside tests), where the chunk's kind was just
@@ -173,7 +201,7 @@ impl ToolCallTracker {
     /// through memory. The tool-call work stays out of line
     /// (`apply_delta`).
     #[inline(always)]
-    pub fn apply(&mut self, chunk: &Chunk<'_>, now_ms: u64) -> Applied<'_> {
+    pub fn apply(&mut self, chunk: &Chunk<'_>, now: impl Into<Now>) -> Applied<'_> {
         match chunk {
             Chunk::Text { .. } => {
                 self.phase = StreamPhase::Answering;
@@ -185,7 +213,7 @@ impl ToolCallTracker {
             }
             Chunk::ToolCallDelta(delta) => {
                 self.phase = StreamPhase::CallingTools;
-                Applied::Progress(self.apply_delta(delta, now_ms))
+                Applied::Progress(self.apply_delta(delta, now.into()))
             }
             Chunk::Finish { choice } => {
                 let c = self.choice_mut(*choice);
@@ -324,7 +352,7 @@ impl ToolCallTracker {
         choice_entry(&mut self.choices, choice)
     }
 
-    fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now_ms: u64) -> Progress<'_> {
+    fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now: Now) -> Progress<'_> {
         let keep_arguments = self.keep_arguments;
         self.changes += 1;
         // More arguments for the call the last delta went to (with an
@@ -401,7 +429,7 @@ impl ToolCallTracker {
         let started_at_ms = *self
             .in_progress
             .entry((delta.choice, index))
-            .or_insert(now_ms);
+            .or_insert_with(|| now.ms());
         self.last = Some(LastCall {
             choice: delta.choice,
             index,

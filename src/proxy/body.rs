@@ -36,6 +36,7 @@ use super::sessions::StreamHandle;
 use super::upstream::{BoxError, UpstreamBody};
 use crate::filter::unix_ms;
 use crate::pipeline::Annotator;
+use crate::progress::Now;
 
 /// A stream's output is gathered up to this many bytes while the upstream
 /// has more ready (see `poll_frame`): fewer writes, no added wait.
@@ -338,7 +339,7 @@ impl Body for TapBody {
                         count_out(this.bytes_out, this.metrics, data.len());
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     };
-                    annotator.push(&data, unix_ms(), this.out.room());
+                    annotator.push(&data, Now::Clock(unix_ms), this.out.room());
                     log_warnings(annotator, this.log);
                     // Published when its output goes out, once for all the
                     // reads gathered into it.
@@ -550,7 +551,7 @@ fn finish(
     log: &RequestLog,
 ) {
     if let Some(annotator) = annotator.as_mut() {
-        annotator.finish(unix_ms(), out.room());
+        annotator.finish(Now::Clock(unix_ms), out.room());
         log_warnings(annotator, log);
         publish(annotator, session, Instant::now());
     }
