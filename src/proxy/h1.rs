@@ -19,7 +19,7 @@
 //! `identity`), and a request body still being sent once the response body
 //! has ended (the rest of it is dropped, and the connection is not reused).
 //! After a poll of the socket that found nothing, the body does not poll it
-//! again until it was woken (`Gate`, nineteenth round).
+//! again until it was woken (`Gate`, in `proxy::gate`; nineteenth round).
 //!
 //! [`H1Pool`] keeps finished keep-alive connections for the next request
 //! (each at most [`IDLE_KEEP`]) in a list per thread (at most [`MAX_IDLE`]
@@ -57,6 +57,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tower_service::Service;
+
+use super::gate::Gate;
 
 use self::wire::{Chunked, Framing, Head, Piece, RequestFraming, WireError};
 use super::upstream::{BoxError, ProxyBody};
@@ -728,99 +730,6 @@ pub struct DrivenBody {
     reusable: bool,
     pool: Arc<H1Pool>,
     gate: Gate,
-}
-
-/// Whether the socket can have anything new for a body poll, without
-/// polling it.
-///
-/// hyper's server polls a response body again right after each frame
-/// (before it writes the frame), and again after the write: two polls an
-/// event that find nothing, each about 230 instructions of tokio's
-/// readiness check and waiter registration (BENCHMARKS.md, nineteenth
-/// round). So the socket is polled with a waker of the gate's own, which
-/// records the wake-up and passes it on to the task's. Once a poll of the
-/// socket found nothing, the body answers `Pending` at once until that
-/// waker was woken — or until the body is polled with another task's
-/// waker, which the socket does not know yet.
-struct Gate {
-    shared: Arc<GateShared>,
-    /// `shared` as a waker, made once.
-    waker: Waker,
-    /// The task waker last passed on to (the one in `shared`), kept here
-    /// too to compare without a lock.
-    outer: Option<Waker>,
-    /// The last poll of the socket found nothing, and registered `waker`.
-    parked: bool,
-}
-
-#[derive(Default)]
-struct GateShared {
-    woken: AtomicBool,
-    outer: Mutex<Option<Waker>>,
-}
-
-impl std::task::Wake for GateShared {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::Release);
-        let outer = self.outer.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(outer) = outer.as_ref() {
-            outer.wake_by_ref();
-        }
-    }
-}
-
-impl Gate {
-    fn new() -> Gate {
-        let shared = Arc::new(GateShared::default());
-        Gate {
-            waker: Waker::from(Arc::clone(&shared)),
-            shared,
-            outer: None,
-            parked: false,
-        }
-    }
-
-    /// Nothing can have come since the socket was last polled for the
-    /// task that polls now.
-    fn closed(&mut self, cx: &Context<'_>) -> bool {
-        if !self.parked {
-            return false;
-        }
-        // Cleared before the socket is polled again, so that a wake-up
-        // from then on is seen by the next check.
-        let woken = self.shared.woken.swap(false, Ordering::AcqRel);
-        let same_task = self.outer.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
-        if !woken && same_task {
-            return true;
-        }
-        self.parked = false;
-        false
-    }
-
-    /// Polls the socket (`read`) with the gate's waker, which passes
-    /// wake-ups on to `cx`'s; a poll that finds nothing closes the gate.
-    fn poll<T>(
-        &mut self,
-        cx: &Context<'_>,
-        read: impl FnOnce(&mut Context<'_>) -> Poll<T>,
-    ) -> Poll<T> {
-        if !self.outer.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-            let outer = cx.waker().clone();
-            *self
-                .shared
-                .outer
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(outer.clone());
-            self.outer = Some(outer);
-        }
-        let polled = read(&mut Context::from_waker(&self.waker));
-        self.parked = polled.is_pending();
-        polled
-    }
 }
 
 impl DrivenBody {

@@ -15,6 +15,7 @@
 
 pub mod admin;
 pub mod body;
+mod gate;
 pub mod h1;
 pub mod metrics;
 pub mod record;

@@ -41,6 +41,7 @@ use tokio::runtime::{self, Handle};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
 
+use super::gate::GatedRead;
 use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
 
@@ -92,7 +93,7 @@ pub async fn serve<H, F>(
                 let builder = builder.clone();
                 let watcher = graceful.watcher();
                 let serve = move |stream| async move {
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    let conn = builder.serve_connection(TokioIo::new(GatedRead::new(stream)), service);
                     if let Err(err) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, "connection ended: {err}");
                     }
