@@ -212,6 +212,17 @@ mod tests {
         (client.expect("connect"), accepted.expect("accept").0)
     }
 
+    /// Lets the runtime's driver run until `flag`'s task was woken.
+    async fn woken(flag: &Flag, by: &str) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !flag.0.load(Ordering::Acquire) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{by} did not wake the task"));
+    }
+
     fn poll_once(
         gated: &mut GatedRead<Counted>,
         waker: &Waker,
@@ -251,13 +262,7 @@ mod tests {
         );
 
         peer.write_all(b"hi").await.expect("write");
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while !flag.0.load(Ordering::Acquire) {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the task was not woken");
+        woken(&flag, "the peer's write").await;
         match poll_once(&mut gated, &waker, &mut buf) {
             Poll::Ready(Ok(n)) => assert_eq!(&buf[..n], b"hi"),
             other => panic!("after the wake-up: {other:?}"),
@@ -275,13 +280,7 @@ mod tests {
         assert!(poll_once(&mut gated, &waker, &mut buf).is_pending());
         assert_eq!(polls.load(Ordering::Relaxed), 5);
         drop(peer);
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while !flag.0.load(Ordering::Acquire) {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the close did not wake the task");
+        woken(&flag, "the peer's close").await;
         match poll_once(&mut gated, &waker, &mut buf) {
             Poll::Ready(Ok(0)) => {}
             other => panic!("after the close: {other:?}"),
