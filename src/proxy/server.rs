@@ -66,6 +66,15 @@ pub async fn serve<H, F>(
     // client hold that much of coalesced output; 64 KiB keeps a slow
     // stream's memory near one coalesced write.
     builder.http1().max_buf_size(CONN_BUF_BYTES);
+    // Each frame copied into hyper's write buffer, written with one
+    // `write`, rather than queued for a `writev` with its chunk-size line
+    // and CRLF as pieces of their own: hyper's queue (a `VecDeque`, its
+    // length summed at every `can_buffer`, its `IoSlice`s built and
+    // advanced per write) cost about 500 instructions a paced event, the
+    // copy of an event a few dozen (BENCHMARKS.md, twenty-sixth round).
+    // The buffer keeps the size of the largest write (at most about
+    // `CONN_BUF_BYTES`), while our pieces go back to their `OutBuf` at once.
+    builder.http1().writev(false);
     // The connection tasks, so that what outlives the grace period can be
     // stopped (the drain only asks them to finish).
     let mut connections = JoinSet::new();
