@@ -157,6 +157,11 @@ pub struct ToolCallTracker {
     /// Counts changes of the in-progress map (progress or clear), so an
     /// observer can tell cheaply whether there is anything new to publish.
     changes: u64,
+    /// `changes` after the last change that was not more arguments for the
+    /// last call (through `apply_delta`'s shortcut): a snapshot taken since
+    /// differs from the calls in progress in that call's count alone (see
+    /// [`refresh_snapshot`](Self::refresh_snapshot)).
+    layout_at: u64,
     /// Keep the arguments text (for the final `toolCalls`), or only count.
     keep_arguments: bool,
     /// Where the last delta went, for the next one: nearly every delta of
@@ -312,6 +317,37 @@ impl ToolCallTracker {
         out.truncate(len);
     }
 
+    /// Brings `out` up to date: a [`snapshot_into`](Self::snapshot_into)
+    /// taken when [`changes`](Self::changes) was `taken_at`, and changed
+    /// since by nothing but being emptied. When all that changed since is
+    /// more arguments for the last call, the steady case of a streaming
+    /// call, only that call's entry is rewritten (found by a binary search
+    /// of the sorted entries); otherwise the whole snapshot is taken again.
+    /// `serve` publishes a snapshot per write, every event of a paced
+    /// stream, and the whole one costs a walk of the in-progress map and
+    /// two searches per call in it (BENCHMARKS.md, twenty-sixth round).
+    pub fn refresh_snapshot(&self, out: &mut Vec<ProgressEntry>, taken_at: u64) {
+        if taken_at >= self.layout_at
+            && let Some(last) = self.last
+            // The places are checked as the shortcut checks them: a new
+            // choice (a `finish_reason` for a choice not seen yet) moves
+            // them without a change of progress.
+            && let Some(call) = self
+                .choices
+                .get(last.choice_pos)
+                .filter(|choice| choice.choice == last.choice)
+                .and_then(|choice| choice.calls.get(last.slot))
+                .filter(|call| call.index == last.index)
+            && let Ok(at) =
+                out.binary_search_by(|e| (e.choice, e.index).cmp(&(last.choice, last.index)))
+            && let Some(entry) = out.get_mut(at)
+        {
+            entry.chars_accumulated = call.chars_accumulated;
+            return;
+        }
+        self.snapshot_into(out);
+    }
+
     /// Every choice that has tool calls, in choice order, with its calls in
     /// index order.
     pub fn calls(&self) -> impl Iterator<Item = (i64, &[ToolCall])> {
@@ -345,6 +381,7 @@ impl ToolCallTracker {
         self.in_progress.clear();
         self.last = None;
         self.changes += 1;
+        self.layout_at = self.changes;
         Applied::Cleared
     }
 
@@ -384,6 +421,7 @@ impl ToolCallTracker {
                 started_at_ms: last.started_at_ms,
             };
         }
+        self.layout_at = self.changes;
         let choice_pos = choice_position(&mut self.choices, delta.choice);
         let choice = &mut self.choices[choice_pos];
         let index = resolve_index(choice, delta);
@@ -645,6 +683,118 @@ mod tests {
         );
     }
 
+    /// Pseudo-random chunks that move the last-call shortcut's places: new
+    /// choices before and after, new calls before, clears, finishes,
+    /// deltas without an index, ids and names.
+    struct Chunks {
+        state: u64,
+    }
+
+    impl Chunks {
+        fn new(seed: u64) -> Chunks {
+            Chunks { state: seed }
+        }
+
+        fn roll(&mut self, n: u64) -> u64 {
+            self.state = self
+                .state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (self.state >> 33) % n
+        }
+
+        fn next(&mut self, step: u64) -> Chunk<'static> {
+            let roll = self.roll(100);
+            if roll < 80 {
+                let index = match self.roll(10) {
+                    0 => None,
+                    i => Some(i64::try_from(i % 4).expect("small") * 2 - 1),
+                };
+                let arguments = match self.roll(20) {
+                    0 => ArgumentsDelta::Unchanged,
+                    1 => ArgumentsDelta::Replace("{\"é\":1}".into()),
+                    _ => ArgumentsDelta::Append(
+                        Cow::<str>::Owned("ab😀".repeat(1 + step as usize % 3)).into(),
+                    ),
+                };
+                let choice = [0, 0, 0, 2, -1][self.roll(5) as usize];
+                let id = (self.roll(8) == 0).then(|| Cow::Owned(format!("call_{}", self.roll(3))));
+                let name = (self.roll(8) == 0).then(|| Cow::Owned(format!("f{}", self.roll(3))));
+                Chunk::ToolCallDelta(ToolCallDelta {
+                    choice,
+                    index,
+                    id,
+                    name,
+                    arguments,
+                })
+            } else if roll < 90 {
+                Chunk::Text {
+                    choice: 0,
+                    text: "t".into(),
+                }
+            } else {
+                // A new choice first, at times: every choice after it
+                // moves.
+                Chunk::Finish {
+                    choice: [0, 1, 5, -1 - step as i64][self.roll(4) as usize],
+                }
+            }
+        }
+    }
+
+    /// A snapshot refreshed after each of a few chunks (as `serve` does
+    /// after each write) is the whole snapshot: 20 seeds × 2,000 chunks,
+    /// refreshed after one to three chunks, and now and then emptied in
+    /// between (as a tool's execution start empties a session's). Most
+    /// refreshes rewrite one entry.
+    #[test]
+    fn a_refreshed_snapshot_is_the_whole_snapshot() {
+        for seed in 1..=20u64 {
+            let mut tracker = ToolCallTracker::new(false);
+            let mut chunks = Chunks::new(seed);
+            let (mut refreshed, mut whole) = (Vec::new(), Vec::new());
+            let mut taken_at = tracker.changes();
+            let mut one_entry = 0;
+            let mut last = None;
+            for step in 0..2_000u64 {
+                // Two chunks in three carry on the last call, as a
+                // streaming call's deltas do.
+                let chunk = match last {
+                    Some((choice, index)) if chunks.roll(3) != 0 => {
+                        Chunk::ToolCallDelta(ToolCallDelta {
+                            choice,
+                            index: Some(index),
+                            id: None,
+                            name: None,
+                            arguments: ArgumentsDelta::Append(Cow::Borrowed("ab😀").into()),
+                        })
+                    }
+                    _ => chunks.next(step),
+                };
+                if let Chunk::ToolCallDelta(delta) = &chunk {
+                    last = delta.index.map(|index| (delta.choice, index));
+                }
+                tracker.apply(&chunk, step);
+                if chunks.roll(2) != 0 {
+                    continue;
+                }
+                if chunks.roll(20) == 0 {
+                    refreshed.clear();
+                }
+                one_entry += u64::from(
+                    taken_at >= tracker.layout_at
+                        && tracker.last.is_some()
+                        && !refreshed.is_empty(),
+                );
+                tracker.refresh_snapshot(&mut refreshed, taken_at);
+                taken_at = tracker.changes();
+                tracker.snapshot_into(&mut whole);
+                assert_eq!(refreshed, whole, "seed {seed}, step {step}: {chunk:?}");
+            }
+            assert!(one_entry > 300, "seed {seed}: {one_entry}");
+        }
+    }
+
     /// The shortcut to the call the last delta went to gives what the
     /// searches give: two trackers take the same chunks, one of them with
     /// its last call forgotten before each, and must agree on every
@@ -656,47 +806,10 @@ mod tests {
         for seed in 1..=20u64 {
             let mut fast = ToolCallTracker::new(seed % 2 == 0);
             let mut slow = ToolCallTracker::new(seed % 2 == 0);
-            let mut state = seed;
-            let mut next = |n: u64| {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                (state >> 33) % n
-            };
+            let mut chunks = Chunks::new(seed);
             let mut shortcuts = 0;
             for step in 0..2_000u64 {
-                let roll = next(100);
-                let chunk = if roll < 80 {
-                    let index = match next(10) {
-                        0 => None,
-                        i => Some(i64::try_from(i % 4).expect("small") * 2 - 1),
-                    };
-                    let arguments = match next(20) {
-                        0 => ArgumentsDelta::Unchanged,
-                        1 => ArgumentsDelta::Replace("{\"é\":1}".into()),
-                        _ => ArgumentsDelta::Append(
-                            Cow::<str>::Owned("ab😀".repeat(1 + step as usize % 3)).into(),
-                        ),
-                    };
-                    Chunk::ToolCallDelta(ToolCallDelta {
-                        choice: [0, 0, 0, 2, -1][next(5) as usize],
-                        index,
-                        id: (next(8) == 0).then(|| Cow::Owned(format!("call_{}", next(3)))),
-                        name: (next(8) == 0).then(|| Cow::Owned(format!("f{}", next(3)))),
-                        arguments,
-                    })
-                } else if roll < 90 {
-                    Chunk::Text {
-                        choice: 0,
-                        text: "t".into(),
-                    }
-                } else {
-                    // A new choice first, at times: every choice after it
-                    // moves.
-                    Chunk::Finish {
-                        choice: [0, 1, 5, -1 - step as i64][next(4) as usize],
-                    }
-                };
+                let chunk = chunks.next(step);
                 shortcuts += u64::from(fast.last.is_some());
                 slow.last = None;
                 let (a, b) = (fast.apply(&chunk, step), slow.apply(&chunk, step));

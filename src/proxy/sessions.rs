@@ -496,7 +496,7 @@ impl StreamHandle {
         now: Instant,
         changed: bool,
     ) {
-        self.published = tracker.changes();
+        let taken_at = std::mem::replace(&mut self.published, tracker.changes());
         let mut state = self.registry.lock();
         let State { sessions, all, .. } = &mut *state;
         let Some(session) = sessions.in_slot(self.slot) else {
@@ -507,7 +507,10 @@ impl StreamHandle {
         }
         session.last_active = now;
         if changed {
-            tracker.snapshot_into(&mut session.progress);
+            // The session's progress is this stream's snapshot of
+            // `taken_at`: only the stream of the session's generation
+            // writes it, and anything else only empties it.
+            tracker.refresh_snapshot(&mut session.progress, taken_at);
         }
         // Frames are rendered only when someone listens.
         if all.receiver_count() > 0 || session.subscribers() > 0 {
