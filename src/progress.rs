@@ -10,8 +10,9 @@
 //!   or failure of the stream and a tool execution start clear.
 //!
 //! It is pure: no clock inside (callers pass the time as a [`Now`], Unix
-//! milliseconds or a clock to read them from), no I/O, no output format. Counting is O(length of the fragment) per delta,
-//! whatever the length of the arguments so far.
+//! milliseconds or a clock to read them from), no I/O, no output format.
+//! Counting is O(length of the fragment) per delta, whatever the length of
+//! the arguments so far.
 //!
 //! Read [`ToolCallTracker::apply`] first.
 
@@ -329,15 +330,9 @@ impl ToolCallTracker {
     pub fn refresh_snapshot(&self, out: &mut Vec<ProgressEntry>, taken_at: u64) {
         if taken_at >= self.layout_at
             && let Some(last) = self.last
-            // The places are checked as the shortcut checks them: a new
-            // choice (a `finish_reason` for a choice not seen yet) moves
-            // them without a change of progress.
-            && let Some(call) = self
-                .choices
-                .get(last.choice_pos)
-                .filter(|choice| choice.choice == last.choice)
-                .and_then(|choice| choice.calls.get(last.slot))
-                .filter(|call| call.index == last.index)
+            // A new choice (a `finish_reason` for a choice not seen yet)
+            // moves the places without a change of progress.
+            && let Some(call) = self.last_call(last)
             && let Ok(at) =
                 out.binary_search_by(|e| (e.choice, e.index).cmp(&(last.choice, last.index)))
             && let Some(entry) = out.get_mut(at)
@@ -385,6 +380,17 @@ impl ToolCallTracker {
         Applied::Cleared
     }
 
+    /// The call `last` names, if its places still hold it (a new choice
+    /// or call moves them). Inlined: the shortcut asks on every delta.
+    #[inline(always)]
+    fn last_call(&self, last: LastCall) -> Option<&ToolCall> {
+        self.choices
+            .get(last.choice_pos)
+            .filter(|choice| choice.choice == last.choice)
+            .and_then(|choice| choice.calls.get(last.slot))
+            .filter(|call| call.index == last.index)
+    }
+
     fn choice_mut(&mut self, choice: i64) -> &mut ChoiceCalls {
         choice_entry(&mut self.choices, choice)
     }
@@ -400,13 +406,7 @@ impl ToolCallTracker {
             && delta.name.is_none()
             && delta.choice == last.choice
             && delta.index == Some(last.index)
-            && self.choices.get(last.choice_pos).is_some_and(|choice| {
-                choice.choice == last.choice
-                    && choice
-                        .calls
-                        .get(last.slot)
-                        .is_some_and(|call| call.index == last.index)
-            })
+            && self.last_call(last).is_some()
         {
             // (Both places were just checked.)
             let choice = &mut self.choices[last.choice_pos];

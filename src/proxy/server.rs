@@ -72,8 +72,11 @@ pub async fn serve<H, F>(
     // length summed at every `can_buffer`, its `IoSlice`s built and
     // advanced per write) cost about 500 instructions a paced event, the
     // copy of an event a few dozen (BENCHMARKS.md, twenty-sixth round).
-    // The buffer keeps the size of the largest write (at most about
-    // `CONN_BUF_BYTES`), while our pieces go back to their `OutBuf` at once.
+    // The buffer keeps the most it held at once for the connection's life:
+    // one write's size, or for a client that reads slowly up to about
+    // twice `CONN_BUF_BYTES` (hyper buffers another frame, of up to 64 KiB,
+    // while it holds less than `max_buf_size`); our pieces go back to
+    // their `OutBuf` as soon as they are copied.
     builder.http1().writev(false);
     // The connection tasks, so that what outlives the grace period can be
     // stopped (the drain only asks them to finish).
