@@ -8,6 +8,7 @@
 #   OTHER=target/forward-only/release/aalis-proxy scripts/bench/per_event.sh
 #   OTHER=target/release/aalis-proxy OTHER_ARGS="--threads 1" scripts/bench/per_event.sh
 #   DELAY_US=5000 EVENTS=200 CS="16 64" REPS=5 scripts/bench/per_event.sh   # paced
+#   OTHER=target/release/aalis-proxy OTHER_SCHED=b scripts/bench/per_event.sh  # the same build under SCHED_BATCH
 #
 # Each drive sends EVENTS events per stream (unpaced: 200,000 / C) through
 # one target while `perf stat` counts that target's syscall tracepoints,
@@ -54,6 +55,11 @@ targets=(serve)
 if [ -n "${OTHER:-}" ]; then
   start_serve other "$OTHER" "${OTHER_ARGS:-}"
   targets+=(other)
+  if [ -n "${OTHER_SCHED:-}" ]; then
+    # Every thread of the other process under that policy (chrt's
+    # option letter: b for SCHED_BATCH), set once it runs.
+    for t in "/proc/${procs[other]}"/task/*; do chrt "-$OTHER_SCHED" -p 0 "${t##*/}"; done
+  fi
 fi
 start_nginx
 ports[nginx]=$nginx_port
@@ -70,8 +76,12 @@ workers() {
 }
 cpu_ms() { for w in $(workers "$1"); do awk -v w="${w##*/}" '{printf "%s %d\n", w, $1 / 1e6}' "$w/schedstat"; done; }
 
-events='raw_syscalls:sys_enter,syscalls:sys_enter_recvfrom,syscalls:sys_enter_writev,'
-events+='syscalls:sys_enter_epoll_wait,syscalls:sys_enter_sched_yield,context-switches,task-clock'
+# serve writes with `sendto` (hyper flattens each frame into one buffer,
+# twenty-sixth round), nginx with `writev`; `futex` would be a worker
+# waking another.
+events='raw_syscalls:sys_enter,syscalls:sys_enter_recvfrom,syscalls:sys_enter_sendto,'
+events+='syscalls:sys_enter_writev,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_futex,'
+events+='syscalls:sys_enter_sched_yield,context-switches,task-clock'
 for c in ${CS:-256 64 16}; do
   if [ "$delay_us" = 0 ]; then n=${EVENTS:-$((200000 / c))}; else n=${EVENTS:-200}; fi
   for rep in $(seq "$reps"); do

@@ -464,6 +464,11 @@ def proxy_overhead(cfg, loadgen, targets, pids, notes):
                     mode=mode, concurrency=c, target=name, events_per_stream=events, runs=len(rs),
                     p50=m("latency_us", "p50"), p99=m("latency_us", "p99"), max=m("latency_us", "max"),
                     added_p50=added("p50"), added_p99=added("p99"), added_max=added("max"),
+                    # Each rep's own, paired with that rep's direct drive:
+                    # how often one target beat another, beside the medians.
+                    added_p50_reps=[r["latency_us"]["p50"] - d["latency_us"]["p50"] for r, d in zip(rs, direct)],
+                    added_p99_reps=[r["latency_us"]["p99"] - d["latency_us"]["p99"] for r, d in zip(rs, direct)],
+                    events_per_s_reps=[r["events_per_s"] for r in rs],
                     ttfb_p50=m("ttfb_us", "p50"), ttfb_p99=m("ttfb_us", "p99"),
                     listen_overflows=sum(r["listen_overflows"] for r in rs),
                     events_per_s=median([r["events_per_s"] for r in rs]),
@@ -717,6 +722,16 @@ def throughput_tables(results, cfg, p):
           f"{fmt(get['annotate --format ndjson'] / jq) if jq else '—'} |")
 
 
+def reps_won(a, n, key, lower):
+    """In how many of the reps `a` did at least as well as `n` by `key`,
+    the two paired by rep (drives of the same rep ran one after the other,
+    under the same load): "3 of 5 reps". A cell whose median verdict
+    rests on one rep shows it here."""
+    pairs = list(zip(a.get(key, []), n.get(key, [])))
+    won = sum(1 for x, y in pairs if (x <= y if lower else x >= y))
+    return f"{won} of {len(pairs)} reps"
+
+
 def proxy_tables(results, cfg, p):
     p("")
     p("## Proxy overhead, paced (one event every %d ms per stream, max(%d, %d/C) events per stream; "
@@ -835,7 +850,9 @@ def targets(results):
                 lines.append(f"paced C={c}: added latency ≤ nginx's: {'MET' if ok else 'MISSED'} "
                              f"(p50 {a['added_p50']:+.0f} vs {n['added_p50']:+.0f} µs, "
                              f"p99 {a['added_p99']:+.0f} vs {n['added_p99']:+.0f} µs; "
-                             f"CPU {fmt(a['cpu_us_per_event'])} vs {fmt(n['cpu_us_per_event'])} µs per event)")
+                             f"CPU {fmt(a['cpu_us_per_event'])} vs {fmt(n['cpu_us_per_event'])} µs per event; "
+                             f"p50 {reps_won(a, n, 'added_p50_reps', lower=True)}, "
+                             f"p99 {reps_won(a, n, 'added_p99_reps', lower=True)})")
                 for target, build in OTHER_BUILDS:
                     if target in get:
                         f = get[target]
@@ -848,7 +865,8 @@ def targets(results):
             a, n = get["aalis"], get["nginx"]
             x = a["events_per_s"] / n["events_per_s"]
             lines.append(f"unpaced C={c}: throughput ≥ nginx's: {'MET' if x >= 1 else 'MISSED'} "
-                         f"({x:.2f}× nginx; {a['throughput_ratio']:.2f} vs {n['throughput_ratio']:.2f} of direct)")
+                         f"({x:.2f}× nginx; {a['throughput_ratio']:.2f} vs {n['throughput_ratio']:.2f} of direct; "
+                         f"{reps_won(a, n, 'events_per_s_reps', lower=False)})")
             for target, build in OTHER_BUILDS:
                 if target in get:
                     x = get[target]["events_per_s"] / n["events_per_s"]
