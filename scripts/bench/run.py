@@ -456,18 +456,20 @@ def proxy_overhead(cfg, loadgen, targets, pids, notes):
                 def m(key, sub):
                     return median([r[key][sub] for r in rs])
 
-                def added(sub):
+                def added_reps(sub):
                     # Paired by rep: same moment, same machine load.
-                    return median([r["latency_us"][sub] - d["latency_us"][sub] for r, d in zip(rs, direct)])
+                    return [r["latency_us"][sub] - d["latency_us"][sub] for r, d in zip(rs, direct)]
+
+                def added(sub):
+                    return median(added_reps(sub))
 
                 rows.append(dict(
                     mode=mode, concurrency=c, target=name, events_per_stream=events, runs=len(rs),
                     p50=m("latency_us", "p50"), p99=m("latency_us", "p99"), max=m("latency_us", "max"),
                     added_p50=added("p50"), added_p99=added("p99"), added_max=added("max"),
-                    # Each rep's own, paired with that rep's direct drive:
-                    # how often one target beat another, beside the medians.
-                    added_p50_reps=[r["latency_us"]["p50"] - d["latency_us"]["p50"] for r, d in zip(rs, direct)],
-                    added_p99_reps=[r["latency_us"]["p99"] - d["latency_us"]["p99"] for r, d in zip(rs, direct)],
+                    # Each rep's own, for how often one target beat another
+                    # (`reps_won`), beside the medians.
+                    added_p50_reps=added_reps("p50"), added_p99_reps=added_reps("p99"),
                     events_per_s_reps=[r["events_per_s"] for r in rs],
                     ttfb_p50=m("ttfb_us", "p50"), ttfb_p99=m("ttfb_us", "p99"),
                     listen_overflows=sum(r["listen_overflows"] for r in rs),
