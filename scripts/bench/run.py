@@ -729,7 +729,7 @@ def reps_won(a, n, key, lower):
     the two paired by rep (drives of the same rep ran one after the other,
     under the same load): "3 of 5 reps". A cell whose median verdict
     rests on one rep shows it here."""
-    pairs = list(zip(a.get(key, []), n.get(key, [])))
+    pairs = list(zip(a[key], n[key]))
     won = sum(1 for x, y in pairs if (x <= y if lower else x >= y))
     return f"{won} of {len(pairs)} reps"
 
