@@ -524,6 +524,10 @@ fn summary_json(values: &mut [u64]) -> String {
     )
 }
 
+/// Events of each stream counted as its start in `drive`'s
+/// `latency_start_us` (the rest are `latency_steady_us`).
+const START_EVENTS: usize = 10;
+
 async fn drive(load: Load) -> Result<(), Error> {
     let request = Arc::new(request_bytes(&load, 0));
     let deadline = Duration::from_secs(load.timeout_seconds);
@@ -554,6 +558,9 @@ async fn drive(load: Load) -> Result<(), Error> {
         });
     }
     let mut latencies = Vec::new();
+    // The first events of each stream (while the C streams are being set
+    // up) and the rest, apart: which part a tail comes from.
+    let (mut start, mut steady) = (Vec::new(), Vec::new());
     let mut ttfbs = Vec::new();
     let (mut ok, mut errors, mut events, mut bytes) = (0u64, 0u64, 0u64, 0u64);
     let mut first_error = None;
@@ -569,10 +576,13 @@ async fn drive(load: Load) -> Result<(), Error> {
         bytes += stats.body_bytes;
         ttfbs.push(stats.ttfb_ns);
         latencies.extend_from_slice(&stats.latencies_ns);
+        let split = stats.latencies_ns.len().min(START_EVENTS);
+        start.extend_from_slice(&stats.latencies_ns[..split]);
+        steady.extend_from_slice(&stats.latencies_ns[split..]);
     }
     let wall = started.elapsed().as_secs_f64();
     println!(
-        r#"{{"concurrency":{},"ok":{},"errors":{},"first_error":{},"events":{},"bytes":{},"wall_s":{:.4},"events_per_s":{:.1},"mb_per_s":{:.3},"latency_us":{},"ttfb_us":{}}}"#,
+        r#"{{"concurrency":{},"ok":{},"errors":{},"first_error":{},"events":{},"bytes":{},"wall_s":{:.4},"events_per_s":{:.1},"mb_per_s":{:.3},"latency_us":{},"ttfb_us":{},"latency_start_us":{},"latency_steady_us":{}}}"#,
         load.concurrency,
         ok,
         errors,
@@ -584,6 +594,8 @@ async fn drive(load: Load) -> Result<(), Error> {
         bytes as f64 / wall / 1e6,
         summary_json(&mut latencies),
         summary_json(&mut ttfbs),
+        summary_json(&mut start),
+        summary_json(&mut steady),
     );
     Ok(())
 }
