@@ -8,8 +8,9 @@
 //!   upstream answers;
 //! - `loadgen drive` / `idle` / `soak`: clients that open C concurrent streams
 //!   to a target (the upstream itself, `aalis-proxy serve` or nginx in front
-//!   of it) and measure, per stamped event, arrival minus send time, and per
-//!   stream the time to first byte.
+//!   of it) and measure, per stamped event, arrival minus send time (also
+//!   apart for each stream's first `START_EVENTS` events and for the rest),
+//!   and per stream the time to first byte.
 //!
 //! Both ends read `CLOCK_REALTIME` on the same machine, so the stamps compare.
 //! HTTP is written by hand (a request line, a few headers, chunked decoding):
