@@ -559,8 +559,9 @@ async fn drive(load: Load) -> Result<(), Error> {
         });
     }
     let mut latencies = Vec::new();
-    // The first events of each stream (while the C streams are being set
-    // up) and the rest, apart: which part a tail comes from.
+    // The first events of each stream (paced, its first 50 ms, which
+    // include the set-up of all C streams) and the rest, apart: which part
+    // a tail comes from.
     let (mut start, mut steady) = (Vec::new(), Vec::new());
     let mut ttfbs = Vec::new();
     let (mut ok, mut errors, mut events, mut bytes) = (0u64, 0u64, 0u64, 0u64);

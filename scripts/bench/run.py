@@ -472,9 +472,10 @@ def proxy_overhead(cfg, loadgen, targets, pids, notes):
                     added_p50_reps=added_reps("p50"), added_p99_reps=added_reps("p99"),
                     events_per_s_reps=[r["events_per_s"] for r in rs],
                     ttfb_p50=m("ttfb_us", "p50"), ttfb_p99=m("ttfb_us", "p99"),
-                    # The first events of each stream, sent while the C
-                    # streams are being set up, and the rest: whether a tail
-                    # comes from stream set-up or from the steady part.
+                    # Each stream's first 10 events (paced, its first 50 ms,
+                    # which include the set-up of all C streams) and the
+                    # rest: whether a tail comes from stream set-up or from
+                    # the steady part.
                     p99_start=m("latency_start_us", "p99"), p99_steady=m("latency_steady_us", "p99"),
                     listen_overflows=sum(r["listen_overflows"] for r in rs),
                     events_per_s=median([r["events_per_s"] for r in rs]),
