@@ -584,7 +584,7 @@ async fn drive(load: Load) -> Result<(), Error> {
     }
     let wall = started.elapsed().as_secs_f64();
     println!(
-        r#"{{"concurrency":{},"ok":{},"errors":{},"first_error":{},"events":{},"bytes":{},"wall_s":{:.4},"events_per_s":{:.1},"mb_per_s":{:.3},"latency_us":{},"ttfb_us":{},"latency_start_us":{},"latency_steady_us":{}}}"#,
+        r#"{{"concurrency":{},"ok":{},"errors":{},"first_error":{},"events":{},"bytes":{},"wall_s":{:.4},"events_per_s":{:.1},"mb_per_s":{:.3},"latency_us":{},"ttfb_us":{},"start_events":{},"latency_start_us":{},"latency_steady_us":{}}}"#,
         load.concurrency,
         ok,
         errors,
@@ -596,6 +596,7 @@ async fn drive(load: Load) -> Result<(), Error> {
         bytes as f64 / wall / 1e6,
         summary_json(&mut latencies),
         summary_json(&mut ttfbs),
+        START_EVENTS,
         summary_json(&mut start),
         summary_json(&mut steady),
     );

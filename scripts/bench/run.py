@@ -472,10 +472,12 @@ def proxy_overhead(cfg, loadgen, targets, pids, notes):
                     added_p50_reps=added_reps("p50"), added_p99_reps=added_reps("p99"),
                     events_per_s_reps=[r["events_per_s"] for r in rs],
                     ttfb_p50=m("ttfb_us", "p50"), ttfb_p99=m("ttfb_us", "p99"),
-                    # Each stream's first 10 events (paced, its first 50 ms,
-                    # which include the set-up of all C streams) and the
-                    # rest: whether a tail comes from stream set-up or from
-                    # the steady part.
+                    # Each stream's first `start_events` events (the driver
+                    # says how many; paced, 10 are its first 50 ms, which
+                    # include the set-up of all C streams) and the rest:
+                    # whether a tail comes from stream set-up or from the
+                    # steady part.
+                    start_events=rs[0]["start_events"],
                     p99_start=m("latency_start_us", "p99"), p99_steady=m("latency_steady_us", "p99"),
                     listen_overflows=sum(r["listen_overflows"] for r in rs),
                     events_per_s=median([r["events_per_s"] for r in rs]),
@@ -743,12 +745,13 @@ def proxy_tables(results, cfg, p):
     p("")
     p("## Proxy overhead, paced (one event every %d ms per stream, max(%d, %d/C) events per stream; "
       "µs, median of %d)\n" % (cfg["delay_us"] // 1000, cfg["paced_events"], cfg["paced_samples"], cfg["proxy_reps"]))
-    p("| C | target | p50 | p99 | max | added p50 | added p99 | added max | p99, first 10 events | p99, the rest "
+    paced = [r for r in results["proxy"] if r["mode"] == "paced"]
+    start_events = paced[0]["start_events"] if paced else 0
+    p("| C | target | p50 | p99 | max | added p50 | added p99 | added max "
+      f"| p99, first {start_events} events | p99, the rest "
       "| TTFB p50 | TTFB p99 | CPU µs/event | SYN drops |")
     p("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in results["proxy"]:
-        if r["mode"] != "paced":
-            continue
+    for r in paced:
         direct = r["target"] == "direct"
         p(f"| {r['concurrency']} | {r['target']} | {fmt(r['p50'])} | {fmt(r['p99'])} | {fmt(r['max'])} | "
           f"{'—' if direct else '%+.0f' % r['added_p50']} | {'—' if direct else '%+.0f' % r['added_p99']} | "
