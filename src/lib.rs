@@ -16,6 +16,7 @@
 //! - [`filter`]: the `annotate` command: stdin or a file → stdout
 //! - [`cli`]: the command line (clap); [`error`]: errors and exit codes
 //! - [`js`]: JavaScript `String.length` and `JSON.stringify`, for exact counts
+//! - [`stderr_log`]: the log of `serve`, written by a thread of its own
 
 pub mod capture;
 pub mod chunk;
@@ -32,3 +33,4 @@ pub mod progress;
 pub mod providers;
 pub mod proxy;
 pub mod render;
+pub mod stderr_log;

@@ -20,6 +20,7 @@ use aalis_proxy::proxy::sessions::SessionRegistry;
 use aalis_proxy::proxy::upstream::UpstreamConfigError;
 use aalis_proxy::proxy::{ProxyConfig, serve_proxy_on};
 use aalis_proxy::render::spinner::{ProgressDisplay, ProgressMode};
+use aalis_proxy::stderr_log::{self, StderrLog};
 use std::sync::Arc;
 
 /// jemalloc instead of the system allocator: under steady traffic its
@@ -153,7 +154,17 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
 }
 
 fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
-    init_logging(args.verbose);
+    let log = stderr_log::init(args.verbose);
+    let result = serve_logged(args, config, log.clone());
+    end_logging(log.as_ref());
+    result
+}
+
+fn serve_logged(
+    args: &ServeArgs,
+    config: ProxyConfig,
+    log: Option<StderrLog>,
+) -> anyhow::Result<()> {
     if let Some(dir) = &config.record_dir {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the --record directory {}", dir.display()))?;
@@ -178,6 +189,17 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
             "listening on http://{local}, forwarding to {} (threads: {threads})",
             args.upstream
         );
+        // Lines dropped while stderr was not read are told of when it is
+        // again (stderr_log).
+        if let Some(log) = log {
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(stderr_log::DROP_REPORT_INTERVAL);
+                loop {
+                    every.tick().await;
+                    log.report_dropped();
+                }
+            });
+        }
         serve_proxy_on(listener, proxy, stop, workers.handles()).await;
         Ok(())
     });
@@ -197,17 +219,21 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<_>>()?
     };
-    init_logging(args.verbose);
-    runtime()?.block_on(async {
-        let (listener, local) = listen(args.listen).await?;
-        let stop = shutdown_signal();
-        let names: Vec<&str> = captures.iter().map(|c| c.name.as_str()).collect();
-        tracing::info!("mock upstream on http://{local}: {}", names.join(", "));
-        MockUpstream::new(captures, Duration::from_millis(args.delay_ms))
-            .run(listener, stop)
-            .await;
-        Ok(())
-    })
+    let log = stderr_log::init(args.verbose);
+    let result = runtime().and_then(|runtime| {
+        runtime.block_on(async {
+            let (listener, local) = listen(args.listen).await?;
+            let stop = shutdown_signal();
+            let names: Vec<&str> = captures.iter().map(|c| c.name.as_str()).collect();
+            tracing::info!("mock upstream on http://{local}: {}", names.join(", "));
+            MockUpstream::new(captures, Duration::from_millis(args.delay_ms))
+                .run(listener, stop)
+                .await;
+            Ok(())
+        })
+    });
+    end_logging(log.as_ref());
+    result
 }
 
 /// The spinners `--progress` asks for, given this process's stderr.
@@ -278,22 +304,13 @@ async fn listen(
     Ok((listener, local))
 }
 
-/// Logs to stderr: info by default, more with -v, or as RUST_LOG says.
-fn init_logging(verbose: u8) {
-    use tracing_subscriber::EnvFilter;
-    let default = match verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
-    };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let color = io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(color)
-        .with_writer(io::stderr)
-        .with_target(false)
-        .init();
+/// Says how many log lines were dropped since the last report, then waits
+/// (a bounded time) for the queued lines to reach stderr.
+fn end_logging(log: Option<&StderrLog>) {
+    if let Some(log) = log {
+        log.report_dropped();
+        log.flush(stderr_log::FLUSH_TIMEOUT);
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM. The handlers are installed by this
