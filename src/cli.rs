@@ -328,7 +328,9 @@ pub struct ServeArgs {
     ///
     /// At the default level there is one line per request: method, path,
     /// status, session, duration, bytes, tool calls. Header values are never
-    /// logged.
+    /// logged. Lines are written by a thread of their own, so a stderr that
+    /// nobody reads stops no stream: past 1,024 lines waiting, lines are
+    /// dropped, and a warning says how many once stderr is read again.
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
 }

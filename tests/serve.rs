@@ -21,7 +21,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -153,6 +153,8 @@ struct Running {
     child: Child,
     stderr: Arc<Mutex<Vec<u8>>>,
     reader: Option<JoinHandle<()>>,
+    /// Set when stderr is not read until [`Running::read_stderr`].
+    held: Option<mpsc::Sender<()>>,
 }
 
 impl Running {
@@ -160,12 +162,31 @@ impl Running {
     /// port, and waits until it accepts connections. Retries with another
     /// port when the one picked was taken in the meantime.
     fn start(name: &str, args: impl Fn(u16) -> Vec<String>, env: &[(&str, &str)]) -> Running {
+        Running::start_with(name, args, env, false)
+    }
+
+    /// [`Running::start`], with a stderr that nobody reads (a full pipe,
+    /// once it has taken 64 KiB) until [`Running::read_stderr`].
+    fn start_stderr_unread(
+        name: &str,
+        args: impl Fn(u16) -> Vec<String>,
+        env: &[(&str, &str)],
+    ) -> Running {
+        Running::start_with(name, args, env, true)
+    }
+
+    fn start_with(
+        name: &str,
+        args: impl Fn(u16) -> Vec<String>,
+        env: &[(&str, &str)],
+        held: bool,
+    ) -> Running {
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port();
             let mut cmd = aalis_proxy();
             cmd.args(args(port)).envs(env.iter().copied());
-            let mut running = Running::spawn(&format!("{name} on port {port}"), cmd, port);
+            let mut running = Running::spawn(&format!("{name} on port {port}"), cmd, port, held);
             match running.wait_accepting() {
                 Ok(()) => return running,
                 Err(stderr) if stderr.contains("Address already in use") => last_error = stderr,
@@ -175,8 +196,9 @@ impl Running {
         panic!("{name}: no free port after 5 tries:\n{last_error}");
     }
 
-    /// Spawns `cmd` with stderr collected by a thread.
-    fn spawn(name: &str, mut cmd: Command, port: u16) -> Running {
+    /// Spawns `cmd` with stderr collected by a thread (which waits for
+    /// [`Running::read_stderr`] first if `held`).
+    fn spawn(name: &str, mut cmd: Command, port: u16, held: bool) -> Running {
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -184,7 +206,12 @@ impl Running {
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let mut pipe = child.stderr.take().expect("piped stderr");
         let sink = Arc::clone(&stderr);
+        let (release, released) = mpsc::channel::<()>();
         let reader = thread::spawn(move || {
+            if held {
+                // Sent, or the sender dropped: read from then on.
+                let _ = released.recv();
+            }
             let mut buf = [0u8; 4096];
             while let Ok(n) = pipe.read(&mut buf) {
                 if n == 0 {
@@ -201,6 +228,14 @@ impl Running {
             child,
             stderr,
             reader: Some(reader),
+            held: held.then_some(release),
+        }
+    }
+
+    /// Starts reading a stderr held by [`Running::start_stderr_unread`].
+    fn read_stderr(&mut self) {
+        if let Some(release) = self.held.take() {
+            let _ = release.send(());
         }
     }
 
@@ -266,6 +301,7 @@ impl Running {
     }
 
     fn join_reader(&mut self) {
+        self.read_stderr();
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
         }
@@ -936,6 +972,73 @@ fn a_failed_request_is_logged_with_every_field() {
 /// With a slow stream open, `signum` makes serve refuse new connections at
 /// once, let the stream finish in full, and exit 0 once it has (well before
 /// `--shutdown-grace` is over).
+/// Streams through `serve` while nobody reads its stderr: more log lines
+/// than the pipe (64 KiB, about 330 lines) and the log's queue (1,024
+/// lines) hold together.
+const UNREAD_STDERR_REQUESTS: usize = 2_000;
+
+/// A stderr nobody reads (a stuck `serve 2>&1 | cmd`, a terminal paused
+/// with Ctrl-S) stops no stream: the log lines that do not fit are dropped
+/// and counted, and once stderr is read again a warning says how many, so
+/// that every request's line is either written or counted.
+#[test]
+fn a_stderr_nobody_reads_stops_no_stream() {
+    let mock = start_mock(&["--delay-ms", "0"], &[]);
+    let mut serve = Running::start_stderr_unread(
+        "serve",
+        |port| {
+            vec![
+                "serve".to_owned(),
+                "--upstream".into(),
+                format!("http://{}", loopback(mock.port)),
+                "--listen".into(),
+                loopback(port).to_string(),
+            ]
+        },
+        &[],
+    );
+    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
+    let clients = 4;
+    let port = serve.port;
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let expected = expected.clone();
+            thread::spawn(move || {
+                for _ in 0..UNREAD_STDERR_REQUESTS / clients {
+                    // Each read waits at most DEADLINE: a stalled proxy fails.
+                    let mut response = post(port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+                    assert_eq!(response.status, 200);
+                    assert_eq!(text(&response.read_complete()), expected);
+                }
+            })
+        })
+        .collect();
+    for client in threads {
+        assert!(client.join().is_ok(), "a stream was not answered in full");
+    }
+    serve.read_stderr();
+    let stderr = serve.stop();
+    let written = request_lines(&stderr).len();
+    let reported: usize = stderr
+        .lines()
+        .filter_map(|line| {
+            line.split(" WARN ")
+                .nth(1)?
+                .strip_suffix(" log lines were dropped: stderr was not being read")?
+                .parse::<usize>()
+                .ok()
+        })
+        .sum();
+    assert!(written < UNREAD_STDERR_REQUESTS, "{written} lines written");
+    assert!(reported > 0, "no report of dropped lines:\n{stderr}");
+    // The reports count every dropped line, their own dropped ones too (a
+    // report every 10 s while stderr was not read).
+    assert!(
+        (UNREAD_STDERR_REQUESTS..UNREAD_STDERR_REQUESTS + 30).contains(&(written + reported)),
+        "{written} request lines written, {reported} lines reported dropped"
+    );
+}
+
 fn open_stream_finishes_after(signum: std::ffi::c_int) {
     const GRACE: Duration = Duration::from_secs(5);
     // 14 events 150 ms apart: about 2 s.
@@ -1151,7 +1254,7 @@ fn listening_on_port_zero_logs_the_real_port() {
         "--listen",
         "127.0.0.1:0",
     ]);
-    let mut serve = Running::spawn("serve on port 0", cmd, 0);
+    let mut serve = Running::spawn("serve on port 0", cmd, 0, false);
     let stderr = serve.wait_for_stderr("listening on http://");
     serve.stop();
     let (_, rest) = stderr
