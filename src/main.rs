@@ -171,7 +171,11 @@ fn serve_logged(
     }
     // Everything that can fail on configuration (the CA file) fails before
     // the port is taken.
-    let sessions = SessionRegistry::with_display(Arc::new(display(args.stream.progress)));
+    let display = match &log {
+        Some(log) => display_plain_to(args.stream.progress, log),
+        None => display(args.stream.progress),
+    };
+    let sessions = SessionRegistry::with_display(Arc::new(display));
     let proxy = Proxy::from_config(config, sessions)?;
     // Connections are served on the workers; this thread accepts them and
     // waits for the signal to stop.
@@ -240,6 +244,14 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
 fn display(mode: ProgressMode) -> ProgressDisplay {
     let color = std::env::var_os("NO_COLOR").is_none();
     ProgressDisplay::new(mode, io::stderr().is_terminal(), color)
+}
+
+/// [`display`], with plain lines queued to `log`'s writer thread.
+fn display_plain_to(mode: ProgressMode, log: &StderrLog) -> ProgressDisplay {
+    let color = std::env::var_os("NO_COLOR").is_none();
+    ProgressDisplay::new_plain_to(mode, io::stderr().is_terminal(), color, || {
+        Box::new(log.line_writer())
+    })
 }
 
 fn demo(args: &DemoArgs) -> anyhow::Result<()> {

@@ -13,9 +13,14 @@
 //! is logged ([`StderrLog::report_dropped`]: `serve` checks every
 //! [`DROP_REPORT_INTERVAL`], and once more at exit).
 //!
+//! `serve --progress=always` with a stderr that is not a terminal writes its
+//! plain lines through the same queue ([`StderrLog::line_writer`]), in order
+//! with the log lines.
+//!
 //! What it does not do: the `annotate` filter writes its warnings to stderr
 //! itself, in order with its output, and waits for a slow reader like any
-//! Unix filter; `--progress` spinners draw on stderr directly.
+//! Unix filter; spinners on a terminal are drawn by indicatif, on stderr
+//! directly.
 //!
 //! Read [`StderrLog`] first.
 
@@ -76,6 +81,15 @@ impl StderrLog {
     /// thread had gone).
     pub fn dropped_lines(&self) -> usize {
         self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// A writer of whole lines into the queue: each line is queued once its
+    /// line break is written (`--progress=always` lines in `serve`).
+    pub fn line_writer(&self) -> QueuedLines {
+        QueuedLines {
+            log: self.clone(),
+            partial: Vec::new(),
+        }
     }
 
     /// Logs a warning with the number of lines dropped since the last
@@ -162,6 +176,28 @@ impl Drop for LineWriter<'_> {
         if !self.line.is_empty() {
             self.log.send(std::mem::take(&mut self.line));
         }
+    }
+}
+
+/// See [`StderrLog::line_writer`]. What follows the last line break waits
+/// for the next write.
+pub struct QueuedLines {
+    log: StderrLog,
+    partial: Vec<u8>,
+}
+
+impl Write for QueuedLines {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.partial.extend_from_slice(bytes);
+        if let Some(last_break) = memchr::memrchr(b'\n', &self.partial) {
+            let rest = self.partial.split_off(last_break + 1);
+            self.log.send(std::mem::replace(&mut self.partial, rest));
+        }
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -281,6 +317,31 @@ mod tests {
         // What was written is whole lines, in order, from the first.
         let expected: Vec<String> = (0..lines.len()).map(|i| format!("line {i}")).collect();
         assert_eq!(lines, expected);
+    }
+
+    #[test]
+    fn queued_lines_go_whole_whatever_the_writes() {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let (open, opened) = mpsc::channel();
+        open.send(()).expect("open");
+        let writer = Stuck {
+            open: opened,
+            opened: false,
+            got: Arc::clone(&got),
+        };
+        let log = StderrLog::spawn(writer, 4).expect("spawn");
+        let mut lines = log.line_writer();
+        for piece in ["one", " line\ntwo", "\n", "three\nfour\nfi", "ve"] {
+            lines.write_all(piece.as_bytes()).expect("to memory");
+        }
+        assert!(flushed(&log));
+        assert_eq!(*got.lock().expect("lock"), b"one line\ntwo\nthree\nfour\n");
+        lines.write_all(b"\n").expect("to memory");
+        assert!(flushed(&log));
+        assert_eq!(
+            *got.lock().expect("lock"),
+            b"one line\ntwo\nthree\nfour\nfive\n"
+        );
     }
 
     #[test]

@@ -191,13 +191,27 @@ impl ProgressDisplay {
     /// The display `--progress=<mode>` asks for, given whether stderr is a
     /// terminal and whether colour is allowed (`NO_COLOR`).
     pub fn new(mode: ProgressMode, stderr_is_terminal: bool, color: bool) -> ProgressDisplay {
+        ProgressDisplay::new_plain_to(mode, stderr_is_terminal, color, || {
+            Box::new(std::io::stderr())
+        })
+    }
+
+    /// [`ProgressDisplay::new`], with plain lines written to what `plain`
+    /// makes (`serve`: the log's queue, so that they keep their order
+    /// with the log lines and a stderr nobody reads stops no stream).
+    pub fn new_plain_to(
+        mode: ProgressMode,
+        stderr_is_terminal: bool,
+        color: bool,
+        plain: impl FnOnce() -> Box<dyn Write + Send>,
+    ) -> ProgressDisplay {
         let target = match (mode, stderr_is_terminal) {
             (ProgressMode::Never, _) | (ProgressMode::Auto, false) => Target::Off,
             (ProgressMode::Auto | ProgressMode::Always, true) => Target::Terminal {
                 multi: MultiProgress::with_draw_target(ProgressDrawTarget::stderr()),
                 color,
             },
-            (ProgressMode::Always, false) => Target::Plain(Box::new(std::io::stderr())),
+            (ProgressMode::Always, false) => Target::Plain(plain()),
         };
         ProgressDisplay::with_target(target)
     }
