@@ -330,7 +330,8 @@ pub struct ServeArgs {
     /// status, session, duration, bytes, tool calls. Header values are never
     /// logged. Lines are written by a thread of their own, so a stderr that
     /// nobody reads stops no stream: past 1,024 lines waiting, lines are
-    /// dropped, and a warning says how many once stderr is read again.
+    /// dropped, and a warning says how many (checked every 10 s, and at
+    /// exit).
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
 }

@@ -16,7 +16,7 @@
 //! - [`filter`]: the `annotate` command: stdin or a file → stdout
 //! - [`cli`]: the command line (clap); [`error`]: errors and exit codes
 //! - [`js`]: JavaScript `String.length` and `JSON.stringify`, for exact counts
-//! - [`stderr_log`]: the log of `serve`, written by a thread of its own
+//! - [`stderr_log`]: the log of `serve` and `mock`, written by a thread of its own
 
 pub mod capture;
 pub mod chunk;

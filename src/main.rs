@@ -316,12 +316,15 @@ async fn listen(
     Ok((listener, local))
 }
 
-/// Says how many log lines were dropped since the last report, then waits
-/// (a bounded time) for the queued lines to reach stderr.
+/// Waits (at most `FLUSH_TIMEOUT` in all) for the queued log lines to
+/// reach stderr, says how many were dropped since the last report, and
+/// waits for that line too: what main prints next comes after them.
 fn end_logging(log: Option<&StderrLog>) {
     if let Some(log) = log {
-        log.report_dropped();
+        let deadline = std::time::Instant::now() + stderr_log::FLUSH_TIMEOUT;
         log.flush(stderr_log::FLUSH_TIMEOUT);
+        log.report_dropped();
+        log.flush(deadline.saturating_duration_since(std::time::Instant::now()));
     }
 }
 

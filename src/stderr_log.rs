@@ -5,7 +5,7 @@
 //! with `cmd` stuck, a terminal paused with Ctrl-S) blocks once the pipe
 //! is full, about 64 KiB on Linux. When the request's log line was written
 //! on the worker thread that had just ended the stream, that write blocked
-//! the worker, and every stream on it stopped: after about 340 requests the
+//! the worker, and every stream on it stopped: after about 350 requests the
 //! proxy answered nothing more. Here the workers only format the line and
 //! hand it to a bounded queue ([`QUEUE_LINES`] lines); the writer thread
 //! does the blocking write. When the queue is full the line is dropped and
@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing_subscriber::fmt::MakeWriter;
 
@@ -43,6 +43,16 @@ pub const DROP_REPORT_INTERVAL: Duration = Duration::from_secs(10);
 /// How long the end of the process waits for the queued lines to be
 /// written.
 pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long [`StderrLog::flush`] sleeps before it tries a full queue
+/// again.
+const FLUSH_RETRY: Duration = Duration::from_millis(5);
+
+thread_local! {
+    /// Whether this thread's last line was queued (or dropped): how
+    /// [`StderrLog::report_dropped`] knows if its warning went out.
+    static LAST_QUEUED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// What the writer thread is sent.
 enum Message {
@@ -97,34 +107,63 @@ impl StderrLog {
     /// not fit either, it is counted, and the next report includes it.
     pub fn report_dropped(&self) {
         let dropped = self.dropped_lines();
-        let before = self.reported.swap(dropped, Ordering::Relaxed);
-        if dropped > before {
-            tracing::warn!(
-                "{} log lines were dropped: stderr was not being read",
-                dropped - before
-            );
+        let before = self.reported.load(Ordering::Relaxed);
+        if dropped <= before {
+            return;
+        }
+        LAST_QUEUED.set(false);
+        tracing::warn!(
+            "{} log lines were dropped: stderr was not being read",
+            dropped - before
+        );
+        // Told only if the warning was queued (on this thread, just now):
+        // a warning dropped in turn leaves the count to the next report.
+        if LAST_QUEUED.get() {
+            self.reported.store(dropped, Ordering::Relaxed);
         }
     }
 
-    /// Queues `line` without waiting; a full queue drops and counts it.
+    /// Queues `line` (one or more whole lines) without waiting; a full
+    /// queue drops and counts its lines.
     fn send(&self, line: Vec<u8>) {
-        match self.queue.try_send(Message::Line(line)) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
+        let queued = match self.queue.try_send(Message::Line(line)) {
+            Ok(()) => true,
+            Err(
+                TrySendError::Full(Message::Line(line))
+                | TrySendError::Disconnected(Message::Line(line)),
+            ) => {
+                let lines = memchr::memchr_iter(b'\n', &line).count().max(1);
+                self.dropped.fetch_add(lines, Ordering::Relaxed);
+                false
             }
-        }
+            Err(
+                TrySendError::Full(Message::Flush(_))
+                | TrySendError::Disconnected(Message::Flush(_)),
+            ) => false,
+        };
+        LAST_QUEUED.set(queued);
     }
 
     /// Waits up to `timeout` for the lines queued so far to be written;
-    /// false if they were not (stderr still does not take them, or the
-    /// queue is full). Never blocks longer than `timeout`.
+    /// false if they were not (stderr does not take them). A full queue is
+    /// waited on too, a few milliseconds at a time, within `timeout`.
     pub fn flush(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
         let (done, written) = mpsc::sync_channel(1);
-        if self.queue.try_send(Message::Flush(done)).is_err() {
-            return false;
+        let mut flush = Message::Flush(done);
+        loop {
+            match self.queue.try_send(flush) {
+                Ok(()) => break,
+                Err(TrySendError::Full(again)) if Instant::now() < deadline => {
+                    flush = again;
+                    thread::sleep(FLUSH_RETRY);
+                }
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => return false,
+            }
         }
-        written.recv_timeout(timeout).is_ok()
+        written
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .is_ok()
     }
 }
 
@@ -249,16 +288,19 @@ mod tests {
     use std::sync::Mutex;
 
     /// A writer that takes nothing until `open` is sent, as a pipe whose
-    /// reader has stopped, then keeps what it is given.
+    /// reader has stopped, then keeps what it is given; it says on
+    /// `entered` when its first write has begun.
     struct Stuck {
         open: Receiver<()>,
         opened: bool,
+        entered: mpsc::Sender<()>,
         got: Arc<Mutex<Vec<u8>>>,
     }
 
     impl Write for Stuck {
         fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
             if !self.opened {
+                let _ = self.entered.send(());
                 self.open
                     .recv()
                     .map_err(|_| io::Error::from(io::ErrorKind::BrokenPipe))?;
@@ -273,14 +315,43 @@ mod tests {
         }
     }
 
+    /// A log whose writer is stuck until `open` sends.
+    struct StuckLog {
+        log: StderrLog,
+        open: mpsc::Sender<()>,
+        /// Sent to when the writer's first write has begun.
+        entered: Receiver<()>,
+        /// What the writer wrote.
+        got: Arc<Mutex<Vec<u8>>>,
+    }
+
+    /// A log of `lines` lines whose writer is stuck.
+    fn stuck_log(lines: usize) -> StuckLog {
+        let (open, opened) = mpsc::channel();
+        let (entered_tx, entered) = mpsc::channel();
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let stuck = Stuck {
+            open: opened,
+            opened: false,
+            entered: entered_tx,
+            got: Arc::clone(&got),
+        };
+        let log = StderrLog::spawn(stuck, lines).expect("spawn");
+        StuckLog {
+            log,
+            open,
+            entered,
+            got,
+        }
+    }
+
+    fn text(got: &Mutex<Vec<u8>>) -> String {
+        String::from_utf8(got.lock().expect("lock").clone()).expect("utf-8")
+    }
+
     /// Flushes, retrying while the queue is still full (bounded).
     fn flushed(log: &StderrLog) -> bool {
-        (0..1000).any(|_| {
-            log.flush(Duration::from_millis(10)) || {
-                thread::sleep(Duration::from_millis(10));
-                false
-            }
-        })
+        (0..100).any(|_| log.flush(Duration::from_millis(100)))
     }
 
     fn line(log: &StderrLog, text: &str) {
@@ -290,74 +361,97 @@ mod tests {
 
     #[test]
     fn a_stuck_writer_never_blocks_the_caller_and_every_line_is_written_or_counted() {
-        let (open, opened) = mpsc::channel();
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let stuck = Stuck {
-            open: opened,
-            opened: false,
-            got: Arc::clone(&got),
-        };
-        let log = StderrLog::spawn(stuck, 4).expect("spawn");
-        // The writer thread takes the first line and waits in it; the
-        // queue holds four more; the rest are dropped. None of this waits:
-        // a blocked caller would hang the test here.
-        for i in 0..20 {
+        let StuckLog {
+            log,
+            open,
+            entered,
+            got,
+        } = stuck_log(4);
+        line(&log, "line 0\n");
+        entered
+            .recv()
+            .expect("the writer took line 0 and waits in it");
+        // The queue holds four more; the rest are dropped. None of this
+        // waits: a blocked caller would hang the test here.
+        for i in 1..20 {
             line(&log, &format!("line {i}\n"));
         }
+        assert_eq!(log.dropped_lines(), 15);
         assert!(!log.flush(Duration::from_millis(50)), "stderr is stuck");
-        // Four queued, and a fifth if the thread took the first before the
-        // queue filled.
-        let dropped = log.dropped_lines();
-        assert!((15..=16).contains(&dropped), "{dropped} dropped");
         open.send(()).expect("open");
         assert!(flushed(&log), "written once stderr takes them");
-        let got = String::from_utf8(got.lock().expect("lock").clone()).expect("utf-8");
-        let lines: Vec<&str> = got.lines().collect();
-        assert_eq!(lines.len() + dropped, 20, "{got}");
-        // What was written is whole lines, in order, from the first.
-        let expected: Vec<String> = (0..lines.len()).map(|i| format!("line {i}")).collect();
-        assert_eq!(lines, expected);
+        assert_eq!(text(&got), "line 0\nline 1\nline 2\nline 3\nline 4\n");
     }
 
     #[test]
     fn queued_lines_go_whole_whatever_the_writes() {
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let (open, opened) = mpsc::channel();
+        let StuckLog {
+            log,
+            open,
+            entered: _entered,
+            got,
+        } = stuck_log(4);
         open.send(()).expect("open");
-        let writer = Stuck {
-            open: opened,
-            opened: false,
-            got: Arc::clone(&got),
-        };
-        let log = StderrLog::spawn(writer, 4).expect("spawn");
         let mut lines = log.line_writer();
         for piece in ["one", " line\ntwo", "\n", "three\nfour\nfi", "ve"] {
             lines.write_all(piece.as_bytes()).expect("to memory");
         }
         assert!(flushed(&log));
-        assert_eq!(*got.lock().expect("lock"), b"one line\ntwo\nthree\nfour\n");
+        assert_eq!(text(&got), "one line\ntwo\nthree\nfour\n");
         lines.write_all(b"\n").expect("to memory");
         assert!(flushed(&log));
-        assert_eq!(
-            *got.lock().expect("lock"),
-            b"one line\ntwo\nthree\nfour\nfive\n"
-        );
+        assert_eq!(text(&got), "one line\ntwo\nthree\nfour\nfive\n");
+    }
+
+    #[test]
+    fn dropped_lines_are_counted_one_by_one() {
+        let StuckLog {
+            log,
+            open,
+            entered,
+            got,
+        } = stuck_log(1);
+        let mut lines = log.line_writer();
+        lines.write_all(b"first\n").expect("to memory");
+        entered.recv().expect("the writer waits in the first line");
+        lines.write_all(b"queued\n").expect("to memory");
+        lines
+            .write_all(b"three\nlines\ndropped\n")
+            .expect("to memory");
+        assert_eq!(log.dropped_lines(), 3);
+        open.send(()).expect("open");
+        assert!(flushed(&log));
+        assert_eq!(text(&got), "first\nqueued\n");
+    }
+
+    /// Each warning line of a report, as its number.
+    fn reports(got: &str) -> Vec<usize> {
+        got.lines()
+            .map(|line| {
+                assert!(line.contains(" WARN "), "{line}");
+                line.rsplit_once(" WARN ")
+                    .and_then(|(_, rest)| {
+                        rest.strip_suffix(" log lines were dropped: stderr was not being read")
+                    })
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| panic!("not a report: {line}"))
+            })
+            .collect()
     }
 
     #[test]
     fn a_report_says_how_many_lines_were_dropped_since_the_last() {
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let (open, opened) = mpsc::channel();
+        let StuckLog {
+            log,
+            open,
+            entered: _entered,
+            got,
+        } = stuck_log(4);
         open.send(()).expect("open");
-        let writer = Stuck {
-            open: opened,
-            opened: false,
-            got: Arc::clone(&got),
-        };
-        let log = StderrLog::spawn(writer, 4).expect("spawn");
         let subscriber = tracing_subscriber::fmt()
             .with_writer(log.clone())
             .with_ansi(false)
+            .with_target(false)
             .finish();
         tracing::subscriber::with_default(subscriber, || {
             log.report_dropped(); // none: no line
@@ -368,17 +462,35 @@ mod tests {
             log.report_dropped(); // "4"
         });
         assert!(flushed(&log));
-        let got = String::from_utf8(got.lock().expect("lock").clone()).expect("utf-8");
-        let lines: Vec<&str> = got.lines().collect();
-        assert_eq!(lines.len(), 2, "{got}");
-        for (line, n) in lines.iter().zip([3, 4]) {
-            assert!(line.contains(" WARN "), "{line}");
-            assert!(
-                line.ends_with(&format!(
-                    " {n} log lines were dropped: stderr was not being read"
-                )),
-                "{line}"
-            );
-        }
+        assert_eq!(reports(&text(&got)), [3, 4]);
+    }
+
+    #[test]
+    fn a_report_that_is_dropped_leaves_its_count_to_the_next() {
+        let StuckLog {
+            log,
+            open,
+            entered,
+            got,
+        } = stuck_log(1);
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(log.clone())
+            .with_ansi(false)
+            .with_target(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!("1 log lines were dropped: stderr was not being read");
+            entered.recv().expect("the writer waits in the first line");
+            tracing::warn!("0 log lines were dropped: stderr was not being read"); // queued
+            tracing::info!("dropped");
+            tracing::info!("dropped");
+            log.report_dropped(); // "2", dropped in turn
+            assert_eq!(log.dropped_lines(), 3);
+            open.send(()).expect("open");
+            assert!(flushed(&log));
+            log.report_dropped(); // "3": the two lines and the first report
+        });
+        assert!(flushed(&log));
+        assert_eq!(reports(&text(&got)), [1, 0, 3]);
     }
 }

@@ -966,14 +966,8 @@ fn a_failed_request_is_logged_with_every_field() {
     assert_fields(lines[0], &fields);
 }
 
-// ---------------------------------------------------------------------------
-// 3. Shutdown
-
-/// With a slow stream open, `signum` makes serve refuse new connections at
-/// once, let the stream finish in full, and exit 0 once it has (well before
-/// `--shutdown-grace` is over).
 /// Streams through `serve` while nobody reads its stderr: more log lines
-/// than the pipe (64 KiB, about 330 lines) and the log's queue (1,024
+/// than the pipe (64 KiB, about 350 lines) and the log's queue (1,024
 /// lines) hold together.
 const UNREAD_STDERR_REQUESTS: usize = 2_000;
 
@@ -1032,13 +1026,20 @@ fn a_stderr_nobody_reads_stops_no_stream() {
     assert!(written < UNREAD_STDERR_REQUESTS, "{written} lines written");
     assert!(reported > 0, "no report of dropped lines:\n{stderr}");
     // The reports count every dropped line, their own dropped ones too (a
-    // report every 10 s while stderr was not read).
+    // report every 10 s while stderr was not read is dropped in turn, and
+    // the next one counts it).
     assert!(
         (UNREAD_STDERR_REQUESTS..UNREAD_STDERR_REQUESTS + 30).contains(&(written + reported)),
         "{written} request lines written, {reported} lines reported dropped"
     );
 }
 
+// ---------------------------------------------------------------------------
+// 3. Shutdown
+
+/// With a slow stream open, `signum` makes serve refuse new connections at
+/// once, let the stream finish in full, and exit 0 once it has (well before
+/// `--shutdown-grace` is over).
 fn open_stream_finishes_after(signum: std::ffi::c_int) {
     const GRACE: Duration = Duration::from_secs(5);
     // 14 events 150 ms apart: about 2 s.
