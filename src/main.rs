@@ -147,7 +147,7 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         &mut stdout,
         &mut stderr,
         args.annotator_config(),
-        &display(args.stream.progress),
+        &display(args.stream.progress, None),
         &mut filter::unix_ms,
     )?;
     Ok(())
@@ -171,11 +171,8 @@ fn serve_logged(
     }
     // Everything that can fail on configuration (the CA file) fails before
     // the port is taken.
-    let display = match &log {
-        Some(log) => display_plain_to(args.stream.progress, log),
-        None => display(args.stream.progress),
-    };
-    let sessions = SessionRegistry::with_display(Arc::new(display));
+    let spinners = display(args.stream.progress, log.as_ref());
+    let sessions = SessionRegistry::with_display(Arc::new(spinners));
     let proxy = Proxy::from_config(config, sessions)?;
     // Connections are served on the workers; this thread accepts them and
     // waits for the signal to stop.
@@ -240,25 +237,24 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
     result
 }
 
-/// The spinners `--progress` asks for, given this process's stderr.
-fn display(mode: ProgressMode) -> ProgressDisplay {
+/// The spinners `--progress` asks for, given this process's stderr; plain
+/// lines go through `log`'s queue when there is one (`serve`).
+fn display(mode: ProgressMode, log: Option<&StderrLog>) -> ProgressDisplay {
     let color = std::env::var_os("NO_COLOR").is_none();
-    ProgressDisplay::new(mode, io::stderr().is_terminal(), color)
-}
-
-/// [`display`], with plain lines queued to `log`'s writer thread.
-fn display_plain_to(mode: ProgressMode, log: &StderrLog) -> ProgressDisplay {
-    let color = std::env::var_os("NO_COLOR").is_none();
-    ProgressDisplay::new_plain_to(mode, io::stderr().is_terminal(), color, || {
-        Box::new(log.line_writer())
-    })
+    let terminal = io::stderr().is_terminal();
+    match log {
+        Some(log) => {
+            ProgressDisplay::new_plain_to(mode, terminal, color, || Box::new(log.line_writer()))
+        }
+        None => ProgressDisplay::new(mode, terminal, color),
+    }
 }
 
 fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let options = aalis_proxy::demo::DemoOptions {
         delay: Duration::from_millis(args.delay_ms),
         stream: args.stream,
-        display: Arc::new(display(args.progress)),
+        display: Arc::new(display(args.progress, None)),
     };
     let mut stdout = io::stdout();
     let calls = runtime()?.block_on(aalis_proxy::demo::run(options, &mut stdout))?;
