@@ -94,7 +94,8 @@ impl StderrLog {
     }
 
     /// A writer of whole lines into the queue: each line is queued once its
-    /// line break is written (`--progress=always` lines in `serve`).
+    /// line break is written (log events, and `--progress=always` lines in
+    /// `serve`).
     pub fn line_writer(&self) -> QueuedLines {
         QueuedLines {
             log: self.clone(),
@@ -192,34 +193,10 @@ fn write_lines<W: Write>(mut out: W, received: Receiver<Message>) {
     }
 }
 
-/// One event's output, gathered and queued as one line when dropped
-/// (`tracing-subscriber` writes a whole event, then drops the writer).
-pub struct LineWriter<'a> {
-    log: &'a StderrLog,
-    line: Vec<u8>,
-}
-
-impl Write for LineWriter<'_> {
-    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
-        self.line.extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Drop for LineWriter<'_> {
-    fn drop(&mut self) {
-        if !self.line.is_empty() {
-            self.log.send(std::mem::take(&mut self.line));
-        }
-    }
-}
-
 /// See [`StderrLog::line_writer`]. What follows the last line break waits
-/// for the next write.
+/// for the next write, or goes when the writer is dropped.
+/// `tracing-subscriber` gets one per event and writes the event whole, line
+/// break included, so each event is one message.
 pub struct QueuedLines {
     log: StderrLog,
     partial: Vec<u8>,
@@ -240,14 +217,19 @@ impl Write for QueuedLines {
     }
 }
 
-impl<'a> MakeWriter<'a> for StderrLog {
-    type Writer = LineWriter<'a>;
-
-    fn make_writer(&'a self) -> LineWriter<'a> {
-        LineWriter {
-            log: self,
-            line: Vec::new(),
+impl Drop for QueuedLines {
+    fn drop(&mut self) {
+        if !self.partial.is_empty() {
+            self.log.send(std::mem::take(&mut self.partial));
         }
+    }
+}
+
+impl<'a> MakeWriter<'a> for StderrLog {
+    type Writer = QueuedLines;
+
+    fn make_writer(&'a self) -> QueuedLines {
+        self.line_writer()
     }
 }
 
@@ -361,67 +343,63 @@ mod tests {
 
     #[test]
     fn a_stuck_writer_never_blocks_the_caller_and_every_line_is_written_or_counted() {
-        let StuckLog {
-            log,
-            open,
-            entered,
-            got,
-        } = stuck_log(4);
-        line(&log, "line 0\n");
-        entered
+        let t = stuck_log(4);
+        line(&t.log, "line 0\n");
+        t.entered
             .recv()
             .expect("the writer took line 0 and waits in it");
         // The queue holds four more; the rest are dropped. None of this
         // waits: a blocked caller would hang the test here.
         for i in 1..20 {
-            line(&log, &format!("line {i}\n"));
+            line(&t.log, &format!("line {i}\n"));
         }
-        assert_eq!(log.dropped_lines(), 15);
-        assert!(!log.flush(Duration::from_millis(50)), "stderr is stuck");
-        open.send(()).expect("open");
-        assert!(flushed(&log), "written once stderr takes them");
-        assert_eq!(text(&got), "line 0\nline 1\nline 2\nline 3\nline 4\n");
+        assert_eq!(t.log.dropped_lines(), 15);
+        assert!(!t.log.flush(Duration::from_millis(50)), "stderr is stuck");
+        t.open.send(()).expect("open");
+        assert!(flushed(&t.log), "written once stderr takes them");
+        assert_eq!(text(&t.got), "line 0\nline 1\nline 2\nline 3\nline 4\n");
     }
 
     #[test]
     fn queued_lines_go_whole_whatever_the_writes() {
-        let StuckLog {
-            log,
-            open,
-            entered: _entered,
-            got,
-        } = stuck_log(4);
-        open.send(()).expect("open");
-        let mut lines = log.line_writer();
+        let t = stuck_log(4);
+        t.open.send(()).expect("open");
+        let mut lines = t.log.line_writer();
         for piece in ["one", " line\ntwo", "\n", "three\nfour\nfi", "ve"] {
             lines.write_all(piece.as_bytes()).expect("to memory");
         }
-        assert!(flushed(&log));
-        assert_eq!(text(&got), "one line\ntwo\nthree\nfour\n");
+        assert!(flushed(&t.log));
+        assert_eq!(text(&t.got), "one line\ntwo\nthree\nfour\n");
         lines.write_all(b"\n").expect("to memory");
-        assert!(flushed(&log));
-        assert_eq!(text(&got), "one line\ntwo\nthree\nfour\nfive\n");
+        assert!(flushed(&t.log));
+        assert_eq!(text(&t.got), "one line\ntwo\nthree\nfour\nfive\n");
     }
 
     #[test]
     fn dropped_lines_are_counted_one_by_one() {
-        let StuckLog {
-            log,
-            open,
-            entered,
-            got,
-        } = stuck_log(1);
-        let mut lines = log.line_writer();
+        let t = stuck_log(1);
+        let mut lines = t.log.line_writer();
         lines.write_all(b"first\n").expect("to memory");
-        entered.recv().expect("the writer waits in the first line");
+        t.entered
+            .recv()
+            .expect("the writer waits in the first line");
         lines.write_all(b"queued\n").expect("to memory");
         lines
             .write_all(b"three\nlines\ndropped\n")
             .expect("to memory");
-        assert_eq!(log.dropped_lines(), 3);
-        open.send(()).expect("open");
-        assert!(flushed(&log));
-        assert_eq!(text(&got), "first\nqueued\n");
+        assert_eq!(t.log.dropped_lines(), 3);
+        t.open.send(()).expect("open");
+        assert!(flushed(&t.log));
+        assert_eq!(text(&t.got), "first\nqueued\n");
+    }
+
+    /// A `tracing` subscriber that logs to `log`, as `serve`'s does.
+    fn subscriber(log: &StderrLog) -> impl tracing::Subscriber + Send + Sync {
+        tracing_subscriber::fmt()
+            .with_writer(log.clone())
+            .with_ansi(false)
+            .with_target(false)
+            .finish()
     }
 
     /// Each warning line of a report, as its number.
@@ -441,56 +419,38 @@ mod tests {
 
     #[test]
     fn a_report_says_how_many_lines_were_dropped_since_the_last() {
-        let StuckLog {
-            log,
-            open,
-            entered: _entered,
-            got,
-        } = stuck_log(4);
-        open.send(()).expect("open");
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(log.clone())
-            .with_ansi(false)
-            .with_target(false)
-            .finish();
-        tracing::subscriber::with_default(subscriber, || {
-            log.report_dropped(); // none: no line
-            log.dropped.store(3, Ordering::Relaxed);
-            log.report_dropped(); // "3"
-            log.report_dropped(); // none new: no line
-            log.dropped.store(7, Ordering::Relaxed);
-            log.report_dropped(); // "4"
+        let t = stuck_log(4);
+        t.open.send(()).expect("open");
+        tracing::subscriber::with_default(subscriber(&t.log), || {
+            t.log.report_dropped(); // none: no line
+            t.log.dropped.store(3, Ordering::Relaxed);
+            t.log.report_dropped(); // "3"
+            t.log.report_dropped(); // none new: no line
+            t.log.dropped.store(7, Ordering::Relaxed);
+            t.log.report_dropped(); // "4"
         });
-        assert!(flushed(&log));
-        assert_eq!(reports(&text(&got)), [3, 4]);
+        assert!(flushed(&t.log));
+        assert_eq!(reports(&text(&t.got)), [3, 4]);
     }
 
     #[test]
     fn a_report_that_is_dropped_leaves_its_count_to_the_next() {
-        let StuckLog {
-            log,
-            open,
-            entered,
-            got,
-        } = stuck_log(1);
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(log.clone())
-            .with_ansi(false)
-            .with_target(false)
-            .finish();
-        tracing::subscriber::with_default(subscriber, || {
+        let t = stuck_log(1);
+        tracing::subscriber::with_default(subscriber(&t.log), || {
             tracing::warn!("1 log lines were dropped: stderr was not being read");
-            entered.recv().expect("the writer waits in the first line");
+            t.entered
+                .recv()
+                .expect("the writer waits in the first line");
             tracing::warn!("0 log lines were dropped: stderr was not being read"); // queued
             tracing::info!("dropped");
             tracing::info!("dropped");
-            log.report_dropped(); // "2", dropped in turn
-            assert_eq!(log.dropped_lines(), 3);
-            open.send(()).expect("open");
-            assert!(flushed(&log));
-            log.report_dropped(); // "3": the two lines and the first report
+            t.log.report_dropped(); // "2", dropped in turn
+            assert_eq!(t.log.dropped_lines(), 3);
+            t.open.send(()).expect("open");
+            assert!(flushed(&t.log));
+            t.log.report_dropped(); // "3": the two lines and the first report
         });
-        assert!(flushed(&log));
-        assert_eq!(reports(&text(&got)), [1, 0, 3]);
+        assert!(flushed(&t.log));
+        assert_eq!(reports(&text(&t.got)), [1, 0, 3]);
     }
 }
