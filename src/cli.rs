@@ -140,7 +140,8 @@ pub struct StreamFlags {
     /// `auto` (what --progress alone means) draws them when stderr is a
     /// terminal; `always` also prints plain lines (at most one per tool per
     /// second) when it is not, for logs; `never` is the default. stdout is
-    /// never touched. NO_COLOR is honoured.
+    /// never touched. NO_COLOR is honoured. serve draws its spinners from a
+    /// thread of its own, so a terminal paused with Ctrl-S stops no stream.
     ///
     /// Example: --progress
     #[arg(

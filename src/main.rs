@@ -171,8 +171,10 @@ fn serve_logged(
     }
     // Everything that can fail on configuration (the CA file) fails before
     // the port is taken.
-    let spinners = display(args.stream.progress, log.as_ref());
-    let sessions = SessionRegistry::with_display(Arc::new(spinners));
+    // Spinners on a terminal are drawn by a thread of their own: a paused
+    // terminal must not stop the workers.
+    let spinners = Arc::new(display(args.stream.progress, log.as_ref()).drawn_apart());
+    let sessions = SessionRegistry::with_display(Arc::clone(&spinners));
     let proxy = Proxy::from_config(config, sessions)?;
     // Connections are served on the workers; this thread accepts them and
     // waits for the signal to stop.
@@ -206,6 +208,8 @@ fn serve_logged(
     });
     // Stops the workers once every connection has finished or been dropped.
     drop(workers);
+    // Their streams' last lines (`✓`, `✗`), unless the terminal is paused.
+    spinners.flush(stderr_log::FLUSH_TIMEOUT);
     result
 }
 

@@ -80,6 +80,40 @@ mod sig {
     }
 }
 
+/// Pseudoterminals, for a child whose stderr is a terminal.
+mod pty {
+    use std::fs::{File, OpenOptions};
+    use std::os::fd::AsFd;
+
+    use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
+    use rustix::termios::{Winsize, tcsetwinsize};
+
+    /// A new pseudoterminal of `rows` × `cols`: its master side (what a
+    /// terminal emulator holds) and its slave side (what a program's
+    /// stderr would be). Its settings are the system's defaults, which
+    /// include `IXON`: Ctrl-S typed on the master pauses the output.
+    pub fn open(rows: u16, cols: u16) -> (File, File) {
+        let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).expect("openpt");
+        grantpt(&master).expect("grantpt");
+        unlockpt(&master).expect("unlockpt");
+        let name = ptsname(&master, Vec::new()).expect("ptsname");
+        let path = std::path::PathBuf::from(name.to_str().expect("a UTF-8 ptsname"));
+        let slave = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open the slave side");
+        let size = Winsize {
+            ws_row: rows,
+            ws_col: cols,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        tcsetwinsize(slave.as_fd(), size).expect("set the window size");
+        (File::from(master), slave)
+    }
+}
+
 /// The base command: the `aalis-proxy` binary, run from the package root,
 /// with the environment that could change results removed and the default
 /// disposition for SIGINT and SIGTERM.
@@ -155,6 +189,20 @@ struct Running {
     reader: Option<JoinHandle<()>>,
     /// Set when stderr is not read until [`Running::read_stderr`].
     held: Option<mpsc::Sender<()>>,
+    /// Set when stderr is a terminal ([`Running::start_on_terminal`]): the
+    /// pseudoterminal's master side, to type into.
+    terminal: Option<std::fs::File>,
+}
+
+/// Where a child's stderr goes.
+#[derive(Clone, Copy, PartialEq)]
+enum StderrTo {
+    /// A pipe, read as it comes.
+    Pipe,
+    /// A pipe read only from [`Running::read_stderr`] on.
+    HeldPipe,
+    /// A new pseudoterminal, read as it comes.
+    Terminal,
 }
 
 impl Running {
@@ -162,7 +210,7 @@ impl Running {
     /// port, and waits until it accepts connections. Retries with another
     /// port when the one picked was taken in the meantime.
     fn start(name: &str, args: impl Fn(u16) -> Vec<String>, env: &[(&str, &str)]) -> Running {
-        Running::start_with(name, args, env, false)
+        Running::start_with(name, args, env, StderrTo::Pipe)
     }
 
     /// [`Running::start`], with a stderr that nobody reads (a full pipe,
@@ -172,21 +220,33 @@ impl Running {
         args: impl Fn(u16) -> Vec<String>,
         env: &[(&str, &str)],
     ) -> Running {
-        Running::start_with(name, args, env, true)
+        Running::start_with(name, args, env, StderrTo::HeldPipe)
+    }
+
+    /// [`Running::start`], with stderr a terminal of its own (a
+    /// pseudoterminal of 24 × 100), which [`Running::type_on_terminal`]
+    /// types into.
+    fn start_on_terminal(
+        name: &str,
+        args: impl Fn(u16) -> Vec<String>,
+        env: &[(&str, &str)],
+    ) -> Running {
+        Running::start_with(name, args, env, StderrTo::Terminal)
     }
 
     fn start_with(
         name: &str,
         args: impl Fn(u16) -> Vec<String>,
         env: &[(&str, &str)],
-        held: bool,
+        stderr_to: StderrTo,
     ) -> Running {
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port();
             let mut cmd = aalis_proxy();
             cmd.args(args(port)).envs(env.iter().copied());
-            let mut running = Running::spawn(&format!("{name} on port {port}"), cmd, port, held);
+            let mut running =
+                Running::spawn(&format!("{name} on port {port}"), cmd, port, stderr_to);
             match running.wait_accepting() {
                 Ok(()) => return running,
                 Err(stderr) if stderr.contains("Address already in use") => last_error = stderr,
@@ -197,15 +257,42 @@ impl Running {
     }
 
     /// Spawns `cmd` with stderr collected by a thread (which waits for
-    /// [`Running::read_stderr`] first if `held`).
-    fn spawn(name: &str, mut cmd: Command, port: u16, held: bool) -> Running {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().expect("spawn aalis-proxy");
+    /// [`Running::read_stderr`] first if held).
+    fn spawn(name: &str, mut cmd: Command, port: u16, stderr_to: StderrTo) -> Running {
+        cmd.stdin(Stdio::null()).stdout(Stdio::null());
+        let (from, terminal): (Box<dyn Read + Send>, _) = match stderr_to {
+            StderrTo::Pipe | StderrTo::HeldPipe => {
+                cmd.stderr(Stdio::piped());
+                let mut child = cmd.spawn().expect("spawn aalis-proxy");
+                let pipe = child.stderr.take().expect("piped stderr");
+                return Running::collect(name, child, port, Box::new(pipe), stderr_to, None);
+            }
+            StderrTo::Terminal => {
+                let (master, slave) = pty::open(24, 100);
+                cmd.stderr(slave);
+                let typing = master.try_clone().expect("clone the terminal's master");
+                (Box::new(master), Some(typing))
+            }
+        };
+        let child = cmd.spawn().expect("spawn aalis-proxy");
+        // Our copy of the slave side goes with `cmd`: the master's reads
+        // end (EIO) once the child has exited.
+        drop(cmd);
+        Running::collect(name, child, port, from, stderr_to, terminal)
+    }
+
+    /// Collects what `child` writes to `from`, its stderr, on a thread.
+    fn collect(
+        name: &str,
+        child: Child,
+        port: u16,
+        mut from: Box<dyn Read + Send>,
+        stderr_to: StderrTo,
+        terminal: Option<std::fs::File>,
+    ) -> Running {
         let stderr = Arc::new(Mutex::new(Vec::new()));
-        let mut pipe = child.stderr.take().expect("piped stderr");
         let sink = Arc::clone(&stderr);
+        let held = stderr_to == StderrTo::HeldPipe;
         let (release, released) = mpsc::channel::<()>();
         let reader = thread::spawn(move || {
             if held {
@@ -213,7 +300,7 @@ impl Running {
                 let _ = released.recv();
             }
             let mut buf = [0u8; 4096];
-            while let Ok(n) = pipe.read(&mut buf) {
+            while let Ok(n) = from.read(&mut buf) {
                 if n == 0 {
                     break;
                 }
@@ -229,7 +316,15 @@ impl Running {
             stderr,
             reader: Some(reader),
             held: held.then_some(release),
+            terminal,
         }
+    }
+
+    /// Types `bytes` on the terminal of [`Running::start_on_terminal`]:
+    /// Ctrl-S (`\x13`) pauses its output, Ctrl-Q (`\x11`) resumes it.
+    fn type_on_terminal(&mut self, bytes: &[u8]) {
+        let terminal = self.terminal.as_mut().expect("stderr is a terminal");
+        terminal.write_all(bytes).expect("type on the terminal");
     }
 
     /// Starts reading a stderr held by [`Running::start_stderr_unread`].
@@ -1034,6 +1129,84 @@ fn a_stderr_nobody_reads_stops_no_stream() {
     );
 }
 
+/// How many streams `a_paused_terminal_stops_no_stream` sends while the
+/// terminal is paused, each in a session of its own.
+const PAUSED_TERMINAL_REQUESTS: usize = 200;
+
+/// `serve --progress` on a terminal paused with Ctrl-S: every write to it
+/// blocks until Ctrl-Q. The spinners are drawn by a thread of their own, so
+/// the streams go on; once the terminal resumes, every tool's final line
+/// is drawn. (Drawn on the workers, the first draw blocked one, holding
+/// the display, and every stream stopped with it.)
+#[test]
+fn a_paused_terminal_stops_no_stream() {
+    // Events 2 ms apart: each arrives alone, so each stream's tools are
+    // in progress when it publishes (a stream read whole shows none).
+    let mock = start_mock(&["--delay-ms", "2"], &[]);
+    let mut serve = Running::start_on_terminal(
+        "serve",
+        |port| {
+            vec![
+                "serve".to_owned(),
+                "--upstream".into(),
+                format!("http://{}", loopback(mock.port)),
+                "--listen".into(),
+                loopback(port).to_string(),
+                "--progress".into(),
+            ]
+        },
+        // Without TERM (or with TERM=dumb) indicatif draws nothing.
+        &[("TERM", "xterm")],
+    );
+    serve.type_on_terminal(b"\x13");
+    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
+    let clients = 4;
+    let port = serve.port;
+    let threads: Vec<_> = (0..clients)
+        .map(|client| {
+            let expected = expected.clone();
+            thread::spawn(move || {
+                for i in 0..PAUSED_TERMINAL_REQUESTS / clients {
+                    let session = format!("paused-{client}-{i}");
+                    // Each read waits at most DEADLINE: a stalled proxy fails.
+                    let mut response = post(
+                        port,
+                        CHAT_PATH,
+                        PARALLEL_REQUEST,
+                        &[("X-Aalis-Session", &session)],
+                    );
+                    assert_eq!(response.status, 200);
+                    assert_eq!(text(&response.read_complete()), expected);
+                }
+            })
+        })
+        .collect();
+    for client in threads {
+        assert!(client.join().is_ok(), "a stream was not answered in full");
+    }
+    serve.type_on_terminal(b"\x11");
+    let last = format!(
+        "✓ [paused-{}-{}] get_local_time  26 chars",
+        clients - 1,
+        PAUSED_TERMINAL_REQUESTS / clients - 1
+    );
+    serve.wait_for_stderr(&last);
+    let stderr = serve.stop();
+    for client in 0..clients {
+        for i in 0..PAUSED_TERMINAL_REQUESTS / clients {
+            for line in [
+                format!("✓ [paused-{client}-{i}] get_weather  47 chars · "),
+                format!("✓ [paused-{client}-{i}] get_local_time  26 chars · "),
+            ] {
+                assert!(
+                    stderr.contains(&line),
+                    "no {line:?} on the terminal:\n{stderr}"
+                );
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 3. Shutdown
 
@@ -1255,7 +1428,7 @@ fn listening_on_port_zero_logs_the_real_port() {
         "--listen",
         "127.0.0.1:0",
     ]);
-    let mut serve = Running::spawn("serve on port 0", cmd, 0, false);
+    let mut serve = Running::spawn("serve on port 0", cmd, 0, StderrTo::Pipe);
     let stderr = serve.wait_for_stderr("listening on http://");
     serve.stop();
     let (_, rest) = stderr

@@ -19,12 +19,17 @@
 //!   second, plus the final one (for logs);
 //! - `auto` without a terminal, or `never`: nothing.
 //!
+//! On a terminal, `serve` draws from a thread of its own
+//! ([`ProgressDisplay::drawn_apart`]): a write to a terminal blocks while
+//! it is paused (Ctrl-S) or while nothing reads it, and a worker that drew
+//! there would stop every stream it serves.
+//!
 //! Read [`status_line`] first.
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -164,7 +169,44 @@ enum Target {
 /// The spinners of one process (shared by every stream of `serve`); see the
 /// module docs.
 pub struct ProgressDisplay {
-    inner: Mutex<Inner>,
+    inner: Arc<Mutex<Inner>>,
+    /// Set by [`ProgressDisplay::drawn_apart`]: `show` leaves the state
+    /// here, and the drawing thread draws it.
+    apart: Option<Arc<Apart>>,
+}
+
+/// Most updates one session keeps waiting for the drawing thread (see
+/// [`Apart::leave`]). Past this many (a terminal paused through several
+/// streams of one session), an update takes the last one's place, and the
+/// tools that one ended may get no final line.
+const MAX_WAITING_PER_SESSION: usize = 8;
+
+/// What waits for the drawing thread, and how it is told.
+struct Apart {
+    state: Mutex<ApartState>,
+    /// Something to draw, or the display was dropped.
+    wake: Condvar,
+    /// The drawing thread has drawn everything it was given.
+    idle: Condvar,
+}
+
+#[derive(Default)]
+struct ApartState {
+    /// Each session's updates in the order they came (see
+    /// [`MAX_WAITING_PER_SESSION`]).
+    waiting: BTreeMap<String, Vec<Update>>,
+    /// The drawing thread is drawing a batch it took.
+    drawing: bool,
+    /// The display was dropped: the thread draws what waits, and ends.
+    closed: bool,
+}
+
+struct Update {
+    entries: Vec<ProgressEntry>,
+    outcome: Outcome,
+    now_ms: u64,
+    /// It may end tools of the state before it: it is drawn, not replaced.
+    ends: bool,
 }
 
 struct Inner {
@@ -236,11 +278,61 @@ impl ProgressDisplay {
 
     fn with_target(target: Target) -> ProgressDisplay {
         ProgressDisplay {
-            inner: Mutex::new(Inner {
+            inner: Arc::new(Mutex::new(Inner {
                 target,
                 lines: BTreeMap::new(),
-            }),
+            })),
+            apart: None,
         }
+    }
+
+    /// This display, drawn from a thread of its own when it draws on a
+    /// terminal (`serve`): [`show`](Self::show) then leaves the new state
+    /// for that thread and returns at once, so a terminal that does not
+    /// take its writes (paused with Ctrl-S, or nobody reads it) holds up
+    /// only the drawing. Plain lines and an off display are left as they
+    /// are (plain lines go to a writer of the caller's choosing, `serve`'s
+    /// log queue, which never blocks). If the thread cannot be started,
+    /// the display draws in place, as before.
+    pub fn drawn_apart(mut self) -> ProgressDisplay {
+        if !matches!(lock(&self.inner).target, Target::Terminal { .. }) || self.apart.is_some() {
+            return self;
+        }
+        let apart = Arc::new(Apart {
+            state: Mutex::new(ApartState::default()),
+            wake: Condvar::new(),
+            idle: Condvar::new(),
+        });
+        let (inner, theirs) = (Arc::clone(&self.inner), Arc::clone(&apart));
+        let started = std::thread::Builder::new()
+            .name("aalis-spinners".into())
+            .spawn(move || draw_apart(&inner, &theirs));
+        if started.is_ok() {
+            self.apart = Some(apart);
+        }
+        self
+    }
+
+    /// Waits until the drawing thread has drawn every state shown so far,
+    /// for at most `timeout` (a terminal that takes no writes never lets
+    /// it); true if it has. At once for a display drawn in place.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let Some(apart) = &self.apart else {
+            return true;
+        };
+        let deadline = Instant::now() + timeout;
+        let mut state = lock(&apart.state);
+        while !state.waiting.is_empty() || state.drawing {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            state = match apart.idle.wait_timeout(state, left) {
+                Ok((state, _)) => state,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+        true
     }
 
     /// True when nothing is ever drawn (callers can skip the work).
@@ -252,11 +344,122 @@ impl ProgressDisplay {
     /// choice, then index; empty when the state cleared). Tools that are no
     /// longer there end with a final line marked as `outcome` says.
     pub fn show(&self, session: &str, entries: &[ProgressEntry], outcome: Outcome, now_ms: u64) {
-        let mut inner = self.lock();
-        if matches!(inner.target, Target::Off) {
+        if let Some(apart) = &self.apart {
+            apart.leave(session, entries, outcome, now_ms);
             return;
         }
-        let gone: Vec<Key> = inner
+        self.lock().show(session, entries, outcome, now_ms);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        lock(&self.inner)
+    }
+}
+
+impl Drop for ProgressDisplay {
+    /// The drawing thread, if any, draws what waits and ends.
+    fn drop(&mut self) {
+        if let Some(apart) = &self.apart {
+            lock(&apart.state).closed = true;
+            apart.wake.notify_one();
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Apart {
+    /// Leaves a session's new state for the drawing thread.
+    ///
+    /// Each update holds the session's whole state, so one that waits can
+    /// take the place of the last waiting one, if drawing it alone draws
+    /// the same final lines as drawing both: when that one ended no tool
+    /// of the state before it, and this one ends none of its tools, with
+    /// the same outcome. Otherwise it waits after it (the first waiting
+    /// update counts as one that ended tools: what was drawn before it is
+    /// not kept here). Nothing after nothing is dropped.
+    fn leave(&self, session: &str, entries: &[ProgressEntry], outcome: Outcome, now_ms: u64) {
+        let mut state = lock(&self.state);
+        let updates = match state.waiting.get_mut(session) {
+            Some(updates) => updates,
+            None => state.waiting.entry(session.to_owned()).or_default(),
+        };
+        let full = updates.len() >= MAX_WAITING_PER_SESSION;
+        let ends = match updates.last_mut() {
+            Some(last) if last.entries.is_empty() && entries.is_empty() => return,
+            Some(last)
+                if full
+                    || (!last.ends
+                        && last.outcome == outcome
+                        && ends_none(&last.entries, entries)) =>
+            {
+                last.entries.clear();
+                last.entries.extend_from_slice(entries);
+                last.outcome = outcome;
+                last.now_ms = now_ms;
+                last.ends |= full;
+                None
+            }
+            Some(last) => Some(!ends_none(&last.entries, entries)),
+            None => Some(true),
+        };
+        if let Some(ends) = ends {
+            updates.push(Update {
+                entries: entries.to_vec(),
+                outcome,
+                now_ms,
+                ends,
+            });
+        }
+        drop(state);
+        self.wake.notify_one();
+    }
+}
+
+/// Whether every tool of `before` is still in `after`.
+fn ends_none(before: &[ProgressEntry], after: &[ProgressEntry]) -> bool {
+    before.iter().all(|b| {
+        after
+            .iter()
+            .any(|a| a.choice == b.choice && a.index == b.index)
+    })
+}
+
+/// The drawing thread of [`ProgressDisplay::drawn_apart`]: takes what
+/// waits, draws it, and waits again; ends when the display is dropped.
+fn draw_apart(inner: &Mutex<Inner>, apart: &Apart) {
+    loop {
+        let batch = {
+            let mut state = lock(&apart.state);
+            state.drawing = false;
+            apart.idle.notify_all();
+            while state.waiting.is_empty() && !state.closed {
+                state = apart.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+            }
+            if state.waiting.is_empty() {
+                return;
+            }
+            state.drawing = true;
+            std::mem::take(&mut state.waiting)
+        };
+        let mut inner = lock(inner);
+        for (session, updates) in &batch {
+            for update in updates {
+                inner.show(session, &update.entries, update.outcome, update.now_ms);
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// [`ProgressDisplay::show`], drawn here and now.
+    fn show(&mut self, session: &str, entries: &[ProgressEntry], outcome: Outcome, now_ms: u64) {
+        if matches!(self.target, Target::Off) {
+            return;
+        }
+        let gone: Vec<Key> = self
             .lines
             .range((session.to_owned(), i64::MIN, i64::MIN)..)
             .take_while(|(k, _)| k.0 == session)
@@ -264,22 +467,16 @@ impl ProgressDisplay {
             .map(|(k, _)| k.clone())
             .collect();
         for key in gone {
-            if let Some(line) = inner.lines.remove(&key) {
-                inner.finish(&key, line, outcome, now_ms);
+            if let Some(line) = self.lines.remove(&key) {
+                self.finish(&key, line, outcome, now_ms);
             }
         }
         for entry in entries {
             let key = (session.to_owned(), entry.choice, entry.index);
-            inner.update(key, entry, now_ms);
+            self.update(key, entry, now_ms);
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl Inner {
     fn update(&mut self, key: Key, entry: &ProgressEntry, now_ms: u64) {
         let elapsed = Duration::from_millis(now_ms.saturating_sub(entry.started_at_ms));
         let label = shown_name(&key.0, &entry.name);

@@ -165,3 +165,174 @@ fn a_long_session_id_never_hides_the_tool_name() {
     ✓ [conversation-0123456789a…] get_weather  47 chars · 1.2s
     ");
 }
+
+/// An in-memory terminal whose writes block while it is paused, as a real
+/// one's do after Ctrl-S.
+#[derive(Debug, Clone)]
+struct PausedTerm {
+    term: InMemoryTerm,
+    paused: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl PausedTerm {
+    fn paused(rows: u16, cols: u16) -> PausedTerm {
+        PausedTerm {
+            term: InMemoryTerm::new(rows, cols),
+            paused: Arc::new((Mutex::new(true), std::sync::Condvar::new())),
+        }
+    }
+
+    fn resume(&self) {
+        *self.paused.0.lock().expect("lock") = false;
+        self.paused.1.notify_all();
+    }
+
+    fn wait(&self) {
+        let mut paused = self.paused.0.lock().expect("lock");
+        while *paused {
+            paused = self.paused.1.wait(paused).expect("wait");
+        }
+    }
+}
+
+impl TermLike for PausedTerm {
+    fn width(&self) -> u16 {
+        self.term.width()
+    }
+    fn height(&self) -> u16 {
+        self.term.height()
+    }
+    fn move_cursor_up(&self, n: usize) -> std::io::Result<()> {
+        self.wait();
+        self.term.move_cursor_up(n)
+    }
+    fn move_cursor_down(&self, n: usize) -> std::io::Result<()> {
+        self.wait();
+        self.term.move_cursor_down(n)
+    }
+    fn move_cursor_right(&self, n: usize) -> std::io::Result<()> {
+        self.wait();
+        self.term.move_cursor_right(n)
+    }
+    fn move_cursor_left(&self, n: usize) -> std::io::Result<()> {
+        self.wait();
+        self.term.move_cursor_left(n)
+    }
+    fn write_line(&self, s: &str) -> std::io::Result<()> {
+        self.wait();
+        self.term.write_line(s)
+    }
+    fn write_str(&self, s: &str) -> std::io::Result<()> {
+        self.wait();
+        self.term.write_str(s)
+    }
+    fn clear_line(&self) -> std::io::Result<()> {
+        self.wait();
+        self.term.clear_line()
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.wait();
+        self.term.flush()
+    }
+}
+
+/// Spinners drawn apart, on a terminal that starts paused.
+fn drawn_apart_on(term: &PausedTerm) -> ProgressDisplay {
+    ProgressDisplay::terminal(
+        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
+        false,
+    )
+    .drawn_apart()
+}
+
+#[test]
+fn a_paused_terminal_holds_up_only_the_drawing() {
+    let term = PausedTerm::paused(40, 80);
+    let display = Arc::new(drawn_apart_on(&term));
+    let (done, finished) = std::sync::mpsc::channel();
+    let shower = Arc::clone(&display);
+    std::thread::spawn(move || {
+        for n in 1..=1_000 {
+            let session = format!("s{}", n % 10);
+            shower.show(
+                &session,
+                &[entry(0, "get_weather", n, 0)],
+                Outcome::Done,
+                1_000,
+            );
+        }
+        for n in 0..10 {
+            shower.show(&format!("s{n}"), &[], Outcome::Done, 2_000);
+        }
+        let _ = done.send(());
+    });
+    // Drawn in place, the first draw blocks until the terminal resumes.
+    assert!(
+        finished.recv_timeout(Duration::from_secs(10)).is_ok(),
+        "show() blocked on a paused terminal"
+    );
+    assert!(
+        !display.flush(Duration::from_millis(50)),
+        "drawn while paused"
+    );
+    term.resume();
+    assert!(
+        display.flush(Duration::from_secs(10)),
+        "not drawn once resumed"
+    );
+    let contents = term.term.contents();
+    for n in 0..10 {
+        // Each session's last state before its end: 991 + n chars (n > 0),
+        // 1,000 for s0.
+        let chars = if n == 0 { 1_000 } else { 990 + n };
+        let line = format!("✓ [s{n}] get_weather  {chars} chars · 2.0s");
+        assert!(contents.contains(&line), "no {line:?} in:\n{contents}");
+    }
+}
+
+#[test]
+fn waiting_updates_keep_every_tools_final_line() {
+    let term = PausedTerm::paused(20, 80);
+    let display = drawn_apart_on(&term);
+    let show = |entries: &[ProgressEntry], outcome| display.show("s", entries, outcome, 5_000);
+    show(&[entry(0, "a", 1, 0)], Outcome::Done);
+    show(&[entry(0, "a", 5, 0)], Outcome::Done);
+    show(&[entry(0, "a", 9, 0), entry(1, "b", 2, 0)], Outcome::Done);
+    // The next stream starts: a and b end.
+    show(&[], Outcome::Done);
+    show(&[entry(0, "c", 4, 0)], Outcome::Done);
+    // It fails: c ends with ✗.
+    show(&[], Outcome::Failed);
+    term.resume();
+    assert!(display.flush(Duration::from_secs(10)));
+    let contents = term.term.contents();
+    for line in [
+        "✓ [s] a  9 chars · 5.0s",
+        "✓ [s] b  2 chars · 5.0s",
+        "✗ [s] c  4 chars · 5.0s",
+    ] {
+        assert!(contents.contains(line), "no {line:?} in:\n{contents}");
+    }
+}
+
+#[test]
+fn a_session_keeps_at_most_a_few_updates_waiting() {
+    let term = PausedTerm::paused(20, 80);
+    let display = drawn_apart_on(&term);
+    for n in 0..100 {
+        let outcome = if n % 2 == 0 {
+            Outcome::Done
+        } else {
+            Outcome::Failed
+        };
+        display.show("s", &[entry(n, "a", 1, 0)], outcome, 5_000);
+    }
+    let apart = display.apart.as_ref().expect("drawn apart");
+    let waiting = lock(&apart.state).waiting.get("s").map_or(0, Vec::len);
+    assert!(
+        (1..=MAX_WAITING_PER_SESSION).contains(&waiting),
+        "{waiting} updates waiting"
+    );
+    term.resume();
+    assert!(display.flush(Duration::from_secs(10)));
+}
