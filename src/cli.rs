@@ -330,9 +330,9 @@ pub struct ServeArgs {
     /// At the default level there is one line per request: method, path,
     /// status, session, duration, bytes, tool calls. Header values are never
     /// logged. Lines are written by a thread of their own, so a stderr that
-    /// nobody reads stops no stream: past 1,024 lines waiting, lines are
-    /// dropped, and a warning says how many (checked every 10 s, and at
-    /// exit).
+    /// nobody reads stops no stream: past 1,024 lines (or 1 MiB) waiting,
+    /// lines are dropped, and a warning says how many (checked every 10 s,
+    /// and at exit).
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
 }

@@ -7,8 +7,8 @@
 //! on the worker thread that had just ended the stream, that write blocked
 //! the worker, and every stream on it stopped: after about 350 requests the
 //! proxy answered nothing more. Here the workers only format the line and
-//! hand it to a bounded queue ([`QUEUE_LINES`] lines); the writer thread
-//! does the blocking write. When the queue is full the line is dropped and
+//! hand it to a bounded queue ([`QUEUE_LINES`] lines, [`QUEUE_BYTES`]
+//! bytes); the writer thread does the blocking write. When the queue is full the line is dropped and
 //! counted, never waited for ([`StderrLog::dropped_lines`]), and the count
 //! is logged ([`StderrLog::report_dropped`]: `serve` checks every
 //! [`DROP_REPORT_INTERVAL`], and once more at exit).
@@ -19,8 +19,8 @@
 //!
 //! What it does not do: the `annotate` filter writes its warnings to stderr
 //! itself, in order with its output, and waits for a slow reader like any
-//! Unix filter; spinners on a terminal are drawn by indicatif, on stderr
-//! directly.
+//! Unix filter; `serve`'s spinners on a terminal are drawn by a thread of
+//! their own (`ProgressDisplay::drawn_apart`), on stderr directly.
 //!
 //! Read [`StderrLog`] first.
 
@@ -36,6 +36,10 @@ use tracing_subscriber::fmt::MakeWriter;
 /// Lines the queue holds while the writer waits on stderr: a burst of
 /// streams ending at once, on a terminal that scrolls slowly, fits.
 pub const QUEUE_LINES: usize = 1024;
+
+/// Bytes the queue holds, whatever its lines: trace lines (`-vv`) can be
+/// long. A line longer than this alone is queued when nothing else waits.
+pub const QUEUE_BYTES: usize = 1 << 20;
 
 /// How often `serve` checks for dropped lines to report.
 pub const DROP_REPORT_INTERVAL: Duration = Duration::from_secs(10);
@@ -67,6 +71,9 @@ enum Message {
 #[derive(Clone)]
 pub struct StderrLog {
     queue: SyncSender<Message>,
+    /// The bytes of the lines queued or being written, and their bound.
+    queued_bytes: Arc<AtomicUsize>,
+    max_bytes: usize,
     dropped: Arc<AtomicUsize>,
     /// How many of the dropped lines [`StderrLog::report_dropped`] told of.
     reported: Arc<AtomicUsize>,
@@ -74,14 +81,22 @@ pub struct StderrLog {
 
 impl StderrLog {
     /// A writer thread for `out` (stderr, or a test's writer) with a queue
-    /// of `lines` lines.
-    pub fn spawn<W: Write + Send + 'static>(out: W, lines: usize) -> io::Result<StderrLog> {
+    /// of `lines` lines and `bytes` bytes.
+    pub fn spawn<W: Write + Send + 'static>(
+        out: W,
+        lines: usize,
+        bytes: usize,
+    ) -> io::Result<StderrLog> {
         let (queue, received) = mpsc::sync_channel(lines);
+        let queued_bytes = Arc::new(AtomicUsize::new(0));
+        let written = Arc::clone(&queued_bytes);
         thread::Builder::new()
             .name("aalis-log".to_owned())
-            .spawn(move || write_lines(out, received))?;
+            .spawn(move || write_lines(out, received, &written))?;
         Ok(StderrLog {
             queue,
+            queued_bytes,
+            max_bytes: bytes,
             dropped: Arc::new(AtomicUsize::new(0)),
             reported: Arc::new(AtomicUsize::new(0)),
         })
@@ -125,24 +140,31 @@ impl StderrLog {
     }
 
     /// Queues `line` (one or more whole lines) without waiting; a full
-    /// queue drops and counts its lines.
+    /// queue (in lines or in bytes) drops and counts its lines.
     fn send(&self, line: Vec<u8>) {
-        let queued = match self.queue.try_send(Message::Line(line)) {
-            Ok(()) => true,
-            Err(
-                TrySendError::Full(Message::Line(line))
-                | TrySendError::Disconnected(Message::Line(line)),
-            ) => {
-                let lines = memchr::memchr_iter(b'\n', &line).count().max(1);
-                self.dropped.fetch_add(lines, Ordering::Relaxed);
-                false
+        let len = line.len();
+        let before = self.queued_bytes.fetch_add(len, Ordering::Relaxed);
+        let refused = if before > 0 && before + len > self.max_bytes {
+            Some(line)
+        } else {
+            match self.queue.try_send(Message::Line(line)) {
+                Ok(()) => None,
+                Err(
+                    TrySendError::Full(Message::Line(line))
+                    | TrySendError::Disconnected(Message::Line(line)),
+                ) => Some(line),
+                Err(
+                    TrySendError::Full(Message::Flush(_))
+                    | TrySendError::Disconnected(Message::Flush(_)),
+                ) => Some(Vec::new()),
             }
-            Err(
-                TrySendError::Full(Message::Flush(_))
-                | TrySendError::Disconnected(Message::Flush(_)),
-            ) => false,
         };
-        LAST_QUEUED.set(queued);
+        if let Some(line) = &refused {
+            self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+            let lines = memchr::memchr_iter(b'\n', line).count().max(1);
+            self.dropped.fetch_add(lines, Ordering::Relaxed);
+        }
+        LAST_QUEUED.set(refused.is_none());
     }
 
     /// Waits up to `timeout` for the lines queued so far to be written;
@@ -176,14 +198,16 @@ impl std::fmt::Debug for StderrLog {
     }
 }
 
-/// The writer thread: every line in order, each with one `write_all`.
-/// A write error (stderr closed) leaves the lines unwritten, as an
-/// `eprintln!` that cannot write would, without stopping the queue.
-fn write_lines<W: Write>(mut out: W, received: Receiver<Message>) {
+/// The writer thread: every line in order, each with one `write_all`,
+/// after which its bytes leave `queued_bytes`. A write error (stderr
+/// closed) leaves the lines unwritten, as an `eprintln!` that cannot write
+/// would, without stopping the queue.
+fn write_lines<W: Write>(mut out: W, received: Receiver<Message>, queued_bytes: &AtomicUsize) {
     for message in received {
         match message {
             Message::Line(line) => {
                 let _ = out.write_all(&line);
+                queued_bytes.fetch_sub(line.len(), Ordering::Relaxed);
             }
             Message::Flush(done) => {
                 let _ = out.flush();
@@ -251,7 +275,7 @@ pub fn init(verbose: u8) -> Option<StderrLog> {
         .with_env_filter(filter)
         .with_ansi(color)
         .with_target(false);
-    match StderrLog::spawn(io::stderr(), QUEUE_LINES) {
+    match StderrLog::spawn(io::stderr(), QUEUE_LINES, QUEUE_BYTES) {
         Ok(log) => {
             builder.with_writer(log.clone()).init();
             Some(log)
@@ -309,6 +333,11 @@ mod tests {
 
     /// A log of `lines` lines whose writer is stuck.
     fn stuck_log(lines: usize) -> StuckLog {
+        stuck_log_of(lines, QUEUE_BYTES)
+    }
+
+    /// A log of `lines` lines and `bytes` bytes whose writer is stuck.
+    fn stuck_log_of(lines: usize, bytes: usize) -> StuckLog {
         let (open, opened) = mpsc::channel();
         let (entered_tx, entered) = mpsc::channel();
         let got = Arc::new(Mutex::new(Vec::new()));
@@ -318,7 +347,7 @@ mod tests {
             entered: entered_tx,
             got: Arc::clone(&got),
         };
-        let log = StderrLog::spawn(stuck, lines).expect("spawn");
+        let log = StderrLog::spawn(stuck, lines, bytes).expect("spawn");
         StuckLog {
             log,
             open,
@@ -358,6 +387,33 @@ mod tests {
         t.open.send(()).expect("open");
         assert!(flushed(&t.log), "written once stderr takes them");
         assert_eq!(text(&t.got), "line 0\nline 1\nline 2\nline 3\nline 4\n");
+    }
+
+    #[test]
+    fn the_queue_holds_at_most_its_bytes() {
+        // Lines of 10 bytes; the queue takes 100 lines, but 35 bytes.
+        let t = stuck_log_of(100, 35);
+        line(&t.log, "line 0...\n");
+        t.entered
+            .recv()
+            .expect("the writer took line 0 and waits in it");
+        // Line 0 still counts, as it is held until written: two more fit.
+        for i in 1..10 {
+            line(&t.log, &format!("line {i}...\n"));
+        }
+        assert_eq!(t.log.dropped_lines(), 7);
+        t.open.send(()).expect("open");
+        assert!(flushed(&t.log));
+        assert_eq!(text(&t.got), "line 0...\nline 1...\nline 2...\n");
+        // Written, their bytes are free again; a line longer than the
+        // bound goes when nothing else waits.
+        let long = format!("{}\n", "x".repeat(99));
+        line(&t.log, &long);
+        assert!(flushed(&t.log));
+        line(&t.log, "line 10..\n");
+        assert!(flushed(&t.log));
+        assert_eq!(t.log.dropped_lines(), 7);
+        assert!(text(&t.got).ends_with(&format!("{long}line 10..\n")));
     }
 
     #[test]
