@@ -140,8 +140,7 @@ pub struct StreamFlags {
     /// `auto` (what --progress alone means) draws them when stderr is a
     /// terminal; `always` also prints plain lines (at most one per tool per
     /// second) when it is not, for logs; `never` is the default. stdout is
-    /// never touched. NO_COLOR is honoured. serve draws its spinners from a
-    /// thread of its own, so a terminal paused with Ctrl-S stops no stream.
+    /// never touched. NO_COLOR is honoured.
     ///
     /// Example: --progress
     #[arg(
@@ -226,6 +225,10 @@ impl AnnotateArgs {
 /// when it sends no response headers in time; a request head over 64 KiB
 /// gets 431. SIGINT or SIGTERM stops accepting connections and lets open
 /// streams finish for --shutdown-grace, then exits 0.
+///
+/// The log and the --progress spinners are written to stderr by threads of
+/// their own: a stderr nobody reads, or a terminal paused with Ctrl-S, stops
+/// no stream.
 #[derive(Debug, Args)]
 #[command(after_long_help = SERVE_EXAMPLES, display_name = "aalis-proxy")]
 pub struct ServeArgs {

@@ -8,9 +8,10 @@
 //! the worker, and every stream on it stopped: after about 350 requests the
 //! proxy answered nothing more. Here the workers only format the line and
 //! hand it to a bounded queue ([`QUEUE_LINES`] lines, [`QUEUE_BYTES`]
-//! bytes); the writer thread does the blocking write. When the queue is full the line is dropped and
-//! counted, never waited for ([`StderrLog::dropped_lines`]), and the count
-//! is logged ([`StderrLog::report_dropped`]: `serve` checks every
+//! bytes); the writer thread does the blocking write. When the queue is
+//! full the line is dropped and counted, never waited for
+//! ([`StderrLog::dropped_lines`]), and the count is logged
+//! ([`StderrLog::report_dropped`]: `serve` checks every
 //! [`DROP_REPORT_INTERVAL`], and once more at exit).
 //!
 //! `serve --progress=always` with a stderr that is not a terminal writes its
@@ -143,24 +144,29 @@ impl StderrLog {
     /// queue (in lines or in bytes) drops and counts its lines.
     fn send(&self, line: Vec<u8>) {
         let len = line.len();
-        let before = self.queued_bytes.fetch_add(len, Ordering::Relaxed);
-        let refused = if before > 0 && before + len > self.max_bytes {
+        // Its bytes are counted before it is queued, and only if they fit
+        // (or nothing else waits).
+        let fits = self
+            .queued_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |queued| {
+                (queued == 0 || queued + len <= self.max_bytes).then_some(queued + len)
+            })
+            .is_ok();
+        let refused = if !fits {
             Some(line)
         } else {
             match self.queue.try_send(Message::Line(line)) {
                 Ok(()) => None,
-                Err(
-                    TrySendError::Full(Message::Line(line))
-                    | TrySendError::Disconnected(Message::Line(line)),
-                ) => Some(line),
-                Err(
-                    TrySendError::Full(Message::Flush(_))
-                    | TrySendError::Disconnected(Message::Flush(_)),
-                ) => Some(Vec::new()),
+                Err(TrySendError::Full(message) | TrySendError::Disconnected(message)) => {
+                    self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+                    match message {
+                        Message::Line(line) => Some(line),
+                        Message::Flush(_) => Some(Vec::new()),
+                    }
+                }
             }
         };
         if let Some(line) = &refused {
-            self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
             let lines = memchr::memchr_iter(b'\n', line).count().max(1);
             self.dropped.fetch_add(lines, Ordering::Relaxed);
         }

@@ -175,11 +175,10 @@ pub struct ProgressDisplay {
     apart: Option<Arc<Apart>>,
 }
 
-/// Most updates one session keeps waiting for the drawing thread (see
-/// [`Apart::leave`]). Past this many (a terminal paused through several
-/// streams of one session), an update takes the last one's place, and the
-/// tools that one ended may get no final line.
-const MAX_WAITING_PER_SESSION: usize = 8;
+/// Most final lines (`✓`, `✗`) that wait for the drawing thread; past
+/// this many (a terminal paused for a long time), they are counted, and
+/// the count is drawn in their place once the terminal takes output again.
+const MAX_WAITING_FINAL_LINES: usize = 1024;
 
 /// What waits for the drawing thread, and how it is told.
 struct Apart {
@@ -190,23 +189,45 @@ struct Apart {
     idle: Condvar,
 }
 
+/// What [`ProgressDisplay::show`] left for the drawing thread. The state
+/// is kept as it will be once everything waiting is drawn: a new state is
+/// compared with it, the tools it no longer has are queued as final lines
+/// there and then (with their own outcome and time), and only the latest
+/// state of a session waits. However long the terminal is paused, no
+/// tool's final line is lost or marked wrongly (up to
+/// [`MAX_WAITING_FINAL_LINES`]), and what waits is bounded by the tools in
+/// progress.
 #[derive(Default)]
 struct ApartState {
-    /// Each session's updates in the order they came (see
-    /// [`MAX_WAITING_PER_SESSION`]).
-    waiting: BTreeMap<String, Vec<Update>>,
-    /// The drawing thread is drawing a batch it took.
+    /// Each session's tools in progress, as shown last; a session with
+    /// none is not kept.
+    sessions: BTreeMap<String, Waiting>,
+    /// The final lines of tools that ended, in the order they ended.
+    finals: Vec<FinalLine>,
+    /// Final lines not kept because [`MAX_WAITING_FINAL_LINES`] waited.
+    dropped_finals: usize,
+    /// There is something to draw: final lines, or a changed session.
+    pending: bool,
+    /// The drawing thread is drawing what it took.
     drawing: bool,
     /// The display was dropped: the thread draws what waits, and ends.
     closed: bool,
 }
 
-struct Update {
+/// A session's latest state.
+struct Waiting {
     entries: Vec<ProgressEntry>,
+    now_ms: u64,
+    /// Changed since the drawing thread last took it.
+    changed: bool,
+}
+
+/// A tool that ended, as it was last shown.
+struct FinalLine {
+    session: String,
+    entry: ProgressEntry,
     outcome: Outcome,
     now_ms: u64,
-    /// It may end tools of the state before it: it is drawn, not replaced.
-    ends: bool,
 }
 
 struct Inner {
@@ -216,7 +237,11 @@ struct Inner {
 
 impl std::fmt::Debug for ProgressDisplay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let inner = self.lock();
+        // Never waits: the drawing thread holds the lock while a paused
+        // terminal blocks it.
+        let Ok(inner) = self.inner.try_lock() else {
+            return f.debug_struct("ProgressDisplay").finish_non_exhaustive();
+        };
         let target = match inner.target {
             Target::Terminal { .. } => "terminal",
             Target::Plain(_) => "plain",
@@ -288,12 +313,12 @@ impl ProgressDisplay {
 
     /// This display, drawn from a thread of its own when it draws on a
     /// terminal (`serve`): [`show`](Self::show) then leaves the new state
-    /// for that thread and returns at once, so a terminal that does not
-    /// take its writes (paused with Ctrl-S, or nobody reads it) holds up
-    /// only the drawing. Plain lines and an off display are left as they
-    /// are (plain lines go to a writer of the caller's choosing, `serve`'s
-    /// log queue, which never blocks). If the thread cannot be started,
-    /// the display draws in place, as before.
+    /// for that thread ([`ApartState`]) and returns at once, so a terminal
+    /// that takes no output (paused with Ctrl-S, or nobody reads it) holds
+    /// up only the drawing. Plain lines and an off display are left as
+    /// they are: plain lines go to the writer the caller chose (`serve`'s
+    /// log queue, when it has one, never blocks). If the thread cannot be
+    /// started, the display draws in place, as before.
     pub fn drawn_apart(mut self) -> ProgressDisplay {
         if !matches!(lock(&self.inner).target, Target::Terminal { .. }) || self.apart.is_some() {
             return self;
@@ -322,7 +347,7 @@ impl ProgressDisplay {
         };
         let deadline = Instant::now() + timeout;
         let mut state = lock(&apart.state);
-        while !state.waiting.is_empty() || state.drawing {
+        while state.pending || state.drawing {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
@@ -371,85 +396,111 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Apart {
-    /// Leaves a session's new state for the drawing thread.
-    ///
-    /// Each update holds the session's whole state, so one that waits can
-    /// take the place of the last waiting one, if drawing it alone draws
-    /// the same final lines as drawing both: when that one ended no tool
-    /// of the state before it, and this one ends none of its tools, with
-    /// the same outcome. Otherwise it waits after it (the first waiting
-    /// update counts as one that ended tools: what was drawn before it is
-    /// not kept here). Nothing after nothing is dropped.
+    /// Leaves a session's new state for the drawing thread (see
+    /// [`ApartState`]); wakes it if nothing was waiting.
     fn leave(&self, session: &str, entries: &[ProgressEntry], outcome: Outcome, now_ms: u64) {
         let mut state = lock(&self.state);
-        let updates = match state.waiting.get_mut(session) {
-            Some(updates) => updates,
-            None => state.waiting.entry(session.to_owned()).or_default(),
-        };
-        let full = updates.len() >= MAX_WAITING_PER_SESSION;
-        let ends = match updates.last_mut() {
-            Some(last) if last.entries.is_empty() && entries.is_empty() => return,
-            Some(last)
-                if full
-                    || (!last.ends
-                        && last.outcome == outcome
-                        && ends_none(&last.entries, entries)) =>
-            {
-                last.entries.clear();
-                last.entries.extend_from_slice(entries);
-                last.outcome = outcome;
-                last.now_ms = now_ms;
-                last.ends |= full;
-                None
+        let ApartState {
+            sessions,
+            finals,
+            dropped_finals,
+            pending,
+            ..
+        } = &mut *state;
+        let was_pending = *pending;
+        if let Some(before) = sessions.get(session) {
+            for ended in before.entries.iter().filter(|b| !has_tool(entries, b)) {
+                if finals.len() < MAX_WAITING_FINAL_LINES {
+                    finals.push(FinalLine {
+                        session: session.to_owned(),
+                        entry: ended.clone(),
+                        outcome,
+                        now_ms,
+                    });
+                } else {
+                    *dropped_finals += 1;
+                }
+                *pending = true;
             }
-            Some(last) => Some(!ends_none(&last.entries, entries)),
-            None => Some(true),
-        };
-        if let Some(ends) = ends {
-            updates.push(Update {
-                entries: entries.to_vec(),
-                outcome,
-                now_ms,
-                ends,
-            });
         }
+        if entries.is_empty() {
+            sessions.remove(session);
+        } else {
+            let waiting = match sessions.get_mut(session) {
+                Some(waiting) => waiting,
+                None => sessions.entry(session.to_owned()).or_insert(Waiting {
+                    entries: Vec::new(),
+                    now_ms,
+                    changed: true,
+                }),
+            };
+            waiting.entries.clear();
+            waiting.entries.extend_from_slice(entries);
+            waiting.now_ms = now_ms;
+            waiting.changed = true;
+            *pending = true;
+        }
+        let wake = *pending && !was_pending;
         drop(state);
-        self.wake.notify_one();
+        if wake {
+            self.wake.notify_one();
+        }
     }
 }
 
-/// Whether every tool of `before` is still in `after`.
-fn ends_none(before: &[ProgressEntry], after: &[ProgressEntry]) -> bool {
-    before.iter().all(|b| {
-        after
-            .iter()
-            .any(|a| a.choice == b.choice && a.index == b.index)
-    })
+/// Whether `entries` has the tool of `entry` (the same choice and index).
+fn has_tool(entries: &[ProgressEntry], entry: &ProgressEntry) -> bool {
+    entries
+        .iter()
+        .any(|e| e.choice == entry.choice && e.index == entry.index)
 }
 
 /// The drawing thread of [`ProgressDisplay::drawn_apart`]: takes what
 /// waits, draws it, and waits again; ends when the display is dropped.
 fn draw_apart(inner: &Mutex<Inner>, apart: &Apart) {
     loop {
-        let batch = {
+        let (finals, dropped_finals, changed) = {
             let mut state = lock(&apart.state);
             state.drawing = false;
             apart.idle.notify_all();
-            while state.waiting.is_empty() && !state.closed {
+            while !state.pending && !state.closed {
                 state = apart.wake.wait(state).unwrap_or_else(|e| e.into_inner());
             }
-            if state.waiting.is_empty() {
+            if !state.pending {
                 return;
             }
+            state.pending = false;
             state.drawing = true;
-            std::mem::take(&mut state.waiting)
+            let changed: Vec<(String, Vec<ProgressEntry>, u64)> = state
+                .sessions
+                .iter_mut()
+                .filter(|(_, waiting)| waiting.changed)
+                .map(|(session, waiting)| {
+                    waiting.changed = false;
+                    (session.clone(), waiting.entries.clone(), waiting.now_ms)
+                })
+                .collect();
+            (
+                std::mem::take(&mut state.finals),
+                std::mem::take(&mut state.dropped_finals),
+                changed,
+            )
         };
-        let mut inner = lock(inner);
-        for (session, updates) in &batch {
-            for update in updates {
-                inner.show(session, &update.entries, update.outcome, update.now_ms);
+        // A panic in the drawing loses this batch, not the thread.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut inner = lock(inner);
+            for last in &finals {
+                inner.end(&last.session, &last.entry, last.outcome, last.now_ms);
             }
-        }
+            if dropped_finals > 0 {
+                inner.println(&format!(
+                    "({dropped_finals} more tools ended while the terminal took no output)"
+                ));
+            }
+            for (session, entries, now_ms) in &changed {
+                inner.show(session, entries, Outcome::Done, *now_ms);
+            }
+        }));
     }
 }
 
@@ -535,6 +586,35 @@ impl Inner {
                 last_written_ms: now_ms,
             },
         );
+    }
+
+    /// A tool of `session` ended as `entry` (its last state): its line ends
+    /// with a final line, drawn on its own if it never had a spinner (it
+    /// started and ended while the terminal was paused).
+    fn end(&mut self, session: &str, entry: &ProgressEntry, outcome: Outcome, now_ms: u64) {
+        let key = (session.to_owned(), entry.choice, entry.index);
+        let bar = self.lines.remove(&key).and_then(|line| line.bar);
+        let line = Line {
+            name: Arc::clone(&entry.name),
+            chars: entry.chars_accumulated,
+            started_at_ms: entry.started_at_ms,
+            bar,
+            last_written_ms: now_ms,
+        };
+        self.finish(&key, line, outcome, now_ms);
+    }
+
+    /// A line above the spinners.
+    fn println(&mut self, text: &str) {
+        match &mut self.target {
+            Target::Terminal { multi, .. } => {
+                let _ = multi.println(text);
+            }
+            Target::Plain(out) => {
+                let _ = writeln!(out, "{text}");
+            }
+            Target::Off => {}
+        }
     }
 
     fn finish(&mut self, key: &Key, line: Line, outcome: Outcome, now_ms: u64) {

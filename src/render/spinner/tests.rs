@@ -167,19 +167,24 @@ fn a_long_session_id_never_hides_the_tool_name() {
 }
 
 /// An in-memory terminal whose writes block while it is paused, as a real
-/// one's do after Ctrl-S.
+/// one's do after Ctrl-S; it says on `blocked` when a write first waits.
 #[derive(Debug, Clone)]
 struct PausedTerm {
     term: InMemoryTerm,
     paused: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    blocked: Arc<Mutex<Option<std::sync::mpsc::Sender<()>>>>,
 }
 
 impl PausedTerm {
-    fn paused(rows: u16, cols: u16) -> PausedTerm {
-        PausedTerm {
+    /// A paused terminal, and what says when a write first waits on it.
+    fn paused(rows: u16, cols: u16) -> (PausedTerm, std::sync::mpsc::Receiver<()>) {
+        let (blocked, first_blocked) = std::sync::mpsc::channel();
+        let term = PausedTerm {
             term: InMemoryTerm::new(rows, cols),
             paused: Arc::new((Mutex::new(true), std::sync::Condvar::new())),
-        }
+            blocked: Arc::new(Mutex::new(Some(blocked))),
+        };
+        (term, first_blocked)
     }
 
     fn resume(&self) {
@@ -189,6 +194,9 @@ impl PausedTerm {
 
     fn wait(&self) {
         let mut paused = self.paused.0.lock().expect("lock");
+        if *paused && let Some(blocked) = self.blocked.lock().expect("lock").take() {
+            let _ = blocked.send(());
+        }
         while *paused {
             paused = self.paused.1.wait(paused).expect("wait");
         }
@@ -236,7 +244,7 @@ impl TermLike for PausedTerm {
     }
 }
 
-/// Spinners drawn apart, on a terminal that starts paused.
+/// Spinners drawn apart, on `term`.
 fn drawn_apart_on(term: &PausedTerm) -> ProgressDisplay {
     ProgressDisplay::terminal(
         ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
@@ -247,7 +255,7 @@ fn drawn_apart_on(term: &PausedTerm) -> ProgressDisplay {
 
 #[test]
 fn a_paused_terminal_holds_up_only_the_drawing() {
-    let term = PausedTerm::paused(40, 80);
+    let (term, _) = PausedTerm::paused(40, 80);
     let display = Arc::new(drawn_apart_on(&term));
     let (done, finished) = std::sync::mpsc::channel();
     let shower = Arc::clone(&display);
@@ -282,7 +290,7 @@ fn a_paused_terminal_holds_up_only_the_drawing() {
     );
     let contents = term.term.contents();
     for n in 0..10 {
-        // Each session's last state before its end: 991 + n chars (n > 0),
+        // Each session's last state before its end: 990 + n chars (n > 0),
         // 1,000 for s0.
         let chars = if n == 0 { 1_000 } else { 990 + n };
         let line = format!("✓ [s{n}] get_weather  {chars} chars · 2.0s");
@@ -290,49 +298,108 @@ fn a_paused_terminal_holds_up_only_the_drawing() {
     }
 }
 
-#[test]
-fn waiting_updates_keep_every_tools_final_line() {
-    let term = PausedTerm::paused(20, 80);
-    let display = drawn_apart_on(&term);
-    let show = |entries: &[ProgressEntry], outcome| display.show("s", entries, outcome, 5_000);
-    show(&[entry(0, "a", 1, 0)], Outcome::Done);
-    show(&[entry(0, "a", 5, 0)], Outcome::Done);
-    show(&[entry(0, "a", 9, 0), entry(1, "b", 2, 0)], Outcome::Done);
-    // The next stream starts: a and b end.
-    show(&[], Outcome::Done);
-    show(&[entry(0, "c", 4, 0)], Outcome::Done);
-    // It fails: c ends with ✗.
-    show(&[], Outcome::Failed);
-    term.resume();
-    assert!(display.flush(Duration::from_secs(10)));
-    let contents = term.term.contents();
-    for line in [
-        "✓ [s] a  9 chars · 5.0s",
-        "✓ [s] b  2 chars · 5.0s",
-        "✗ [s] c  4 chars · 5.0s",
-    ] {
-        assert!(contents.contains(line), "no {line:?} in:\n{contents}");
+/// Rounds of one session while the terminal is paused, each a tool that
+/// starts, grows and ends (`✗` when `failed`), then the next stream's
+/// start.
+fn rounds(display: &ProgressDisplay, count: i64, failed: impl Fn(i64) -> bool) {
+    for round in 0..count {
+        let name = format!("t{round}");
+        let at = 1_000 * round as u64;
+        for chars in 1..=3 {
+            display.show(
+                "s",
+                &[entry(round % 2, &name, chars, at)],
+                Outcome::Done,
+                at + 100,
+            );
+        }
+        let outcome = if failed(round) {
+            Outcome::Failed
+        } else {
+            Outcome::Done
+        };
+        display.show("s", &[], outcome, at + 500);
+        display.show("s", &[], Outcome::Done, at + 600);
     }
 }
 
 #[test]
-fn a_session_keeps_at_most_a_few_updates_waiting() {
-    let term = PausedTerm::paused(20, 80);
+fn every_tools_final_line_is_drawn_once_the_terminal_resumes() {
+    let (term, blocked) = PausedTerm::paused(60, 80);
     let display = drawn_apart_on(&term);
-    for n in 0..100 {
-        let outcome = if n % 2 == 0 {
-            Outcome::Done
-        } else {
-            Outcome::Failed
-        };
-        display.show("s", &[entry(n, "a", 1, 0)], outcome, 5_000);
-    }
-    let apart = display.apart.as_ref().expect("drawn apart");
-    let waiting = lock(&apart.state).waiting.get("s").map_or(0, Vec::len);
-    assert!(
-        (1..=MAX_WAITING_PER_SESSION).contains(&waiting),
-        "{waiting} updates waiting"
-    );
+    // A tool drawn before the pause (its spinner waits in the terminal),
+    // then a rename, a second tool, and the end of both.
+    let show = |entries: &[ProgressEntry], outcome| display.show("p", entries, outcome, 5_000);
+    show(&[entry(0, "a", 1, 0)], Outcome::Done);
+    blocked
+        .recv()
+        .expect("the drawing thread waits on the terminal");
+    show(&[entry(0, "a", 9, 0), entry(1, "b", 2, 0)], Outcome::Done);
+    show(&[entry(1, "b", 3, 0)], Outcome::Done);
+    show(&[], Outcome::Failed);
+    // Thirty rounds of another session, every third one failed.
+    rounds(&display, 30, |round| round % 3 == 0);
     term.resume();
     assert!(display.flush(Duration::from_secs(10)));
+    let contents = term.term.contents();
+    let mut expected = vec![
+        "✓ [p] a  9 chars · 5.0s".to_owned(),
+        "✗ [p] b  3 chars · 5.0s".to_owned(),
+    ];
+    expected.extend((0..30).map(|round| {
+        let icon = if round % 3 == 0 { "✗" } else { "✓" };
+        format!("{icon} [s] t{round}  3 chars · 0.5s")
+    }));
+    let drawn: Vec<&str> = contents.lines().map(str::trim_end).collect();
+    assert_eq!(drawn, expected, "in:\n{contents}");
+}
+
+#[test]
+fn final_lines_past_the_bound_are_counted() {
+    let (term, _) = PausedTerm::paused(20, 100);
+    term.resume();
+    let display = drawn_apart_on(&term);
+    let apart = display.apart.as_ref().expect("drawn apart");
+    // The drawing thread takes the first state, then waits for the
+    // display: everything after it waits.
+    let drawing = lock(&display.inner);
+    display.show("first", &[entry(0, "a", 1, 0)], Outcome::Done, 0);
+    let start = std::time::Instant::now();
+    while !lock(&apart.state).drawing {
+        assert!(start.elapsed() < Duration::from_secs(10), "never drawn");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let over = 10;
+    for n in 0..MAX_WAITING_FINAL_LINES + over {
+        let session = format!("s{n}");
+        display.show(&session, &[entry(0, "f", 1, 0)], Outcome::Done, 0);
+        display.show(&session, &[], Outcome::Done, 0);
+    }
+    {
+        let state = lock(&apart.state);
+        assert_eq!(state.finals.len(), MAX_WAITING_FINAL_LINES);
+        assert_eq!(state.dropped_finals, over);
+        // Sessions with no tool in progress are not kept.
+        assert_eq!(state.sessions.keys().collect::<Vec<_>>(), ["first"]);
+    }
+    drop(drawing);
+    assert!(display.flush(Duration::from_secs(10)));
+    let contents = term.term.contents();
+    assert!(
+        contents.contains("(10 more tools ended while the terminal took no output)"),
+        "{contents}"
+    );
+}
+
+#[test]
+fn a_session_with_nothing_to_draw_leaves_nothing_waiting() {
+    let (term, _) = PausedTerm::paused(20, 80);
+    let display = drawn_apart_on(&term);
+    // Streams without tool calls: each begins and ends with nothing.
+    for n in 0..1_000 {
+        display.show(&format!("s{n}"), &[], Outcome::Done, 0);
+    }
+    let apart = display.apart.as_ref().expect("drawn apart");
+    let state = lock(&apart.state);
+    assert!(state.sessions.is_empty() && state.finals.is_empty() && !state.pending);
 }
