@@ -480,21 +480,53 @@ fn start_mock(extra: &[&str], env: &[(&str, &str)]) -> Running {
 
 /// `aalis-proxy serve` forwarding to `http://127.0.0.1:{upstream_port}`.
 fn start_serve(upstream_port: u16, extra: &[&str], env: &[(&str, &str)]) -> Running {
-    Running::start(
-        "serve",
-        |port| {
-            let mut args = vec![
-                "serve".to_owned(),
-                "--upstream".into(),
-                format!("http://{}", loopback(upstream_port)),
-                "--listen".into(),
-                loopback(port).to_string(),
-            ];
-            args.extend(extra.iter().map(|s| s.to_string()));
-            args
-        },
-        env,
-    )
+    Running::start("serve", |port| serve_args(upstream_port, port, extra), env)
+}
+
+/// The arguments of `serve` on `port`, forwarding to `upstream_port`.
+fn serve_args(upstream_port: u16, port: u16, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "serve".to_owned(),
+        "--upstream".into(),
+        format!("http://{}", loopback(upstream_port)),
+        "--listen".into(),
+        loopback(port).to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// `per_client` streams of [`PARALLEL_REQUEST`] through `port` from each
+/// of `clients` threads at once, each body checked whole; `session` names
+/// each stream's session (`X-Aalis-Session`), if any. Each read waits at
+/// most [`DEADLINE`]: a stalled proxy fails.
+fn stream_from_clients(
+    port: u16,
+    clients: usize,
+    per_client: usize,
+    session: fn(usize, usize) -> Option<String>,
+) {
+    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
+    let threads: Vec<_> = (0..clients)
+        .map(|client| {
+            let expected = expected.clone();
+            thread::spawn(move || {
+                for i in 0..per_client {
+                    let session = session(client, i);
+                    let headers: Vec<(&str, &str)> = session
+                        .iter()
+                        .map(|s| ("X-Aalis-Session", s.as_str()))
+                        .collect();
+                    let mut response = post(port, CHAT_PATH, PARALLEL_REQUEST, &headers);
+                    assert_eq!(response.status, 200);
+                    assert_eq!(text(&response.read_complete()), expected);
+                }
+            })
+        })
+        .collect();
+    for client in threads {
+        assert!(client.join().is_ok(), "a stream was not answered in full");
+    }
 }
 
 /// Polls `port` until a connection is refused; fails if it still accepts
@@ -1081,38 +1113,15 @@ const UNREAD_STDERR_REQUESTS: usize = 2_000;
 #[test]
 fn a_stderr_nobody_reads_stops_no_stream() {
     let mock = start_mock(&["--delay-ms", "0"], &[]);
-    let mut serve = Running::start_stderr_unread(
-        "serve",
-        |port| {
-            vec![
-                "serve".to_owned(),
-                "--upstream".into(),
-                format!("http://{}", loopback(mock.port)),
-                "--listen".into(),
-                loopback(port).to_string(),
-            ]
-        },
-        &[],
-    );
-    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
+    let mut serve =
+        Running::start_stderr_unread("serve", |port| serve_args(mock.port, port, &[]), &[]);
     let clients = 4;
-    let port = serve.port;
-    let threads: Vec<_> = (0..clients)
-        .map(|_| {
-            let expected = expected.clone();
-            thread::spawn(move || {
-                for _ in 0..UNREAD_STDERR_REQUESTS / clients {
-                    // Each read waits at most DEADLINE: a stalled proxy fails.
-                    let mut response = post(port, CHAT_PATH, PARALLEL_REQUEST, &[]);
-                    assert_eq!(response.status, 200);
-                    assert_eq!(text(&response.read_complete()), expected);
-                }
-            })
-        })
-        .collect();
-    for client in threads {
-        assert!(client.join().is_ok(), "a stream was not answered in full");
-    }
+    stream_from_clients(
+        serve.port,
+        clients,
+        UNREAD_STDERR_REQUESTS / clients,
+        |_, _| None,
+    );
     serve.read_stderr();
     let stderr = serve.stop();
     let written = request_lines(&stderr).len();
@@ -1153,45 +1162,18 @@ fn a_paused_terminal_stops_no_stream() {
     let mock = start_mock(&["--delay-ms", "2"], &[]);
     let mut serve = Running::start_on_terminal(
         "serve",
-        |port| {
-            vec![
-                "serve".to_owned(),
-                "--upstream".into(),
-                format!("http://{}", loopback(mock.port)),
-                "--listen".into(),
-                loopback(port).to_string(),
-                "--progress".into(),
-            ]
-        },
+        |port| serve_args(mock.port, port, &["--progress"]),
         // Without TERM (or with TERM=dumb) indicatif draws nothing.
         &[("TERM", "xterm")],
     );
     serve.type_on_terminal(b"\x13");
-    let expected = text(&annotated(PARALLEL_FIXTURE, Framing::Sse));
     let clients = 4;
-    let port = serve.port;
-    let threads: Vec<_> = (0..clients)
-        .map(|client| {
-            let expected = expected.clone();
-            thread::spawn(move || {
-                for i in 0..PAUSED_TERMINAL_REQUESTS / clients {
-                    let session = format!("paused-{client}-{i}");
-                    // Each read waits at most DEADLINE: a stalled proxy fails.
-                    let mut response = post(
-                        port,
-                        CHAT_PATH,
-                        PARALLEL_REQUEST,
-                        &[("X-Aalis-Session", &session)],
-                    );
-                    assert_eq!(response.status, 200);
-                    assert_eq!(text(&response.read_complete()), expected);
-                }
-            })
-        })
-        .collect();
-    for client in threads {
-        assert!(client.join().is_ok(), "a stream was not answered in full");
-    }
+    stream_from_clients(
+        serve.port,
+        clients,
+        PAUSED_TERMINAL_REQUESTS / clients,
+        |client, i| Some(format!("paused-{client}-{i}")),
+    );
     // Every stream has ended, and the last ones were not drawn: the pause
     // held (it takes effect a moment after Ctrl-S is typed, so the first
     // streams' lines may have gone out).
