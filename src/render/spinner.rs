@@ -313,7 +313,7 @@ impl ProgressDisplay {
 
     /// This display, drawn from a thread of its own when it draws on a
     /// terminal (`serve`): [`show`](Self::show) then leaves the new state
-    /// for that thread ([`ApartState`]) and returns at once, so a terminal
+    /// for that thread (see `ApartState`) and returns at once, so a terminal
     /// that takes no output (paused with Ctrl-S, or nobody reads it) holds
     /// up only the drawing. Plain lines and an off display are left as
     /// they are: plain lines go to the writer the caller chose (`serve`'s
