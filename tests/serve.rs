@@ -197,7 +197,7 @@ struct Running {
     reader: Option<JoinHandle<()>>,
     /// Set when stderr is not read until [`Running::read_stderr`].
     held: Option<mpsc::Sender<()>>,
-    /// Set when stderr is a terminal ([`Running::start_on_terminal`]): the
+    /// Set when stderr is a terminal ([`StderrTo::Terminal`]): the
     /// pseudoterminal's master side, to type into.
     terminal: Option<std::fs::File>,
 }
@@ -207,9 +207,11 @@ struct Running {
 enum StderrTo {
     /// A pipe, read as it comes.
     Pipe,
-    /// A pipe read only from [`Running::read_stderr`] on.
+    /// A pipe read only from [`Running::read_stderr`] on: a stderr nobody
+    /// reads (a full pipe, once it has taken 64 KiB).
     HeldPipe,
-    /// A new pseudoterminal, read as it comes.
+    /// A new pseudoterminal of 24 × 100, read as it comes, which
+    /// [`Running::type_on_terminal`] types into.
     Terminal,
 }
 
@@ -221,27 +223,7 @@ impl Running {
         Running::start_with(name, args, env, StderrTo::Pipe)
     }
 
-    /// [`Running::start`], with a stderr that nobody reads (a full pipe,
-    /// once it has taken 64 KiB) until [`Running::read_stderr`].
-    fn start_stderr_unread(
-        name: &str,
-        args: impl Fn(u16) -> Vec<String>,
-        env: &[(&str, &str)],
-    ) -> Running {
-        Running::start_with(name, args, env, StderrTo::HeldPipe)
-    }
-
-    /// [`Running::start`], with stderr a terminal of its own (a
-    /// pseudoterminal of 24 × 100), which [`Running::type_on_terminal`]
-    /// types into.
-    fn start_on_terminal(
-        name: &str,
-        args: impl Fn(u16) -> Vec<String>,
-        env: &[(&str, &str)],
-    ) -> Running {
-        Running::start_with(name, args, env, StderrTo::Terminal)
-    }
-
+    /// [`Running::start`], with stderr as `stderr_to` says.
     fn start_with(
         name: &str,
         args: impl Fn(u16) -> Vec<String>,
@@ -268,25 +250,29 @@ impl Running {
     /// [`Running::read_stderr`] first if held).
     fn spawn(name: &str, mut cmd: Command, port: u16, stderr_to: StderrTo) -> Running {
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
-        let (from, terminal): (Box<dyn Read + Send>, _) = match stderr_to {
-            StderrTo::Pipe | StderrTo::HeldPipe => {
-                cmd.stderr(Stdio::piped());
-                let mut child = cmd.spawn().expect("spawn aalis-proxy");
-                let pipe = child.stderr.take().expect("piped stderr");
-                return Running::collect(name, child, port, Box::new(pipe), stderr_to, None);
-            }
-            StderrTo::Terminal => {
-                let (master, slave) = pty::open(24, 100);
+        let terminal = (stderr_to == StderrTo::Terminal).then(|| pty::open(24, 100));
+        let mut master = None;
+        match terminal {
+            Some((ours, slave)) => {
                 cmd.stderr(slave);
+                master = Some(ours);
+            }
+            None => {
+                cmd.stderr(Stdio::piped());
+            }
+        }
+        let mut child = cmd.spawn().expect("spawn aalis-proxy");
+        // Our copy of a terminal's slave side goes with `cmd`: the master's
+        // reads end (EIO) once the child has exited.
+        drop(cmd);
+        let (from, typing): (Box<dyn Read + Send>, _) = match master {
+            Some(master) => {
                 let typing = master.try_clone().expect("clone the terminal's master");
                 (Box::new(master), Some(typing))
             }
+            None => (Box::new(child.stderr.take().expect("piped stderr")), None),
         };
-        let child = cmd.spawn().expect("spawn aalis-proxy");
-        // Our copy of the slave side goes with `cmd`: the master's reads
-        // end (EIO) once the child has exited.
-        drop(cmd);
-        Running::collect(name, child, port, from, stderr_to, terminal)
+        Running::collect(name, child, port, from, stderr_to, typing)
     }
 
     /// Collects what `child` writes to `from`, its stderr, on a thread.
@@ -328,14 +314,14 @@ impl Running {
         }
     }
 
-    /// Types `bytes` on the terminal of [`Running::start_on_terminal`]:
+    /// Types `bytes` on the terminal of [`StderrTo::Terminal`]:
     /// Ctrl-S (`\x13`) pauses its output, Ctrl-Q (`\x11`) resumes it.
     fn type_on_terminal(&mut self, bytes: &[u8]) {
         let terminal = self.terminal.as_mut().expect("stderr is a terminal");
         terminal.write_all(bytes).expect("type on the terminal");
     }
 
-    /// Starts reading a stderr held by [`Running::start_stderr_unread`].
+    /// Starts reading a stderr held back ([`StderrTo::HeldPipe`]).
     fn read_stderr(&mut self) {
         if let Some(release) = self.held.take() {
             let _ = release.send(());
@@ -1113,8 +1099,12 @@ const UNREAD_STDERR_REQUESTS: usize = 2_000;
 #[test]
 fn a_stderr_nobody_reads_stops_no_stream() {
     let mock = start_mock(&["--delay-ms", "0"], &[]);
-    let mut serve =
-        Running::start_stderr_unread("serve", |port| serve_args(mock.port, port, &[]), &[]);
+    let mut serve = Running::start_with(
+        "serve",
+        |port| serve_args(mock.port, port, &[]),
+        &[],
+        StderrTo::HeldPipe,
+    );
     let clients = 4;
     stream_from_clients(
         serve.port,
@@ -1160,11 +1150,12 @@ fn a_paused_terminal_stops_no_stream() {
     // Events 2 ms apart: each arrives alone, so each stream's tools are
     // in progress when it publishes (a stream read whole shows none).
     let mock = start_mock(&["--delay-ms", "2"], &[]);
-    let mut serve = Running::start_on_terminal(
+    let mut serve = Running::start_with(
         "serve",
         |port| serve_args(mock.port, port, &["--progress"]),
         // Without TERM (or with TERM=dumb) indicatif draws nothing.
         &[("TERM", "xterm")],
+        StderrTo::Terminal,
     );
     serve.type_on_terminal(b"\x13");
     let clients = 4;
