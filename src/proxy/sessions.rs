@@ -22,7 +22,8 @@
 //!
 //! The state sits behind a `std::sync::Mutex` that is never held across an
 //! `.await` (mini-redis `db.rs`): every method takes the lock, does a few
-//! map operations and returns.
+//! map operations (and, with `--progress`, hands the spinners the
+//! session's new state, which never waits) and returns.
 //!
 //! Read [`SessionRegistry`] first.
 
@@ -295,10 +296,8 @@ impl SessionRegistry {
                 clear_frame(session_id, ClearReason::NewRequest),
             );
         }
+        self.show(session_id, &[], Outcome::Done);
         drop(state);
-        if let Some(display) = &self.display {
-            display.show(session_id, &[], Outcome::Done, unix_ms());
-        }
         StreamHandle {
             registry: self.clone(),
             session_id: session_id.to_owned(),
@@ -394,10 +393,8 @@ impl SessionRegistry {
             session,
             clear_frame(session_id, ClearReason::ToolExecute),
         );
+        self.show(session_id, &[], Outcome::Done);
         drop(state);
-        if let Some(display) = &self.display {
-            display.show(session_id, &[], Outcome::Done, unix_ms());
-        }
         cleared
     }
 
@@ -456,6 +453,19 @@ impl SessionRegistry {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Tells the spinners a session's new state. Called with the lock
+    /// held, so the display gets each session's states in the order the
+    /// registry made them: told after the lock was let go, a stream's last
+    /// publish could reach it after the clear of the session's next
+    /// request, and leave a finished tool spinning. It never waits on the
+    /// terminal: `serve` draws apart ([`ProgressDisplay::drawn_apart`]),
+    /// and its plain lines go to the log's queue.
+    fn show(&self, session_id: &str, entries: &[ProgressEntry], outcome: Outcome) {
+        if let Some(display) = &self.display {
+            display.show(session_id, entries, outcome, unix_ms());
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -518,12 +528,11 @@ impl StreamHandle {
                 send(all, session, event_frame(&self.session_id, event));
             }
         }
-        if changed && let Some(display) = &self.registry.display {
-            // Drawn outside the registry's lock.
-            let entries = session.progress.clone();
-            drop(state);
-            display.show(&self.session_id, &entries, Outcome::Done, unix_ms());
+        if changed {
+            self.registry
+                .show(&self.session_id, &session.progress, Outcome::Done);
         }
+        drop(state);
     }
 
     /// The stream failed (upstream error, idle timeout, client gone): its
@@ -558,15 +567,13 @@ impl Drop for StreamHandle {
         if session.unused() {
             sessions.remove(&self.session_id);
         }
+        let outcome = if self.failed {
+            Outcome::Failed
+        } else {
+            Outcome::Done
+        };
+        self.registry.show(&self.session_id, &[], outcome);
         drop(state);
-        if let Some(display) = &self.registry.display {
-            let outcome = if self.failed {
-                Outcome::Failed
-            } else {
-                Outcome::Done
-            };
-            display.show(&self.session_id, &[], outcome, unix_ms());
-        }
     }
 }
 

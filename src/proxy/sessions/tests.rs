@@ -334,3 +334,79 @@ fn frames_escape_what_they_carry() {
     let value: serde_json::Value = serde_json::from_str(&frame).expect("valid JSON");
     assert_eq!(value["contentDelta"], "a\nb");
 }
+
+/// Plain spinner lines that note, for each write, whether the registry's
+/// lock was free at that moment (it is taken on this thread only, so a
+/// failed `try_lock` means this thread holds it).
+struct LockProbe {
+    registry: Arc<std::sync::OnceLock<SessionRegistry>>,
+    written: Arc<Mutex<Vec<(String, bool)>>>,
+}
+
+impl std::io::Write for LockProbe {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let held = self
+            .registry
+            .get()
+            .is_some_and(|r| r.shared.try_lock().is_err());
+        let text = String::from_utf8_lossy(buf).into_owned();
+        self.written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((text, held));
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A stream's last publish and the next request of its session race on
+/// two workers; the spinners must get their states in the order the
+/// registry made them, or the old tool, cleared by the new request, would
+/// be drawn again after the clear and spin on. The display is told with
+/// the registry's lock held: every line it writes (a tool's first line,
+/// its final line) is written under that lock.
+#[test]
+fn the_spinners_are_told_in_the_registrys_order() {
+    let registry_cell = Arc::new(std::sync::OnceLock::new());
+    let written = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(LockProbe {
+        registry: Arc::clone(&registry_cell),
+        written: Arc::clone(&written),
+    }));
+    let registry = SessionRegistry::with_display(Arc::new(display));
+    registry_cell.set(registry.clone()).expect("set once");
+    let mut old = registry.begin_stream("s1");
+    old.publish(&tracker_with(&[(0, "get_weather", "abc")], 1), &[]);
+    let new = registry.begin_stream("s1");
+    let mut other = registry.begin_stream("s2");
+    other.publish(&tracker_with(&[(0, "get_time", "")], 2), &[]);
+    assert_eq!(registry.tool_execution_started("s2"), 1);
+    // Two deltas: a tracker's change count must differ from the last one
+    // published for the stream to publish again.
+    other.publish(
+        &tracker_with(&[(1, "search", "q"), (1, "search", "r")], 3),
+        &[],
+    );
+    other.mark_failed();
+    drop(other);
+    drop((old, new));
+    let written = written.lock().unwrap_or_else(|e| e.into_inner());
+    let lines: String = written.iter().map(|(text, _)| text.as_str()).collect();
+    // A first and a final line for each of the three tools.
+    assert_eq!(lines.lines().count(), 6, "{lines}");
+    for name in ["get_weather", "get_time", "search"] {
+        assert_eq!(lines.matches(name).count(), 2, "{name}: {lines}");
+    }
+    let unlocked: Vec<&str> = written
+        .iter()
+        .filter(|(_, held)| !held)
+        .map(|(text, _)| text.as_str())
+        .collect();
+    assert!(
+        unlocked.is_empty(),
+        "written after the registry's lock was let go: {unlocked:?}"
+    );
+}
