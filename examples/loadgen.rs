@@ -80,6 +80,25 @@ enum Command {
         #[arg(long, default_value_t = 120)]
         hold_seconds: u64,
     },
+    /// Copies stdin to stdout with `annotate`'s I/O (the pipe widened, the
+    /// same reading thread and buffers, each piece written and flushed)
+    /// and parses nothing: the filter table's "annotate's I/O alone".
+    Copy,
+}
+
+/// `loadgen copy`: stdin to stdout as `annotate` reads and writes them
+/// (`aalis_proxy::filter::copy`), without a runtime.
+fn copy() -> std::process::ExitCode {
+    aalis_proxy::filter::widen_pipe(std::io::stdin());
+    let mut stdout = std::io::stdout().lock();
+    match aalis_proxy::filter::copy(Box::new(std::io::stdin()), "stdin", &mut stdout) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if e.is_broken_pipe() => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("loadgen: error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -102,6 +121,9 @@ struct Load {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if let Command::Copy = cli.command {
+        return copy();
+    }
     let runtime = if cli.threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -136,6 +158,7 @@ fn main() -> std::process::ExitCode {
                 streams,
                 hold_seconds,
             } => idle(target, streams, hold_seconds).await,
+            Command::Copy => Ok(()),
         }
     });
     match result {

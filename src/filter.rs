@@ -105,6 +105,31 @@ pub fn run(
     filter.end(clock())
 }
 
+/// Copies `input` to `output` the way [`run`] reads and writes (the
+/// reading thread and its buffers, each piece written and flushed as it
+/// comes), and parses nothing: the filter's I/O alone. `scripts/bench.sh`
+/// measures it beside `annotate` (`loadgen copy`), to tell what the work
+/// costs from what moving the bytes costs (BENCHMARKS.md).
+pub fn copy(
+    input: Box<dyn Read + Send>,
+    input_name: &str,
+    output: &mut dyn Write,
+) -> Result<(), FilterError> {
+    let written = read_ahead(input, |piece| {
+        output
+            .write_all(piece)
+            .and_then(|()| output.flush())
+            .map_err(FilterError::Write)
+    });
+    written.map_err(|stop| match stop {
+        Stop::Filter(e) => e,
+        Stop::Read(source) => FilterError::Read {
+            input: input_name.to_owned(),
+            source,
+        },
+    })
+}
+
 /// Why [`read_ahead`] stopped before the end of its input.
 enum Stop {
     Read(io::Error),
@@ -405,6 +430,25 @@ mod tests {
             String::from_utf8_lossy(&out),
             String::from_utf8_lossy(&ended)
         );
+    }
+
+    /// The I/O alone: every byte out, in order, whatever the pieces; a
+    /// failed read still writes what came before and names the input.
+    #[test]
+    fn copy_writes_what_it_reads() {
+        let input = fixture();
+        for size in [1, 7, input.len()] {
+            let mut out = Vec::new();
+            copy(Box::new(pieces(&input, size, false)), "stdin", &mut out).expect("copied");
+            assert!(out == input, "pieces of {size} bytes");
+        }
+        let mut out = Vec::new();
+        let result = copy(Box::new(pieces(&input, 100, true)), "capture.sse", &mut out);
+        assert!(
+            matches!(&result, Err(FilterError::Read { input, .. }) if input == "capture.sse"),
+            "{result:?}"
+        );
+        assert!(out == input);
     }
 
     /// Without a thread, the same pieces in the same order, and the same

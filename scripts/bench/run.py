@@ -5,7 +5,8 @@ One run measures, side by side, and prints one table of medians and ratios:
   1. filter throughput of `aalis-proxy annotate` (default, --format ndjson,
      --inject none) against the floor `cat | cat` (the faster of it and of
      `cat | cat` on one CPU), a jq pipeline and a Python script doing the
-     same progress job, on generated captures;
+     same progress job, on generated captures; and, not a target,
+     `annotate`'s reading and writing alone (`loadgen copy`);
   2. proxy overhead: per-event added latency and time to first byte through
      `aalis-proxy serve` and nginx, against a direct connection to the same
      stamping upstream (examples/loadgen.rs), paced and unpaced;
@@ -166,7 +167,13 @@ def floor(get):
 PLAIN = "plain build: "
 
 
-def throughput(cfg, workdir, aalis, plain, have_jq, notes):
+# `annotate`'s reading and writing without its work (`loadgen copy`): not a
+# target; it tells how much of `annotate`'s distance from the floor is the
+# bytes' way through two processes on two CPUs rather than the parsing.
+IO_ALONE = "annotate's I/O alone (parses nothing)"
+
+
+def throughput(cfg, workdir, aalis, plain, loadgen, have_jq, notes):
     captures = [("tool-heavy SSE", "tool"), ("text-heavy SSE", "text"), ("Ollama NDJSON", "ollama")]
     rows = []
     for label, kind in captures:
@@ -180,6 +187,7 @@ def throughput(cfg, workdir, aalis, plain, have_jq, notes):
             ("annotate (sse, field)", [aalis, "annotate"]),
             ("annotate --format ndjson", [aalis, "annotate", "--format", "ndjson"]),
             ("annotate --inject none", [aalis, "annotate", "--inject", "none"]),
+            (IO_ALONE, [loadgen, "copy"]),
             ("python json", [sys.executable, os.path.join(HERE, "progress.py")]),
         ]
         if have_jq:
@@ -720,15 +728,16 @@ def throughput_tables(results, cfg, p):
               f"{fmt(r['max_rss_mb'])} |")
     p("")
     p("Ratios of `annotate` (sse, field) on the same capture, same run:\n")
-    p("| capture | ÷ jq | ÷ python | --inject none ÷ floor | ndjson ÷ jq |")
-    p("| --- | ---: | ---: | ---: | ---: |")
+    p("| capture | ÷ jq | ÷ python | --inject none ÷ floor | ndjson ÷ jq | I/O alone ÷ floor | --inject none ÷ I/O alone |")
+    p("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for cap, rows in by_capture.items():
         get = {r["contender"]: r["mbps"] for r in rows}
         a = get["annotate (sse, field)"]
         jq = get.get("jq")
         p(f"| {cap} | {fmt(a / jq) if jq else '—'} | {fmt(a / get['python json'])} | "
           f"{get['annotate --inject none'] / floor(get):.3f} | "
-          f"{fmt(get['annotate --format ndjson'] / jq) if jq else '—'} |")
+          f"{fmt(get['annotate --format ndjson'] / jq) if jq else '—'} | "
+          f"{get[IO_ALONE] / floor(get):.3f} | {get['annotate --inject none'] / get[IO_ALONE]:.3f} |")
 
 
 def reps_won(a, n, key, lower):
@@ -847,6 +856,9 @@ def targets(results):
         x = floor(get) / get["annotate --inject none"]
         lines.append(f"{cap}: --inject none within 2× of cat|cat: {'MET' if x <= 2 else 'MISSED'} "
                      f"(the faster cat|cat is {x:.1f}× faster)")
+        lines.append(f"  (not a target) {cap}: annotate's I/O alone, parsing nothing, runs at "
+                     f"{get[IO_ALONE] / floor(get):.2f} of the floor's speed; --inject none at "
+                     f"{get['annotate --inject none'] / get[IO_ALONE]:.2f} of that I/O's")
         if PLAIN + "annotate (sse, field)" in get:
             pa, pn = get[PLAIN + "annotate (sse, field)"], get[PLAIN + "annotate --inject none"]
             jq = f"{pa / get['jq']:.1f}× jq, " if "jq" in get else ""
@@ -944,7 +956,7 @@ def main():
     try:
         if "throughput" in only:
             verify_baselines(a.workdir, a.aalis, have_jq)
-            results["throughput"] = throughput(cfg, a.workdir, a.aalis, a.plain, have_jq, notes)
+            results["throughput"] = throughput(cfg, a.workdir, a.aalis, a.plain, a.loadgen, have_jq, notes)
         if "callgrind" in only:
             results["callgrind"] = callgrind(cfg, a.workdir, a.aalis, a.plain, notes)
         if "proxy" in only or "memory" in only:
