@@ -158,6 +158,7 @@ fn main() -> std::process::ExitCode {
                 streams,
                 hold_seconds,
             } => idle(target, streams, hold_seconds).await,
+            // Run above, without a runtime.
             Command::Copy => Ok(()),
         }
     });
