@@ -87,17 +87,13 @@ enum Command {
 }
 
 /// `loadgen copy`: stdin to stdout as `annotate` reads and writes them
-/// (`aalis_proxy::filter::copy`), without a runtime.
-fn copy() -> std::process::ExitCode {
+/// (`aalis_proxy::filter::copy`), on the calling thread.
+fn copy() -> Result<(), Error> {
     aalis_proxy::filter::widen_pipe(std::io::stdin());
     let mut stdout = std::io::stdout().lock();
     match aalis_proxy::filter::copy(Box::new(std::io::stdin()), "stdin", &mut stdout) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) if e.is_broken_pipe() => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("loadgen: error: {e}");
-            std::process::ExitCode::FAILURE
-        }
+        Err(e) if !e.is_broken_pipe() => Err(e.into()),
+        _ => Ok(()),
     }
 }
 
@@ -121,9 +117,6 @@ struct Load {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    if let Command::Copy = cli.command {
-        return copy();
-    }
     let runtime = if cli.threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -158,8 +151,7 @@ fn main() -> std::process::ExitCode {
                 streams,
                 hold_seconds,
             } => idle(target, streams, hold_seconds).await,
-            // Run above, without a runtime.
-            Command::Copy => Ok(()),
+            Command::Copy => copy(),
         }
     });
     match result {

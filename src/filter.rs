@@ -79,18 +79,12 @@ pub fn run(
     match source {
         Source::Live(input) => {
             let read = read_ahead(input, |piece| filter.feed(piece, clock()));
-            if let Err(e) = read {
-                return match e {
-                    Stop::Filter(e) => Err(e),
-                    Stop::Read(source) => {
-                        // Whatever came before the failure still goes out.
-                        let _ = filter.end(clock());
-                        Err(FilterError::Read {
-                            input: input_name.to_owned(),
-                            source,
-                        })
-                    }
-                };
+            if let Err(stop) = read {
+                if let Stop::Read(_) = stop {
+                    // Whatever came before the failure still goes out.
+                    let _ = filter.end(clock());
+                }
+                return Err(stop.into_error(input_name));
             }
         }
         Source::Replay { bytes, schedule } => {
@@ -115,25 +109,32 @@ pub fn copy(
     input_name: &str,
     output: &mut dyn Write,
 ) -> Result<(), FilterError> {
-    let written = read_ahead(input, |piece| {
+    read_ahead(input, |piece| {
         output
             .write_all(piece)
             .and_then(|()| output.flush())
             .map_err(FilterError::Write)
-    });
-    written.map_err(|stop| match stop {
-        Stop::Filter(e) => e,
-        Stop::Read(source) => FilterError::Read {
-            input: input_name.to_owned(),
-            source,
-        },
     })
+    .map_err(|stop| stop.into_error(input_name))
 }
 
 /// Why [`read_ahead`] stopped before the end of its input.
 enum Stop {
     Read(io::Error),
     Filter(FilterError),
+}
+
+impl Stop {
+    /// The error to report; a failed read names `input_name`.
+    fn into_error(self, input_name: &str) -> FilterError {
+        match self {
+            Stop::Filter(e) => e,
+            Stop::Read(source) => FilterError::Read {
+                input: input_name.to_owned(),
+                source,
+            },
+        }
+    }
 }
 
 /// Buffers in flight between the reading thread and the pipeline: one being
