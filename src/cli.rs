@@ -291,8 +291,9 @@ pub struct ServeArgs {
 
     /// Threads that serve connections, 1 to 1024 [default: one per CPU]
     ///
-    /// Each thread runs an event loop of its own; connections are handed to
-    /// them in turn, and each stays on the thread it was given.
+    /// Each thread runs an event loop of its own and accepts connections for
+    /// itself; a new connection goes to a thread with the fewest open ones,
+    /// and stays on the thread that accepted it.
     ///
     /// Example: --threads 1
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_THREADS))]

@@ -176,7 +176,7 @@ fn serve_logged(
     let spinners = Arc::new(display(args.stream.progress, log.as_ref()).drawn_apart());
     let sessions = SessionRegistry::with_display(Arc::clone(&spinners));
     let proxy = Proxy::from_config(config, sessions)?;
-    // Connections are served on the workers; this thread accepts them and
+    // Connections are accepted and served by the workers; this thread
     // waits for the signal to stop.
     let threads = args
         .threads

@@ -2,7 +2,7 @@
 //! streams (SPEC.md, "Commands"; issue 3).
 //!
 //! Layout:
-//! - [`server`]: accept loop, HTTP/1.1 + HTTP/2, graceful shutdown
+//! - [`server`]: accept loops, HTTP/1.1 + HTTP/2, graceful shutdown
 //! - [`service`]: the request path: our headers → upstream request → response
 //! - [`upstream`]: the upstream URL, the rustls client, hop-by-hop hygiene
 //! - [`h1`]: the HTTP/1.1 client of plain-HTTP upstreams, whose response
@@ -99,8 +99,9 @@ pub async fn serve_proxy(listener: TcpListener, proxy: Proxy, shutdown: impl Fut
     serve_proxy_on(listener, proxy, shutdown, &[]).await;
 }
 
-/// [`serve_proxy`], with each connection served on one of `workers` in turn
-/// (on the current runtime when there are none): see [`server::Workers`].
+/// [`serve_proxy`], with each connection accepted and served by one of
+/// `workers` (by the current runtime when there are none): see
+/// [`server::Workers`].
 pub async fn serve_proxy_on(
     listener: TcpListener,
     proxy: Proxy,

@@ -1,13 +1,15 @@
-//! The accept loop: one task per connection, HTTP/1.1 and HTTP/2 (cleartext,
+//! The accept loops: one task per connection, HTTP/1.1 and HTTP/2 (cleartext,
 //! negotiated per connection) from the client, and graceful shutdown (as in
 //! hyper-util's `examples/server_graceful.rs`, with a cheaper watch: see
 //! `Drain`): when `shutdown` resolves the listener closes, open
 //! connections finish their responses, and after `grace` whatever is left
 //! is dropped.
 //!
-//! `serve` hands its connections in turn to [`Workers`]: one thread per
-//! CPU, each running a current-thread runtime, as nginx runs one worker
-//! process per CPU. A connection, the `http://` upstream connection it
+//! `serve` has [`Workers`] accept and serve the connections: one thread
+//! per CPU, each running a current-thread runtime with an accept loop of
+//! its own on the shared listening socket, as nginx runs one worker process
+//! per CPU; a new connection goes to a worker with the fewest open ones
+//! ([`accept_loop`]). A connection, the `http://` upstream connection it
 //! takes (see [`H1Pool`](super::h1::H1Pool)'s per-thread idle lists) and its
 //! timers stay on one thread, so an event that arrives wakes no other
 //! thread. (An `https://` upstream's connections belong to hyper-util's
@@ -24,7 +26,7 @@ use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::thread;
 use std::time::Duration;
@@ -38,7 +40,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::{self, Handle};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinSet;
 
 use super::gate::GatedRead;
@@ -46,9 +48,9 @@ use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains.
-/// The handler never fails: errors are responses. Each connection is served
-/// on one of `workers` in turn, or on the current runtime when there are
-/// none.
+/// The handler never fails: errors are responses. Each of `workers`
+/// accepts its own connections from the listener (see [`accept_loop`]), or
+/// the current runtime does when there are none.
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
@@ -59,7 +61,6 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let graceful = Drain::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // hyper queues a response's frames up to its buffer size before it
     // stops polling the body. Its default (about 400 KiB) let each slow
@@ -78,14 +79,175 @@ pub async fn serve<H, F>(
     // while it holds less than `max_buf_size`); our pieces go back to
     // their `OutBuf` as soon as they are copied.
     builder.http1().writev(false);
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(err) => {
+            tracing::error!("cannot share the listening socket: {err}");
+            return;
+        }
+    };
+    let graceful = Drain::new();
+    let (phase, phase_rx) = watch::channel(Phase::Accepting);
+    let loads = Arc::new(Loads::new(workers.len().max(1)));
+    let shared = Arc::new(Shared {
+        handler,
+        builder,
+        graceful: graceful.handle(),
+        loads,
+    });
+    // One accept loop per runtime, each with its own descriptor of the
+    // listening socket, registered with that runtime's reactor.
+    let mut loops = JoinSet::new();
+    for me in 0..workers.len().max(1) {
+        let listener = match listener.try_clone() {
+            Ok(listener) => listener,
+            Err(err) => {
+                tracing::error!("cannot share the listening socket: {err}");
+                continue;
+            }
+        };
+        let run = accept_loop(me, listener, Arc::clone(&shared), phase_rx.clone());
+        match workers.get(me) {
+            Some(worker) => loops.spawn_on(run, worker),
+            None => loops.spawn(run),
+        };
+    }
+    // The socket closes once every loop has dropped its descriptor too.
+    drop(listener);
+    drop(phase_rx);
+    tokio::pin!(shutdown);
+    tokio::select! {
+        () = &mut shutdown => {}
+        // Every loop ended early (a descriptor it could not register):
+        // nothing accepts any more.
+        () = async { while loops.join_next().await.is_some() {} } => {
+            tracing::error!("no worker accepts connections any more");
+        }
+    }
+    let _ = phase.send(Phase::Draining);
+    tracing::info!("shutting down: waiting up to {grace:?} for open streams");
+    tokio::select! {
+        () = graceful.shutdown() => tracing::info!("all connections closed"),
+        () = tokio::time::sleep(grace) => tracing::warn!("grace period over: closing open streams"),
+    }
+    let _ = phase.send(Phase::Closing);
+    while loops.join_next().await.is_some() {}
+}
+
+/// Where the server is in its life, as its accept loops see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Accepting,
+    /// No new connections; open ones finish their responses.
+    Draining,
+    /// The grace period is over: what is still open is dropped.
+    Closing,
+}
+
+/// What every accept loop shares.
+struct Shared<H> {
+    handler: H,
+    builder: auto::Builder<TokioExecutor>,
+    graceful: DrainHandle,
+    loads: Arc<Loads>,
+}
+
+/// The open connections of each accept loop, to keep the loops even.
+struct Loads {
+    open: Box<[AtomicUsize]>,
+    /// Told whenever a count changes, for a loop that waits to be even.
+    changed: Notify,
+}
+
+impl Loads {
+    fn new(loops: usize) -> Loads {
+        Loads {
+            open: (0..loops).map(|_| AtomicUsize::new(0)).collect(),
+            changed: Notify::new(),
+        }
+    }
+
+    /// Whether loop `me` has no more open connections than any other: the
+    /// least busy loops accept, and whichever of them gets to a connection
+    /// first serves it.
+    fn may_accept(&self, me: usize) -> bool {
+        let Some(mine) = self.open.get(me).map(|n| n.load(Ordering::Relaxed)) else {
+            return true;
+        };
+        self.open.iter().all(|n| mine <= n.load(Ordering::Relaxed))
+    }
+
+    /// Counts a connection as loop `me`'s while the guard lives.
+    fn open(self: &Arc<Self>, me: usize) -> OpenConnection {
+        self.change(me, |n| n.fetch_add(1, Ordering::Relaxed));
+        OpenConnection {
+            loads: Arc::clone(self),
+            me,
+        }
+    }
+
+    fn change(&self, me: usize, change: impl FnOnce(&AtomicUsize) -> usize) {
+        if let Some(n) = self.open.get(me) {
+            change(n);
+        }
+        self.changed.notify_waiters();
+    }
+}
+
+/// One open connection of a loop ([`Loads::open`]).
+struct OpenConnection {
+    loads: Arc<Loads>,
+    me: usize,
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.loads
+            .change(self.me, |n| n.fetch_sub(1, Ordering::Relaxed));
+    }
+}
+
+/// Accepts connections on this runtime and serves them here, until the
+/// server drains; then waits for them to finish, or drops them once the
+/// grace period is over.
+///
+/// Every runtime accepts from the listening socket for itself, as each of
+/// nginx's workers does: a connection is served by the runtime that
+/// accepted it, with no hand-off to another thread. A hand-off put one
+/// more wake-up on the way to a stream's first byte, and a thread woken on
+/// a CPU that runs another process may wait out that process's time slice
+/// (about 2 ms here): with other processes starting now and then, a fourth
+/// of the streams at C=1 had their first byte after more than 1 ms, and
+/// one in twenty without the hand-off; on a quiet machine the median went
+/// from 637 to 544 µs (BENCHMARKS.md, thirty-second round). A new
+/// connection wakes every loop that waits for
+/// one, and the first to accept it serves it; a loop with more open
+/// connections than another leaves the next ones to the others until it
+/// has no more ([`Loads::may_accept`]), so the workers stay as even as when
+/// connections were dealt in turn (a worker with more streams adds latency
+/// to each of them).
+async fn accept_loop<H, F>(
+    me: usize,
+    listener: std::net::TcpListener,
+    shared: Arc<Shared<H>>,
+    mut phase: watch::Receiver<Phase>,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let listener = match TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(err) => {
+            tracing::error!("a worker cannot accept connections: {err}");
+            return;
+        }
+    };
     // The connection tasks, so that what outlives the grace period can be
     // stopped (the drain only asks them to finish).
     let mut connections = JoinSet::new();
-    let mut turn = 0usize;
-    tokio::pin!(shutdown);
-    loop {
+    while *phase.borrow_and_update() == Phase::Accepting {
         tokio::select! {
-            accepted = listener.accept() => {
+            accepted = accept_when_even(&listener, &shared.loads, me) => {
                 let (stream, peer) = match accepted {
                     Ok(accepted) => accepted,
                     Err(err) => {
@@ -97,55 +259,65 @@ pub async fn serve<H, F>(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let handler = handler.clone();
+                let open = shared.loads.open(me);
+                let handler = shared.handler.clone();
                 let service = service_fn(move |req| {
                     let response = handler(req, peer);
                     async move { Ok::<_, Infallible>(response.await) }
                 });
-                let builder = builder.clone();
-                let watcher = graceful.watcher();
-                let serve = move |stream| async move {
-                    let conn = builder.serve_connection(TokioIo::new(GatedRead::new(stream)), service);
-                    if let Err(err) = watcher.watch(conn.into_owned()).await {
+                let conn = shared
+                    .builder
+                    .serve_connection(TokioIo::new(GatedRead::new(stream)), service)
+                    .into_owned();
+                let watcher = shared.graceful.watcher();
+                connections.spawn(async move {
+                    if let Err(err) = watcher.watch(conn).await {
                         tracing::debug!(%peer, "connection ended: {err}");
                     }
-                };
-                if workers.is_empty() {
-                    connections.spawn(serve(stream));
-                } else {
-                    // The socket leaves this runtime's reactor for the
-                    // worker's, where its task runs.
-                    let worker = &workers[turn % workers.len()];
-                    turn = turn.wrapping_add(1);
-                    match stream.into_std() {
-                        Ok(stream) => {
-                            connections.spawn_on(
-                                async move {
-                                    match TcpStream::from_std(stream) {
-                                        Ok(stream) => serve(stream).await,
-                                        Err(err) => tracing::warn!(%peer, "cannot hand the connection to a worker: {err}"),
-                                    }
-                                },
-                                worker,
-                            );
-                        }
-                        Err(err) => tracing::warn!(%peer, "cannot hand the connection to a worker: {err}"),
-                    }
-                }
+                    drop(open);
+                });
                 // Reap finished connections so the set stays as small as
                 // the number of open ones.
                 while connections.try_join_next().is_some() {}
             }
-            () = &mut shutdown => break,
+            _ = phase.changed() => {}
         }
     }
     drop(listener);
-    tracing::info!("shutting down: waiting up to {grace:?} for open streams");
-    tokio::select! {
-        () = graceful.shutdown() => tracing::info!("all connections closed"),
-        () = tokio::time::sleep(grace) => tracing::warn!("grace period over: closing open streams"),
+    loop {
+        tokio::select! {
+            joined = connections.join_next() => {
+                if joined.is_none() {
+                    return;
+                }
+            }
+            // Err: the server is gone; drop what is left all the same.
+            _ = async { phase.wait_for(|p| *p == Phase::Closing).await.map(|_| ()) } => {
+                connections.shutdown().await;
+                return;
+            }
+        }
     }
-    connections.shutdown().await;
+}
+
+/// The next connection from `listener`, accepted once loop `me` is among
+/// the least busy ([`Loads::may_accept`]).
+async fn accept_when_even(
+    listener: &TcpListener,
+    loads: &Loads,
+    me: usize,
+) -> io::Result<(TcpStream, SocketAddr)> {
+    loop {
+        let changed = loads.changed.notified();
+        tokio::pin!(changed);
+        // Registered before the check, so that a change right after it
+        // is not missed.
+        changed.as_mut().enable();
+        if loads.may_accept(me) {
+            return listener.accept().await;
+        }
+        changed.await;
+    }
 }
 
 /// Graceful shutdown of the open connections, as hyper-util's
@@ -162,6 +334,22 @@ struct Drain {
     started: Arc<AtomicBool>,
 }
 
+/// A [`Drain`]'s sender, shared by the accept loops; the drain waits for
+/// the watchers it gave, not for it.
+struct DrainHandle {
+    tx: watch::Sender<()>,
+    started: Arc<AtomicBool>,
+}
+
+impl DrainHandle {
+    fn watcher(&self) -> DrainWatcher {
+        DrainWatcher {
+            rx: self.tx.subscribe(),
+            started: Arc::clone(&self.started),
+        }
+    }
+}
+
 /// What a connection holds to hear of the shutdown.
 struct DrainWatcher {
     rx: watch::Receiver<()>,
@@ -176,9 +364,10 @@ impl Drain {
         }
     }
 
-    fn watcher(&self) -> DrainWatcher {
-        DrainWatcher {
-            rx: self.tx.subscribe(),
+    /// What the accept loops keep, to give each connection a watcher.
+    fn handle(&self) -> DrainHandle {
+        DrainHandle {
+            tx: self.tx.clone(),
             started: Arc::clone(&self.started),
         }
     }
@@ -312,36 +501,42 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
-    /// The names of the threads that served the requests on one connection
-    /// (each response's body is its thread's name), the connection asking
-    /// for `requests` responses, the last with `connection: close`.
-    async fn served_by(addr: SocketAddr, requests: usize) -> Vec<String> {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        for i in 1..=requests {
-            let close = if i == requests {
-                "connection: close\r\n"
-            } else {
-                ""
-            };
-            let request = format!("GET /{i} HTTP/1.1\r\nhost: test\r\n{close}\r\n");
-            stream.write_all(request.as_bytes()).await.expect("request");
+    /// Asks a keep-alive connection for one response: the name of the
+    /// thread that served it (the handler's whole body).
+    async fn served_by(conn: &mut BufReader<TcpStream>) -> String {
+        conn.get_mut()
+            .write_all(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n")
+            .await
+            .expect("request");
+        let mut length = None;
+        loop {
+            let mut line = String::new();
+            conn.read_line(&mut line).await.expect("head");
+            assert!(!line.is_empty(), "the connection closed before its response");
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse::<usize>().ok();
+            }
         }
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).await.expect("reply");
-        reply
-            .split("\r\n\r\n")
-            .skip(1)
-            .map(|rest| rest.split("HTTP/1.1").next().unwrap_or("").to_owned())
-            .collect()
+        let mut body = vec![0; length.expect("a content-length")];
+        conn.read_exact(&mut body).await.expect("body");
+        String::from_utf8(body).expect("a thread name")
     }
 
-    /// Connections go to the workers in turn and each stays on its worker:
-    /// every request of a keep-alive connection is served by the thread
-    /// that took the connection, none on the accepting runtime.
+    /// Every connection is accepted and served by a worker (none on the
+    /// runtime that called `serve`), each keeps its worker for all its
+    /// requests, and a connection goes to a worker with the fewest open
+    /// ones: four connections held open, one after another, are two on
+    /// each worker (a connection is counted when it is accepted, before
+    /// its response).
     #[tokio::test]
-    async fn connections_are_served_on_the_workers_in_turn() {
+    async fn connections_are_served_on_the_least_busy_worker() {
         let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("workers");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
@@ -366,26 +561,71 @@ mod tests {
             .await;
         });
 
-        let mut seen = Vec::new();
+        let mut open = Vec::new();
+        let mut first = Vec::new();
         for _ in 0..4 {
-            seen.push(served_by(addr, 2).await);
+            let mut conn = BufReader::new(TcpStream::connect(addr).await.expect("connect"));
+            first.push(served_by(&mut conn).await);
+            open.push(conn);
         }
-        let pair = |name: &str| vec![name.to_owned(), name.to_owned()];
+        for (conn, name) in open.iter_mut().zip(&first) {
+            assert_eq!(&served_by(conn).await, name, "a connection keeps its worker");
+        }
+        let on = |worker: &str| first.iter().filter(|name| *name == worker).count();
         assert_eq!(
-            seen,
-            [
-                pair("worker-0"),
-                pair("worker-1"),
-                pair("worker-0"),
-                pair("worker-1")
-            ],
+            (on("worker-0"), on("worker-1")),
+            (2, 2),
+            "served by {first:?}"
         );
 
         stop.send(()).expect("the server runs");
+        drop(open);
         tokio::time::timeout(Duration::from_secs(10), server)
             .await
             .expect("the server stops")
             .expect("without a panic");
         drop(workers);
+    }
+
+    /// A loop with more open connections than another accepts nothing,
+    /// even with a client waiting, until the counts change; then it does.
+    #[tokio::test]
+    async fn a_busier_loop_waits_until_it_is_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let loads = Arc::new(Loads::new(2));
+        let ahead = loads.open(0);
+        assert!(!loads.may_accept(0));
+        assert!(loads.may_accept(1));
+
+        let _first = TcpStream::connect(addr).await.expect("connect");
+        // Nothing to time: a loop that may not accept never takes it.
+        let waited =
+            tokio::time::timeout(Duration::from_millis(200), accept_when_even(&listener, &loads, 0))
+                .await;
+        assert!(waited.is_err(), "the busier loop accepted");
+        tokio::time::timeout(Duration::from_secs(10), accept_when_even(&listener, &loads, 1))
+            .await
+            .expect("the other loop accepts")
+            .expect("a connection");
+
+        // Loop 0 waits for a change of the counts; one that makes it even
+        // wakes it, and it accepts the next client.
+        let waiting = accept_when_even(&listener, &loads, 0);
+        tokio::pin!(waiting);
+        let _second = TcpStream::connect(addr).await.expect("connect");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), waiting.as_mut())
+                .await
+                .is_err(),
+            "the busier loop accepted"
+        );
+        let even = loads.open(1);
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("woken by the change")
+            .expect("a connection");
+        drop((ahead, even));
+        assert!(loads.may_accept(0) && loads.may_accept(1));
     }
 }
