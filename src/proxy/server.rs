@@ -280,7 +280,13 @@ async fn accept_loop<H, F>(
                 // the number of open ones.
                 while connections.try_join_next().is_some() {}
             }
-            _ = phase.changed() => {}
+            changed = phase.changed() => {
+                if changed.is_err() {
+                    // `serve` is gone without a word: nothing will drain.
+                    connections.shutdown().await;
+                    return;
+                }
+            }
         }
     }
     drop(listener);
@@ -514,7 +520,10 @@ mod tests {
         loop {
             let mut line = String::new();
             conn.read_line(&mut line).await.expect("head");
-            assert!(!line.is_empty(), "the connection closed before its response");
+            assert!(
+                !line.is_empty(),
+                "the connection closed before its response"
+            );
             if line == "\r\n" {
                 break;
             }
@@ -569,7 +578,11 @@ mod tests {
             open.push(conn);
         }
         for (conn, name) in open.iter_mut().zip(&first) {
-            assert_eq!(&served_by(conn).await, name, "a connection keeps its worker");
+            assert_eq!(
+                &served_by(conn).await,
+                name,
+                "a connection keeps its worker"
+            );
         }
         let on = |worker: &str| first.iter().filter(|name| *name == worker).count();
         assert_eq!(
@@ -600,14 +613,19 @@ mod tests {
 
         let _first = TcpStream::connect(addr).await.expect("connect");
         // Nothing to time: a loop that may not accept never takes it.
-        let waited =
-            tokio::time::timeout(Duration::from_millis(200), accept_when_even(&listener, &loads, 0))
-                .await;
+        let waited = tokio::time::timeout(
+            Duration::from_millis(200),
+            accept_when_even(&listener, &loads, 0),
+        )
+        .await;
         assert!(waited.is_err(), "the busier loop accepted");
-        tokio::time::timeout(Duration::from_secs(10), accept_when_even(&listener, &loads, 1))
-            .await
-            .expect("the other loop accepts")
-            .expect("a connection");
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            accept_when_even(&listener, &loads, 1),
+        )
+        .await
+        .expect("the other loop accepts")
+        .expect("a connection");
 
         // Loop 0 waits for a change of the counts; one that makes it even
         // wakes it, and it accepts the next client.
