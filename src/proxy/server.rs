@@ -103,6 +103,7 @@ pub async fn serve<H, F>(
             Ok(listener) => listener,
             Err(err) => {
                 tracing::error!("cannot share the listening socket: {err}");
+                shared.loads.retire(me);
                 continue;
             }
         };
@@ -155,15 +156,20 @@ struct Shared<H> {
 /// The open connections of each accept loop, to keep the loops even.
 struct Loads {
     open: Box<[AtomicUsize]>,
-    /// Told whenever a count changes, for a loop that waits to be even.
-    changed: Notify,
+    /// One per loop, told when a change may let that loop accept again:
+    /// its own count fell, or another's rose.
+    changed: Box<[Notify]>,
 }
+
+/// The count of a loop that cannot accept ([`Loads::retire`]): never the
+/// least, so the others do not wait for it.
+const RETIRED: usize = usize::MAX / 2;
 
 impl Loads {
     fn new(loops: usize) -> Loads {
         Loads {
             open: (0..loops).map(|_| AtomicUsize::new(0)).collect(),
-            changed: Notify::new(),
+            changed: (0..loops).map(|_| Notify::new()).collect(),
         }
     }
 
@@ -179,18 +185,39 @@ impl Loads {
 
     /// Counts a connection as loop `me`'s while the guard lives.
     fn open(self: &Arc<Self>, me: usize) -> OpenConnection {
-        self.change(me, |n| n.fetch_add(1, Ordering::Relaxed));
+        self.rise(me, 1);
         OpenConnection {
             loads: Arc::clone(self),
             me,
         }
     }
 
-    fn change(&self, me: usize, change: impl FnOnce(&AtomicUsize) -> usize) {
+    /// Loop `me` accepts no more (its descriptor could not be set up): the
+    /// others stop waiting for it to catch up.
+    fn retire(&self, me: usize) {
+        self.rise(me, RETIRED);
+    }
+
+    /// Another loop may now be among the least busy: it looks again.
+    fn rise(&self, me: usize, by: usize) {
         if let Some(n) = self.open.get(me) {
-            change(n);
+            n.fetch_add(by, Ordering::Relaxed);
         }
-        self.changed.notify_waiters();
+        for (i, changed) in self.changed.iter().enumerate() {
+            if i != me {
+                changed.notify_waiters();
+            }
+        }
+    }
+
+    /// Loop `me`'s count fell: it may be among the least busy again.
+    fn fall(&self, me: usize) {
+        if let Some(n) = self.open.get(me) {
+            n.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(changed) = self.changed.get(me) {
+            changed.notify_waiters();
+        }
     }
 }
 
@@ -202,8 +229,7 @@ struct OpenConnection {
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
-        self.loads
-            .change(self.me, |n| n.fetch_sub(1, Ordering::Relaxed));
+        self.loads.fall(self.me);
     }
 }
 
@@ -225,7 +251,9 @@ impl Drop for OpenConnection {
 /// connections than another leaves the next ones to the others until it
 /// has no more ([`Loads::may_accept`]), so the workers stay as even as when
 /// connections were dealt in turn (a worker with more streams adds latency
-/// to each of them).
+/// to each of them). A loop already waiting for a connection when another's
+/// count falls may still take it: the loops stay within one connection of
+/// each other.
 async fn accept_loop<H, F>(
     me: usize,
     listener: std::net::TcpListener,
@@ -239,9 +267,14 @@ async fn accept_loop<H, F>(
         Ok(listener) => listener,
         Err(err) => {
             tracing::error!("a worker cannot accept connections: {err}");
+            shared.loads.retire(me);
             return;
         }
     };
+    // Held while this loop may still accept: the drain waits for it too,
+    // so a connection accepted as the server stops is drained, not
+    // dropped at the end of the grace period.
+    let accepting = shared.graceful.hold();
     // The connection tasks, so that what outlives the grace period can be
     // stopped (the drain only asks them to finish).
     let mut connections = JoinSet::new();
@@ -254,7 +287,11 @@ async fn accept_loop<H, F>(
                         // Out of file descriptors and the like: wait instead
                         // of spinning; the listener itself stays usable.
                         tracing::warn!("accept failed: {err}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        tokio::select! {
+                            () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                            // Checked by the loop's condition.
+                            _ = phase.changed() => {}
+                        }
                         continue;
                     }
                 };
@@ -290,6 +327,7 @@ async fn accept_loop<H, F>(
         }
     }
     drop(listener);
+    drop(accepting);
     loop {
         tokio::select! {
             joined = connections.join_next() => {
@@ -314,7 +352,10 @@ async fn accept_when_even(
     me: usize,
 ) -> io::Result<(TcpStream, SocketAddr)> {
     loop {
-        let changed = loads.changed.notified();
+        let Some(changed) = loads.changed.get(me) else {
+            return listener.accept().await;
+        };
+        let changed = changed.notified();
         tokio::pin!(changed);
         // Registered before the check, so that a change right after it
         // is not missed.
@@ -348,6 +389,11 @@ struct DrainHandle {
 }
 
 impl DrainHandle {
+    /// A receiver the drain waits for, like a connection's.
+    fn hold(&self) -> watch::Receiver<()> {
+        self.tx.subscribe()
+    }
+
     fn watcher(&self) -> DrainWatcher {
         DrainWatcher {
             rx: self.tx.subscribe(),
@@ -645,5 +691,45 @@ mod tests {
             .expect("a connection");
         drop((ahead, even));
         assert!(loads.may_accept(0) && loads.may_accept(1));
+    }
+
+    /// A loop waiting to be even is woken when its own connection closes,
+    /// and a loop that could not start holds no other back.
+    #[tokio::test]
+    async fn a_loop_is_woken_by_its_own_close_and_a_retired_loop_is_ignored() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let loads = Arc::new(Loads::new(3));
+        let _first = loads.open(0);
+        let second = loads.open(0);
+        let _theirs = loads.open(2);
+        // Loop 1 is the least busy: loop 0 waits.
+        let waiting = accept_when_even(&listener, &loads, 0);
+        tokio::pin!(waiting);
+        let _client = TcpStream::connect(addr).await.expect("connect");
+        let not_yet = async |waiting: std::pin::Pin<&mut _>| {
+            tokio::time::timeout(Duration::from_millis(200), waiting)
+                .await
+                .is_err()
+        };
+        assert!(
+            not_yet(waiting.as_mut()).await,
+            "loop 0 accepted while behind"
+        );
+        // Loop 1 could not start: it no longer counts, but loop 2 still has
+        // fewer connections than loop 0.
+        loads.retire(1);
+        assert!(
+            not_yet(waiting.as_mut()).await,
+            "loop 0 accepted while behind"
+        );
+        // One of loop 0's connections closes: it is even with loop 2, and
+        // woken to see so.
+        drop(second);
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("woken")
+            .expect("a connection");
+        assert!(!loads.may_accept(1));
     }
 }
