@@ -9,7 +9,7 @@
 //! per CPU, each running a current-thread runtime with an accept loop of
 //! its own on the shared listening socket, as nginx runs one worker process
 //! per CPU; a new connection goes to a worker with the fewest open ones
-//! ([`accept_loop`]). A connection, the `http://` upstream connection it
+//! (`accept_loop`). A connection, the `http://` upstream connection it
 //! takes (see [`H1Pool`](super::h1::H1Pool)'s per-thread idle lists) and its
 //! timers stay on one thread, so an event that arrives wakes no other
 //! thread. (An `https://` upstream's connections belong to hyper-util's
@@ -49,7 +49,7 @@ use super::upstream::ProxyBody;
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains.
 /// The handler never fails: errors are responses. Each of `workers`
-/// accepts its own connections from the listener (see [`accept_loop`]), or
+/// accepts its own connections from the listener (see `accept_loop`), or
 /// the current runtime does when there are none.
 pub async fn serve<H, F>(
     listener: TcpListener,
