@@ -646,32 +646,47 @@ mod tests {
         drop(workers);
     }
 
+    /// A listener and the counts of `loops` accept loops.
+    async fn listener_and_loads(loops: usize) -> (TcpListener, SocketAddr, Arc<Loads>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        (listener, addr, Arc::new(Loads::new(loops)))
+    }
+
+    /// Whether an accept is still waiting after 200 ms. Nothing is timed:
+    /// a loop that may not accept never takes the client, however slow the
+    /// machine.
+    async fn still_waiting<F: Future>(accept: Pin<&mut F>) -> bool {
+        tokio::time::timeout(Duration::from_millis(200), accept)
+            .await
+            .is_err()
+    }
+
+    /// The accept completes, within 10 s, with a connection.
+    async fn accepted(accept: impl Future<Output = io::Result<(TcpStream, SocketAddr)>>) {
+        tokio::time::timeout(Duration::from_secs(10), accept)
+            .await
+            .expect("accepted in time")
+            .expect("a connection");
+    }
+
     /// A loop with more open connections than another accepts nothing,
     /// even with a client waiting, until the counts change; then it does.
     #[tokio::test]
     async fn a_busier_loop_waits_until_it_is_not() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let loads = Arc::new(Loads::new(2));
+        let (listener, addr, loads) = listener_and_loads(2).await;
         let ahead = loads.open(0);
         assert!(!loads.may_accept(0));
         assert!(loads.may_accept(1));
 
         let _first = TcpStream::connect(addr).await.expect("connect");
-        // Nothing to time: a loop that may not accept never takes it.
-        let waited = tokio::time::timeout(
-            Duration::from_millis(200),
-            accept_when_even(&listener, &loads, 0),
-        )
-        .await;
-        assert!(waited.is_err(), "the busier loop accepted");
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            accept_when_even(&listener, &loads, 1),
-        )
-        .await
-        .expect("the other loop accepts")
-        .expect("a connection");
+        let busier = accept_when_even(&listener, &loads, 0);
+        tokio::pin!(busier);
+        assert!(
+            still_waiting(busier.as_mut()).await,
+            "the busier loop accepted"
+        );
+        accepted(accept_when_even(&listener, &loads, 1)).await;
 
         // Loop 0 waits for a change of the counts; one that makes it even
         // wakes it, and it accepts the next client.
@@ -679,16 +694,11 @@ mod tests {
         tokio::pin!(waiting);
         let _second = TcpStream::connect(addr).await.expect("connect");
         assert!(
-            tokio::time::timeout(Duration::from_millis(200), waiting.as_mut())
-                .await
-                .is_err(),
+            still_waiting(waiting.as_mut()).await,
             "the busier loop accepted"
         );
         let even = loads.open(1);
-        tokio::time::timeout(Duration::from_secs(10), waiting)
-            .await
-            .expect("woken by the change")
-            .expect("a connection");
+        accepted(waiting).await;
         drop((ahead, even));
         assert!(loads.may_accept(0) && loads.may_accept(1));
     }
@@ -697,9 +707,7 @@ mod tests {
     /// and a loop that could not start holds no other back.
     #[tokio::test]
     async fn a_loop_is_woken_by_its_own_close_and_a_retired_loop_is_ignored() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let loads = Arc::new(Loads::new(3));
+        let (listener, addr, loads) = listener_and_loads(3).await;
         let _first = loads.open(0);
         let second = loads.open(0);
         let _theirs = loads.open(2);
@@ -707,29 +715,21 @@ mod tests {
         let waiting = accept_when_even(&listener, &loads, 0);
         tokio::pin!(waiting);
         let _client = TcpStream::connect(addr).await.expect("connect");
-        let not_yet = async |waiting: std::pin::Pin<&mut _>| {
-            tokio::time::timeout(Duration::from_millis(200), waiting)
-                .await
-                .is_err()
-        };
         assert!(
-            not_yet(waiting.as_mut()).await,
+            still_waiting(waiting.as_mut()).await,
             "loop 0 accepted while behind"
         );
         // Loop 1 could not start: it no longer counts, but loop 2 still has
         // fewer connections than loop 0.
         loads.retire(1);
         assert!(
-            not_yet(waiting.as_mut()).await,
+            still_waiting(waiting.as_mut()).await,
             "loop 0 accepted while behind"
         );
         // One of loop 0's connections closes: it is even with loop 2, and
         // woken to see so.
         drop(second);
-        tokio::time::timeout(Duration::from_secs(10), waiting)
-            .await
-            .expect("woken")
-            .expect("a connection");
+        accepted(waiting).await;
         assert!(!loads.may_accept(1));
     }
 }
