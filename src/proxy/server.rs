@@ -92,7 +92,7 @@ pub async fn serve<H, F>(
     let shared = Arc::new(Shared {
         handler,
         builder,
-        graceful: graceful.handle(),
+        graceful: graceful.clone(),
         loads,
     });
     // One accept loop per runtime, each with its own descriptor of the
@@ -149,7 +149,7 @@ enum Phase {
 struct Shared<H> {
     handler: H,
     builder: auto::Builder<TokioExecutor>,
-    graceful: DrainHandle,
+    graceful: Drain,
     loads: Arc<Loads>,
 }
 
@@ -245,11 +245,12 @@ impl Drop for OpenConnection {
 /// (about 2 ms here): with other processes starting now and then, a fourth
 /// of the streams at C=1 had their first byte after more than 1 ms, and
 /// one in twenty without the hand-off; on a quiet machine the median went
-/// from 637 to 544 µs (BENCHMARKS.md, thirty-second round). A new
-/// connection wakes every loop that waits for
-/// one, and the first to accept it serves it; a loop with more open
-/// connections than another leaves the next ones to the others until it
-/// has no more ([`Loads::may_accept`]), so the workers stay as even as when
+/// from 637 to 544 µs (BENCHMARKS.md, thirty-second round).
+///
+/// A new connection wakes every loop that waits for one, and the first to
+/// accept it serves it; a loop with more open connections than another
+/// leaves the next ones to the others until it has no more
+/// ([`Loads::may_accept`]), so the workers stay as even as when
 /// connections were dealt in turn (a worker with more streams adds latency
 /// to each of them). A loop already waiting for a connection when another's
 /// count falls may still take it: the loops stay within one connection of
@@ -375,31 +376,12 @@ async fn accept_when_even(
 /// waker, and after that only once the flag says the signal was sent:
 /// hyper-util's polls the receiver every time the connection is polled,
 /// about 160 instructions a poll, and in a paced stream a poll is an event
-/// (BENCHMARKS.md, twenty-fifth round).
+/// (BENCHMARKS.md, twenty-fifth round). The accept loops keep clones, to
+/// give watchers: a sender is not waited for, only the watchers are.
+#[derive(Clone)]
 struct Drain {
     tx: watch::Sender<()>,
     started: Arc<AtomicBool>,
-}
-
-/// A [`Drain`]'s sender, shared by the accept loops; the drain waits for
-/// the watchers it gave, not for it.
-struct DrainHandle {
-    tx: watch::Sender<()>,
-    started: Arc<AtomicBool>,
-}
-
-impl DrainHandle {
-    /// A receiver the drain waits for, like a connection's.
-    fn hold(&self) -> watch::Receiver<()> {
-        self.tx.subscribe()
-    }
-
-    fn watcher(&self) -> DrainWatcher {
-        DrainWatcher {
-            rx: self.tx.subscribe(),
-            started: Arc::clone(&self.started),
-        }
-    }
 }
 
 /// What a connection holds to hear of the shutdown.
@@ -416,10 +398,14 @@ impl Drain {
         }
     }
 
-    /// What the accept loops keep, to give each connection a watcher.
-    fn handle(&self) -> DrainHandle {
-        DrainHandle {
-            tx: self.tx.clone(),
+    /// A receiver the drain waits for, like a connection's.
+    fn hold(&self) -> watch::Receiver<()> {
+        self.tx.subscribe()
+    }
+
+    fn watcher(&self) -> DrainWatcher {
+        DrainWatcher {
+            rx: self.tx.subscribe(),
             started: Arc::clone(&self.started),
         }
     }
