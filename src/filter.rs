@@ -16,7 +16,6 @@ use std::time::Duration;
 
 use crate::encode::splice::{Splice, SpliceSink};
 use crate::error::FilterError;
-use crate::framing::window::Input;
 use crate::pipeline::{Annotator, AnnotatorConfig};
 use crate::progress::{ProgressEntry, StreamPhase};
 use crate::render::spinner::{Outcome, ProgressDisplay};
@@ -93,7 +92,7 @@ pub fn run(
                 if !pause.is_zero() {
                     std::thread::sleep(pause);
                 }
-                filter.feed(bytes[range].into(), clock())?;
+                filter.feed(&bytes[range], clock())?;
             }
         }
     }
@@ -112,7 +111,7 @@ pub fn copy(
 ) -> Result<(), FilterError> {
     read_ahead(input, |piece| {
         output
-            .write_all(piece.bytes())
+            .write_all(piece)
             .and_then(|()| output.flush())
             .map_err(FilterError::Write)
     })
@@ -145,21 +144,20 @@ const READ_AHEAD_BUFFERS: usize = 3;
 /// Reads `input` on a thread of its own and hands each piece, in order, to
 /// `process` on this one, so that the copy out of the kernel overlaps the
 /// pipeline's work on the piece before (a tenth to a quarter more
-/// throughput from a pipe). The reading thread also checks that each piece
-/// is UTF-8 ([`Piece`]), work the pipeline's thread then skips. A piece is
-/// handed over as soon as a read returns, whatever its size, so a live
-/// stream is not held back. If `process` fails, this returns at once; the
-/// reading thread ends at its next read, or with the process.
+/// throughput from a pipe). A piece is handed over as soon as a read
+/// returns, whatever its size, so a live stream is not held back. If
+/// `process` fails, this returns at once; the reading thread ends at its
+/// next read, or with the process.
 fn read_ahead(
     input: Box<dyn Read + Send>,
-    mut process: impl FnMut(Input<'_>) -> Result<(), FilterError>,
+    mut process: impl FnMut(&[u8]) -> Result<(), FilterError>,
 ) -> Result<(), Stop> {
     use std::sync::mpsc::sync_channel;
     // Filled buffers go one way, emptied ones come back.
-    let (full_tx, full_rx) = sync_channel::<io::Result<Piece>>(READ_AHEAD_BUFFERS);
+    let (full_tx, full_rx) = sync_channel::<io::Result<(Vec<u8>, usize)>>(READ_AHEAD_BUFFERS);
     let (empty_tx, empty_rx) = sync_channel::<Vec<u8>>(READ_AHEAD_BUFFERS);
     for _ in 0..READ_AHEAD_BUFFERS {
-        let _ = empty_tx.send(Vec::new());
+        let _ = empty_tx.send(vec![0u8; READ_BYTES]);
     }
     // The input goes to the thread once it runs, so that it is still here
     // to read if no thread can be had.
@@ -171,15 +169,9 @@ fn read_ahead(
                 return;
             };
             while let Ok(mut buf) = empty_rx.recv() {
-                // A buffer comes back as long as the piece it held.
-                buf.resize(READ_BYTES, 0);
                 let read = read_retrying(&mut *input, &mut buf);
                 let last = !matches!(read, Ok(n) if n > 0);
-                let piece = read.map(|n| {
-                    buf.truncate(n);
-                    Piece::checked(buf)
-                });
-                if full_tx.send(piece).is_err() || last {
+                if full_tx.send(read.map(|n| (buf, n))).is_err() || last {
                     return;
                 }
             }
@@ -193,10 +185,10 @@ fn read_ahead(
     }
     loop {
         match full_rx.recv() {
-            Ok(Ok(piece)) if piece.input().bytes().is_empty() => return Ok(()),
-            Ok(Ok(piece)) => {
-                process(piece.input()).map_err(Stop::Filter)?;
-                let _ = empty_tx.send(piece.into_bytes());
+            Ok(Ok((_, 0))) => return Ok(()),
+            Ok(Ok((buf, n))) => {
+                process(&buf[..n]).map_err(Stop::Filter)?;
+                let _ = empty_tx.send(buf);
             }
             Ok(Err(e)) => return Err(Stop::Read(e)),
             // The thread sends the end or an error before it stops; without
@@ -210,50 +202,16 @@ fn read_ahead(
     }
 }
 
-/// A piece read by [`read_ahead`]'s thread: text when it is valid UTF-8
-/// as a whole (the usual case: a piece cut inside a character, or input
-/// that is not UTF-8, stays bytes, which the pipeline checks as it frames
-/// them). Owned as `String` so the check made on the reading thread
-/// carries over to this one without being made again.
-enum Piece {
-    Text(String),
-    Bytes(Vec<u8>),
-}
-
-impl Piece {
-    fn checked(bytes: Vec<u8>) -> Piece {
-        match String::from_utf8(bytes) {
-            Ok(text) => Piece::Text(text),
-            Err(e) => Piece::Bytes(e.into_bytes()),
-        }
-    }
-
-    fn input(&self) -> Input<'_> {
-        match self {
-            Piece::Text(text) => text.as_str().into(),
-            Piece::Bytes(bytes) => bytes.as_slice().into(),
-        }
-    }
-
-    fn into_bytes(self) -> Vec<u8> {
-        match self {
-            Piece::Text(text) => text.into_bytes(),
-            Piece::Bytes(bytes) => bytes,
-        }
-    }
-}
-
-/// [`read_ahead`] without a thread: one piece at a time, checked as it is
-/// framed.
+/// [`read_ahead`] without a thread: one piece at a time.
 fn read_inline(
     mut input: Box<dyn Read + Send>,
-    mut process: impl FnMut(Input<'_>) -> Result<(), FilterError>,
+    mut process: impl FnMut(&[u8]) -> Result<(), FilterError>,
 ) -> Result<(), Stop> {
     let mut buf = vec![0u8; READ_BYTES];
     loop {
         match read_retrying(&mut *input, &mut buf) {
             Ok(0) => return Ok(()),
-            Ok(n) => process(buf[..n].into()).map_err(Stop::Filter)?,
+            Ok(n) => process(&buf[..n]).map_err(Stop::Filter)?,
             Err(e) => return Err(Stop::Read(e)),
         }
     }
@@ -281,9 +239,9 @@ struct Filter<'a> {
 
 impl Filter<'_> {
     /// One piece of input: processed, written, flushed, drawn.
-    fn feed(&mut self, piece: Input<'_>, now_ms: u64) -> Result<(), FilterError> {
-        let mut sink = self.out.sink(piece.bytes());
-        self.annotator.push_input(piece, now_ms.into(), &mut sink);
+    fn feed(&mut self, piece: &[u8], now_ms: u64) -> Result<(), FilterError> {
+        let mut sink = self.out.sink(piece);
+        self.annotator.push(piece, now_ms, &mut sink);
         write_out(sink, self.output)?;
         self.warn();
         self.spinners.update(&self.annotator, now_ms);
@@ -494,22 +452,6 @@ mod tests {
         assert!(out == input);
     }
 
-    /// The reading thread hands over as text only a piece that is UTF-8 as
-    /// a whole; a piece cut inside a character, or with a bad byte, stays
-    /// bytes; either way its buffer comes back with the same bytes.
-    #[test]
-    fn a_piece_is_text_only_when_all_of_it_is() {
-        let whole = "data: 東京\n".as_bytes().to_vec();
-        let cut = whole[..8].to_vec();
-        let bad = b"data: \xFF\n".to_vec();
-        for (bytes, text) in [(whole, true), (cut, false), (bad, false)] {
-            let piece = Piece::checked(bytes.clone());
-            assert_eq!(matches!(piece, Piece::Text(_)), text, "{bytes:?}");
-            assert_eq!(piece.input().bytes(), bytes.as_slice());
-            assert_eq!(piece.into_bytes(), bytes);
-        }
-    }
-
     /// Without a thread, the same pieces in the same order, and the same
     /// end.
     #[test]
@@ -521,7 +463,7 @@ mod tests {
             ..pieces(&input, 7, true)
         };
         let result = read_inline(Box::new(source), |piece| {
-            read.extend_from_slice(piece.bytes());
+            read.extend_from_slice(piece);
             Ok(())
         });
         assert!(matches!(result, Err(Stop::Read(e)) if e.to_string() == "the disk went away"));

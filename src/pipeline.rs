@@ -28,7 +28,7 @@ use crate::error::{Location, Warning, excerpt};
 use crate::framing::Framing;
 use crate::framing::ndjson::{NdjsonDecoder, NdjsonLine, NdjsonScan};
 use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlock, SseBlockKind, SseDecoder, SseScan};
-use crate::framing::window::{self, Input, Probe};
+use crate::framing::window::{self, Probe};
 use crate::progress::{Applied, Now, ProgressEntry, ToolCallTracker};
 use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
@@ -339,18 +339,7 @@ impl Annotator {
 
     /// Feeds input; complete frames are written to `out` at once.
     pub fn push(&mut self, input: &[u8], now: impl Into<Now>, out: &mut impl Sink) {
-        self.push_input(input.into(), now.into(), out);
-    }
-
-    /// [`push`](Self::push) for a piece already known to be text, which is
-    /// then not checked again.
-    pub fn push_text(&mut self, input: &str, now: impl Into<Now>, out: &mut impl Sink) {
-        self.push_input(input.into(), now.into(), out);
-    }
-
-    /// [`push`](Self::push) for either kind of piece.
-    pub fn push_input(&mut self, piece: Input<'_>, now: Now, out: &mut impl Sink) {
-        let input = piece.bytes();
+        let now = now.into();
         match &mut self.framer {
             Framer::Sniffing(seen) => {
                 // The first piece nearly always tells the framing: it is
@@ -359,7 +348,7 @@ impl Annotator {
                     && let Some(framing) = Framing::sniff(input)
                 {
                     self.start(framing);
-                    self.feed(piece, now, out);
+                    self.feed(input, now, out);
                     return;
                 }
                 seen.extend_from_slice(input);
@@ -368,9 +357,9 @@ impl Annotator {
                 };
                 let seen = std::mem::take(seen);
                 self.start(framing);
-                self.feed(seen.as_slice().into(), now, out);
+                self.feed(&seen, now, out);
             }
-            Framer::Sse(_) | Framer::Ndjson(_) => self.feed(piece, now, out),
+            Framer::Sse(_) | Framer::Ndjson(_) => self.feed(input, now, out),
         }
     }
 
@@ -382,14 +371,14 @@ impl Annotator {
             // Only whitespace (or nothing) came: forward it as SSE.
             let seen = std::mem::take(seen);
             self.start(Framing::Sse);
-            self.feed(seen.as_slice().into(), now, out);
+            self.feed(&seen, now, out);
         }
         match &mut self.framer {
             Framer::Sse(d) => d.finish(),
             Framer::Ndjson(d) => d.finish(),
             Framer::Sniffing(_) => {}
         }
-        self.feed(Input::from(&[][..]), now, out);
+        self.feed(&[], now, out);
         let state = &mut self.state;
         if !state.deferred.is_empty() {
             state.line_end_tail(b"", out);
@@ -479,7 +468,7 @@ impl Annotator {
         };
     }
 
-    fn feed(&mut self, input: Input<'_>, now: Now, out: &mut impl Sink) {
+    fn feed(&mut self, input: &[u8], now: Now, out: &mut impl Sink) {
         let provider = match self.framer {
             Framer::Ndjson(_) => Provider::OllamaChat,
             Framer::Sse(_) | Framer::Sniffing(_) => Provider::OpenAiChat,

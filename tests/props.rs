@@ -31,10 +31,6 @@ fn check_guarantees(input: &[u8], cuts: &[usize]) -> Result<(), TestCaseError> {
         let whole = run_whole(&config, input);
         let cut = run_cut_at(&config, input, cuts);
         prop_assert_eq!(&cut, &whole, "[{}] output depends on the cutting", mode);
-        // Pieces that come as text (checked where they were read) frame as
-        // the same bytes do.
-        let as_read = run_pieces_as_read(&config, cut_at(input, cuts));
-        prop_assert_eq!(&as_read, &whole, "[{}] pieces as text", mode);
         // Byte by byte, every frame is framed from the carry, where the
         // framer never asks the decoder's probe: what it recognizes in a
         // whole piece must change nothing.

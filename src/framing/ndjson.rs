@@ -12,7 +12,7 @@
 
 use memchr::memchr;
 
-use super::window::{self, Cutter, Each, Frames, Input, NoProbe, Probe, Window};
+use super::window::{self, Cutter, Each, Frames, NoProbe, Probe, Window};
 
 /// One line of the stream.
 #[derive(Debug)]
@@ -132,12 +132,12 @@ impl NdjsonDecoder {
     /// until `None`); only the bytes of a line cut by the end of `input`
     /// are copied ([`window::feed`]).
     pub fn feed(&mut self, input: &[u8], each: impl FnMut(NdjsonLine<'_>)) {
-        self.feed_probing(input.into(), &mut Each(each));
+        self.feed_probing(input, &mut Each(each));
     }
 
     /// [`feed`](Self::feed), asking `frames` first at the start of each
     /// line ([`Probe`]).
-    pub(crate) fn feed_probing(&mut self, input: Input<'_>, frames: &mut impl Frames<NdjsonScan>) {
+    pub(crate) fn feed_probing(&mut self, input: &[u8], frames: &mut impl Frames<NdjsonScan>) {
         window::feed(&mut self.buf, &mut self.state, input, frames);
     }
 
@@ -379,9 +379,9 @@ mod tests {
             lines: Vec::new(),
         };
         let mut decoder = NdjsonDecoder::with_max_line_bytes(max);
-        decoder.feed_probing(input.into(), &mut frames);
+        decoder.feed_probing(input, &mut frames);
         decoder.finish();
-        decoder.feed_probing(Input::from(&[][..]), &mut frames);
+        decoder.feed_probing(&[], &mut frames);
         frames
     }
 

@@ -27,7 +27,7 @@ use std::ops::Range;
 
 use memchr::memchr2;
 
-use super::window::{self, Cutter, Each, Frames, Input, NoProbe, Probe, Window};
+use super::window::{self, Cutter, Each, Frames, NoProbe, Probe, Window};
 
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
@@ -254,12 +254,12 @@ impl SseDecoder {
     /// until `None`); only the bytes of a block cut by the end of `input`
     /// are copied ([`window::feed`]).
     pub fn feed(&mut self, input: &[u8], each: impl FnMut(SseBlock<'_>)) {
-        self.feed_probing(input.into(), &mut Each(each));
+        self.feed_probing(input, &mut Each(each));
     }
 
     /// [`feed`](Self::feed), asking `frames` first at each event that
     /// starts with a `data` line, after any comment lines ([`Probe`]).
-    pub(crate) fn feed_probing(&mut self, input: Input<'_>, frames: &mut impl Frames<SseScan>) {
+    pub(crate) fn feed_probing(&mut self, input: &[u8], frames: &mut impl Frames<SseScan>) {
         self.state.reset_event();
         window::feed(&mut self.buf, &mut self.state, input, frames);
     }

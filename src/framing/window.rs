@@ -18,44 +18,9 @@
 //! A window also says which of its bytes are valid UTF-8: [`feed`] checks a
 //! piece up to its last line break in one pass, so the frames inside it are
 //! text without a check each (a frame that reaches past it, or a piece with
-//! an invalid byte, leaves the check to the decoder of the frame). A piece
-//! that comes as text ([`Input`] from a `&str`, checked where it was read)
-//! is not checked again.
+//! an invalid byte, leaves the check to the decoder of the frame).
 
 use memchr::memrchr2;
-
-/// A piece of input: its bytes, and the same bytes as text when they are
-/// already known to be valid UTF-8 (the filter's reading thread checks
-/// each piece it reads, off the pipeline's thread).
-#[derive(Debug, Clone, Copy)]
-pub struct Input<'a> {
-    bytes: &'a [u8],
-    /// `bytes` itself, as text: the constructors keep them the same slice.
-    text: Option<&'a str>,
-}
-
-impl<'a> Input<'a> {
-    pub fn bytes(&self) -> &'a [u8] {
-        self.bytes
-    }
-}
-
-impl<'a> From<&'a [u8]> for Input<'a> {
-    /// Bytes not checked yet.
-    fn from(bytes: &'a [u8]) -> Self {
-        Input { bytes, text: None }
-    }
-}
-
-impl<'a> From<&'a str> for Input<'a> {
-    /// Bytes known to be text.
-    fn from(text: &'a str) -> Self {
-        Input {
-            bytes: text.as_bytes(),
-            text: Some(text),
-        }
-    }
-}
 
 /// Bytes to frame, and the part of them known to be valid UTF-8.
 #[derive(Debug, Clone, Copy)]
@@ -97,28 +62,6 @@ impl<'a> Window<'a> {
             bytes,
             text,
             text_start: from,
-        }
-    }
-
-    /// [`checked`](Self::checked) for a piece of input, without checking
-    /// again a piece that came as text: the same window, from the same
-    /// bytes. (A `from` inside a character, where an oversized frame was
-    /// cut, is left to `checked`, which counts nothing as checked there.)
-    pub fn of_input(input: Input<'a>, from: usize) -> Window<'a> {
-        let Some(text) = input.text else {
-            return Window::checked(input.bytes, from);
-        };
-        let tail = input.bytes.get(from..).unwrap_or_default();
-        let Some(last_break) = memrchr2(b'\n', b'\r', tail) else {
-            return Window::raw(input.bytes);
-        };
-        match text.get(from..=from + last_break) {
-            Some(text) => Window {
-                bytes: input.bytes,
-                text,
-                text_start: from,
-            },
-            None => Window::checked(input.bytes, from),
         }
     }
 
@@ -204,10 +147,9 @@ const CARRY_STEP: usize = 4096;
 pub fn feed<C: Cutter + 'static>(
     carry: &mut Vec<u8>,
     cutter: &mut C,
-    piece: Input<'_>,
+    input: &[u8],
     each: &mut impl Frames<C>,
 ) {
-    let input = piece.bytes;
     drop_consumed(carry, cutter);
     let mut taken = 0;
     if !carry.is_empty() {
@@ -233,7 +175,7 @@ pub fn feed<C: Cutter + 'static>(
         cutter.rebase(carried);
         carry.clear();
     }
-    let window = Window::of_input(piece, cutter.consumed());
+    let window = Window::checked(input, cutter.consumed());
     while let Some(frame) = cutter.next_frame(window, each) {
         each.frame(frame);
     }
@@ -267,29 +209,6 @@ mod tests {
         let w = Window::checked(bytes, 3);
         assert_eq!(w.text(0, 2), None);
         assert_eq!(w.text(3, 8), Some("cd é"));
-    }
-
-    /// A piece that comes as text has the window its bytes have, from
-    /// every start, a start inside a character included.
-    #[test]
-    fn a_piece_that_comes_as_text_has_the_window_its_bytes_have() {
-        let text = "ab\ncd é\n東京\r\nef";
-        for from in 0..=text.len() {
-            let checked = Window::checked(text.as_bytes(), from);
-            let of_text = Window::of_input(text.into(), from);
-            for start in 0..=text.len() {
-                for end in start..=text.len() {
-                    assert_eq!(
-                        of_text.text(start, end),
-                        checked.text(start, end),
-                        "from {from}: {start}..{end}"
-                    );
-                }
-            }
-        }
-        // Not every start is checked: inside `é`, nothing is.
-        assert_eq!(Window::of_input(text.into(), 7).text(7, 9), None);
-        assert_eq!(Window::of_input(text.into(), 3).text(3, 9), Some("cd é\n"));
     }
 
     #[test]

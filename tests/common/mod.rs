@@ -169,29 +169,6 @@ pub fn run_pieces<'a>(config: &AnnotatorConfig, pieces: impl IntoIterator<Item =
     run
 }
 
-/// Runs the pipeline on `pieces` in order as `annotate`'s reading thread
-/// hands them over: each piece that is valid UTF-8 as text
-/// ([`Annotator::push_text`], not checked again), any other as bytes.
-pub fn run_pieces_as_read<'a>(
-    config: &AnnotatorConfig,
-    pieces: impl IntoIterator<Item = &'a [u8]>,
-) -> Run {
-    let mut annotator = Annotator::new(config.clone());
-    let mut run = Run::default();
-    for piece in pieces {
-        match std::str::from_utf8(piece) {
-            Ok(text) => annotator.push_text(text, NOW_MS, &mut run),
-            Err(_) => annotator.push(piece, NOW_MS, &mut run),
-        }
-        run.warnings
-            .extend(annotator.take_warnings().iter().map(ToString::to_string));
-    }
-    annotator.finish(NOW_MS, &mut run);
-    run.warnings
-        .extend(annotator.take_warnings().iter().map(ToString::to_string));
-    run
-}
-
 /// Runs the pipeline on the whole input at once.
 pub fn run_whole(config: &AnnotatorConfig, input: &[u8]) -> Run {
     run_pieces(config, [input])

@@ -305,9 +305,9 @@ fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
         other: Vec::new(),
     };
     let mut decoder = SseDecoder::with_max_event_bytes(max);
-    decoder.feed_probing(input.into(), &mut frames);
+    decoder.feed_probing(input, &mut frames);
     decoder.finish();
-    decoder.feed_probing(Input::from(&[][..]), &mut frames);
+    decoder.feed_probing(&[], &mut frames);
     frames
 }
 
