@@ -29,8 +29,8 @@ use crate::framing::Framing;
 use crate::framing::ndjson::{NdjsonDecoder, NdjsonLine, NdjsonScan};
 use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlock, SseBlockKind, SseDecoder, SseScan};
 use crate::framing::window::{self, Probe};
-use crate::progress::{Applied, Now, ProgressEntry, ToolCallTracker};
-use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
+use crate::progress::{Applied, Now, ProgressEntry, StreamPhase, ToolCallTracker};
+use crate::providers::{self, DecoderState, FrameError, FrameInfo, ProbedText, Provider};
 
 /// How many undecodable frames are reported one by one before the rest are
 /// only counted.
@@ -642,6 +642,16 @@ impl StreamState {
         // the next frame's sets it again.
         self.decoder_state.probed = frame.probed;
         self.probed_frames += u64::from(frame.probed);
+        if frame.probed
+            && frame.data.is_some()
+            && !self.ended
+            && self.output == OutputFormat::Sse
+            && !self.collect_events
+            && let Some(text) = self.decoder_state.probed_text(provider)
+        {
+            self.text_frame(text, frame, out);
+            return;
+        }
         let data = match frame.data {
             Some(_) if self.ended => {
                 self.warn_after_end(frame.at);
@@ -681,6 +691,24 @@ impl StreamState {
                 out.insert(self.after.as_bytes());
             }
         }
+    }
+
+    /// A recognized frame of text and nothing else ([`ProbedText`]), when
+    /// nothing reads its text: what [`handle`](Self::handle) does with it
+    /// (its chunks applied in the decoder's order, reasoning first; the
+    /// frame forwarded, as [`inject::write_frame`] forwards a frame without
+    /// progress), without decoding it into chunks. Nearly every frame of a
+    /// chat is one.
+    fn text_frame(&mut self, text: ProbedText, frame: &RawFrame<'_>, out: &mut impl Sink) {
+        self.decoder_state.probed = false;
+        if text.reasoning {
+            self.tracker.text(StreamPhase::Reasoning);
+        }
+        if text.content {
+            self.tracker.text(StreamPhase::Answering);
+        }
+        self.after.clear();
+        out.forward(frame.raw);
     }
 
     /// Reports, once, that frames came after the end of the stream.

@@ -209,14 +209,8 @@ impl ToolCallTracker {
     #[inline(always)]
     pub fn apply(&mut self, chunk: &Chunk<'_>, now: impl Into<Now>) -> Applied<'_> {
         match chunk {
-            Chunk::Text { .. } => {
-                self.phase = StreamPhase::Answering;
-                self.clear()
-            }
-            Chunk::Reasoning { .. } => {
-                self.phase = StreamPhase::Reasoning;
-                self.clear()
-            }
+            Chunk::Text { .. } => self.text(StreamPhase::Answering),
+            Chunk::Reasoning { .. } => self.text(StreamPhase::Reasoning),
             Chunk::ToolCallDelta(delta) => {
                 self.phase = StreamPhase::CallingTools;
                 Applied::Progress(self.apply_delta(delta, now.into()))
@@ -239,6 +233,16 @@ impl ToolCallTracker {
             }
             Chunk::Done => self.end(),
         }
+    }
+
+    /// Text came (`Answering`) or reasoning (`Reasoning`), whatever it
+    /// says: the calls in progress are over. What [`apply`](Self::apply)
+    /// does with a text or reasoning chunk, for a caller that has no chunk
+    /// to build.
+    #[inline(always)]
+    pub fn text(&mut self, phase: StreamPhase) -> Applied<'_> {
+        self.phase = phase;
+        self.clear()
     }
 
     /// The stream ended (`[DONE]`, its last byte, or `done: true`): every

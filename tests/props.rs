@@ -20,7 +20,8 @@ use aalis_proxy::framing::Framing;
 use aalis_proxy::framing::ndjson::NdjsonDecoder;
 use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
 use aalis_proxy::js::utf16_len;
-use aalis_proxy::pipeline::AnnotatorConfig;
+use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+use aalis_proxy::progress::StreamPhase;
 use common::*;
 use fuzz_checks::javascript_accepts;
 use proptest::prelude::*;
@@ -267,6 +268,69 @@ proptest! {
             }
         }
         prop_assert_eq!(annotated, names.len() + entries.len());
+    }
+}
+
+/// One generated Ollama line: text (content, thinking, either, neither;
+/// with or without the `thinking` key), a call, the last line, an error,
+/// a line that is not JSON.
+fn ollama_line() -> impl Strategy<Value = String> {
+    let text = prop_oneof![Just(String::new()), fragment()];
+    prop_oneof![
+        6 => (text.clone(), text.clone(), 0u32..100).prop_map(|(content, thinking, ms)| json!({
+            "model": "m", "created_at": format!("2026-01-01T00:00:00.{ms:03}Z"),
+            "message": {"role": "assistant", "content": content, "thinking": thinking},
+            "done": false,
+        }).to_string()),
+        3 => (text, 0u32..100).prop_map(|(content, ms)| json!({
+            "model": "m", "created_at": format!("2026-01-01T00:00:00.{ms:03}Z"),
+            "message": {"role": "assistant", "content": content},
+            "done": false,
+        }).to_string()),
+        1 => Just(r#"{"model":"m","message":{"role":"assistant","content":"","tool_calls":[{"function":{"name":"f","arguments":{"a":1}}}]},"done":false}"#.to_string()),
+        1 => Just(r#"{"model":"m","message":{"role":"assistant","content":""},"done":true,"done_reason":"stop","eval_count":3}"#.to_string()),
+        1 => Just(r#"{"error":"boom"}"#.to_string()),
+        1 => Just(r#"{"model":"m","message":{"role":"assistant","content":"x"},"done":false,"toolCallProgress":{}}"#.to_string()),
+        1 => Just("not json".to_string()),
+    ]
+}
+
+/// The tracker's phase and change count after each piece, and the output.
+fn traced(config: &AnnotatorConfig, pieces: &[&[u8]]) -> (Vec<(StreamPhase, u64)>, Vec<u8>) {
+    let mut annotator = Annotator::new(config.clone());
+    let mut out = Vec::new();
+    let mut trace = Vec::new();
+    for piece in pieces {
+        annotator.push(piece, NOW_MS, &mut out);
+        trace.push((annotator.tracker().phase(), annotator.tracker().changes()));
+    }
+    annotator.finish(NOW_MS, &mut out);
+    trace.push((annotator.tracker().phase(), annotator.tracker().changes()));
+    (trace, out)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A recognized line of text is handled without its chunks
+    /// (`StreamState::text_frame`) only when nothing reads them: the
+    /// tracker then goes through the same states, line by line, as when
+    /// the proxy's event log reads every chunk (which takes the decoder's
+    /// path), and the output is the same.
+    #[test]
+    fn text_lines_without_chunks_change_what_chunks_change(
+        lines in proptest::collection::vec(ollama_line(), 1..30),
+        crlf in any::<bool>(),
+    ) {
+        let eol = if crlf { "\r\n" } else { "\n" };
+        let input: String = lines.iter().map(|l| format!("{l}{eol}")).collect();
+        // One line a piece: each is recognized once the template knows it.
+        let pieces: Vec<&[u8]> = input.as_bytes().split_inclusive(|b| *b == b'\n').collect();
+        for inject in [InjectMode::None, InjectMode::Field] {
+            let quick = AnnotatorConfig { inject, ..AnnotatorConfig::default() };
+            let decoded = AnnotatorConfig { collect_events: true, ..quick.clone() };
+            prop_assert_eq!(traced(&quick, &pieces), traced(&decoded, &pieces), "{:?}", inject);
+        }
     }
 }
 

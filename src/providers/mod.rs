@@ -203,6 +203,28 @@ impl DecoderState {
             Provider::OllamaChat => self.lines.match_prefix(text),
         }
     }
+
+    /// For the frame [`match_prefix`](Self::match_prefix) just
+    /// recognized: the text it holds, when it holds nothing else (see
+    /// [`ProbedText`]); `None` when it may hold more, or this provider's
+    /// decoder does not tell.
+    pub(crate) fn probed_text(&self, provider: Provider) -> Option<ProbedText> {
+        match provider {
+            Provider::OpenAiChat => None,
+            Provider::OllamaChat => self.lines.probed_text(),
+        }
+    }
+}
+
+/// A recognized frame of text and nothing else: whether it holds
+/// reasoning, and content (non-empty; the decoder would emit a
+/// [`Chunk::Reasoning`] then a [`Chunk::Text`] for them). It says
+/// nothing of the text itself, which only a caller that reads it needs
+/// decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProbedText {
+    pub reasoning: bool,
+    pub content: bool,
 }
 
 // === shared borrowed views ===

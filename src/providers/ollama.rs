@@ -20,8 +20,8 @@ use serde_json::value::RawValue;
 use super::openai_chat::error_message;
 use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, json_text};
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, expect_object, is_set, raw_i64,
-    raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, expect_object, is_set,
+    raw_i64, raw_u64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 
@@ -203,6 +203,32 @@ impl Lines {
     /// at hand's.
     pub(super) fn match_prefix(&mut self, text: &str) -> Option<usize> {
         self.template.match_prefix(text, &mut self.holes)
+    }
+
+    /// What the line [`match_prefix`](Self::match_prefix) just recognized
+    /// holds, when it holds text and nothing else: the chunks
+    /// [`decode`] would emit for it are then only these, and they change
+    /// nothing but the phase. `None` for any other line (a call, `done`,
+    /// an error, usage), or one whose values the template does not hold.
+    pub(super) fn probed_text(&self) -> Option<ProbedText> {
+        let line = &self.learned;
+        let other = line.done
+            || line.done_reason.is_some()
+            || line.prompt_eval_count.is_some()
+            || line.eval_count.is_some()
+            || line.error.is_some();
+        if other {
+            return None;
+        }
+        // As `json_text` reads them: a string's span holds its quotes, and
+        // `""` is no value.
+        let non_empty = |rank| {
+            from_rank(&self.holes, rank).map(|span| span.is_some_and(|s| s.end - s.start > 2))
+        };
+        Some(ProbedText {
+            reasoning: non_empty(line.thinking).ok()?,
+            content: non_empty(line.content).ok()?,
+        })
     }
 }
 

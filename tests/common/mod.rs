@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 
 use aalis_proxy::encode::{InjectMode, OutputFormat, Sink};
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
+use aalis_proxy::progress::StreamPhase;
 
 /// Variables that could change what the binary does or prints: colors
 /// (`NO_COLOR`; `CLICOLOR_FORCE` makes clap color even a pipe), help
@@ -137,6 +138,9 @@ pub struct Run {
     /// Each insertion: (offset in the input where it was inserted, bytes).
     pub inserted: Vec<(usize, Vec<u8>)>,
     pub warnings: Vec<String>,
+    /// The tracker's phase and change count once every piece was pushed,
+    /// before the end of input: the same in every cutting.
+    pub state: (StreamPhase, u64),
 }
 
 impl Sink for Run {
@@ -163,6 +167,7 @@ pub fn run_pieces<'a>(config: &AnnotatorConfig, pieces: impl IntoIterator<Item =
         run.warnings
             .extend(annotator.take_warnings().iter().map(ToString::to_string));
     }
+    run.state = (annotator.tracker().phase(), annotator.tracker().changes());
     annotator.finish(NOW_MS, &mut run);
     run.warnings
         .extend(annotator.take_warnings().iter().map(ToString::to_string));
