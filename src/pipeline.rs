@@ -290,6 +290,9 @@ struct StreamState {
     events: EventLog,
     /// [`AnnotatorConfig::collect_events`].
     collect_events: bool,
+    /// Nothing reads the text of a frame (SSE output, no event log): a
+    /// recognized frame of text only goes to [`StreamState::text_frame`].
+    text_unread: bool,
 }
 
 impl Annotator {
@@ -329,6 +332,7 @@ impl Annotator {
                 probed_frames: 0,
                 events: EventLog::default(),
                 collect_events: config.collect_events,
+                text_unread: config.output == OutputFormat::Sse && !config.collect_events,
             },
         };
         if let Some(framing) = config.framing {
@@ -643,10 +647,9 @@ impl StreamState {
         self.decoder_state.probed = frame.probed;
         self.probed_frames += u64::from(frame.probed);
         if frame.probed
-            && frame.data.is_some()
+            && self.text_unread
             && !self.ended
-            && self.output == OutputFormat::Sse
-            && !self.collect_events
+            && frame.data.is_some()
             && let Some(text) = self.decoder_state.probed_text(provider)
         {
             self.text_frame(text, frame, out);

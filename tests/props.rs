@@ -295,13 +295,43 @@ fn ollama_line() -> impl Strategy<Value = String> {
     ]
 }
 
+/// One generated OpenAI chunk (the `data` of an SSE event): text,
+/// reasoning (under either key), the role chunk, a call announced or
+/// streamed, a finish, usage, two choices, an error, `[DONE]`, a value
+/// that is not JSON.
+fn openai_data() -> impl Strategy<Value = String> {
+    let text = prop_oneof![Just(String::new()), fragment()];
+    let delta = |delta: Value| {
+        json!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": null}]})
+        .to_string()
+    };
+    prop_oneof![
+        6 => text.clone().prop_map(move |t| delta(json!({"content": t}))),
+        2 => text.clone().prop_map(move |t| delta(json!({"reasoning_content": t}))),
+        1 => text.clone().prop_map(move |t| delta(json!({"reasoning": t}))),
+        1 => (text.clone(), text.clone()).prop_map(move |(r, c)| delta(json!({"reasoning_content": r, "content": c}))),
+        1 => (text.clone(), text).prop_map(move |(r, c)| delta(json!({"reasoning": r, "content": c}))),
+        1 => Just(delta(json!({"role": "assistant", "content": ""}))),
+        1 => Just(delta(json!({"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                                               "function": {"name": "f", "arguments": ""}}]}))),
+        2 => fragment().prop_map(move |f| delta(json!({"tool_calls": [{"index": 0, "function": {"arguments": f}}]}))),
+        1 => Just(r#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#.to_string()),
+        1 => Just(r#"{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}"#.to_string()),
+        1 => Just(r#"{"id":"c","choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#.to_string()),
+        1 => Just(r#"{"error":{"message":"boom"}}"#.to_string()),
+        1 => Just("[DONE]".to_string()),
+        1 => Just("not json".to_string()),
+    ]
+}
+
 /// The tracker's phase and change count after each piece, and the output.
-fn traced(config: &AnnotatorConfig, pieces: &[&[u8]]) -> (Vec<(StreamPhase, u64)>, Vec<u8>) {
+fn traced(config: &AnnotatorConfig, pieces: &[String]) -> (Vec<(StreamPhase, u64)>, Vec<u8>) {
     let mut annotator = Annotator::new(config.clone());
     let mut out = Vec::new();
     let mut trace = Vec::new();
     for piece in pieces {
-        annotator.push(piece, NOW_MS, &mut out);
+        annotator.push(piece.as_bytes(), NOW_MS, &mut out);
         trace.push((annotator.tracker().phase(), annotator.tracker().changes()));
     }
     annotator.finish(NOW_MS, &mut out);
@@ -309,28 +339,51 @@ fn traced(config: &AnnotatorConfig, pieces: &[&[u8]]) -> (Vec<(StreamPhase, u64)
     (trace, out)
 }
 
+/// A recognized frame of text is handled without its chunks
+/// (`StreamState::text_frame`) only when nothing reads them: fed one frame
+/// a piece (so that every frame the template knows is recognized), the
+/// tracker goes through the same states, frame by frame, as when the
+/// proxy's event log reads every chunk (which takes the decoder's path),
+/// and the output is the same.
+fn check_text_frames(pieces: &[String]) -> Result<(), TestCaseError> {
+    for inject in [InjectMode::None, InjectMode::Field, InjectMode::Comment] {
+        let quick = AnnotatorConfig {
+            inject,
+            ..AnnotatorConfig::default()
+        };
+        let decoded = AnnotatorConfig {
+            collect_events: true,
+            ..quick.clone()
+        };
+        prop_assert_eq!(
+            traced(&quick, pieces),
+            traced(&decoded, pieces),
+            "{:?}",
+            inject
+        );
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
-    /// A recognized line of text is handled without its chunks
-    /// (`StreamState::text_frame`) only when nothing reads them: the
-    /// tracker then goes through the same states, line by line, as when
-    /// the proxy's event log reads every chunk (which takes the decoder's
-    /// path), and the output is the same.
     #[test]
-    fn text_lines_without_chunks_change_what_chunks_change(
+    fn ollama_text_lines_without_chunks_change_what_chunks_change(
         lines in proptest::collection::vec(ollama_line(), 1..30),
         crlf in any::<bool>(),
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
-        let input: String = lines.iter().map(|l| format!("{l}{eol}")).collect();
-        // One line a piece: each is recognized once the template knows it.
-        let pieces: Vec<&[u8]> = input.as_bytes().split_inclusive(|b| *b == b'\n').collect();
-        for inject in [InjectMode::None, InjectMode::Field] {
-            let quick = AnnotatorConfig { inject, ..AnnotatorConfig::default() };
-            let decoded = AnnotatorConfig { collect_events: true, ..quick.clone() };
-            prop_assert_eq!(traced(&quick, &pieces), traced(&decoded, &pieces), "{:?}", inject);
-        }
+        check_text_frames(&lines.iter().map(|l| format!("{l}{eol}")).collect::<Vec<_>>())?;
+    }
+
+    #[test]
+    fn openai_text_events_without_chunks_change_what_chunks_change(
+        data in proptest::collection::vec(openai_data(), 1..30),
+        crlf in any::<bool>(),
+    ) {
+        let eol = if crlf { "\r\n" } else { "\n" };
+        check_text_frames(&data.iter().map(|d| format!("data: {d}{eol}{eol}")).collect::<Vec<_>>())?;
     }
 }
 

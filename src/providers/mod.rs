@@ -206,11 +206,10 @@ impl DecoderState {
 
     /// For the frame [`match_prefix`](Self::match_prefix) just
     /// recognized: the text it holds, when it holds nothing else (see
-    /// [`ProbedText`]); `None` when it may hold more, or this provider's
-    /// decoder does not tell.
+    /// [`ProbedText`]); `None` when it may hold more.
     pub(crate) fn probed_text(&self, provider: Provider) -> Option<ProbedText> {
         match provider {
-            Provider::OpenAiChat => None,
+            Provider::OpenAiChat => self.spans.probed_text(),
             Provider::OllamaChat => self.lines.probed_text(),
         }
     }

@@ -18,8 +18,8 @@ use serde::de::{self, Deserializer};
 
 use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, json_text, text};
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, decode_string, expect_object,
-    is_set, raw_i64, raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, decode_string,
+    expect_object, is_set, raw_i64, raw_u64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, ChunkText, JsonLiteral, ToolCallDelta, Usage};
 
@@ -339,6 +339,39 @@ pub(crate) struct Spans {
     holes: Vec<Span>,
     /// The learned shape, when it is the steady one of a streaming call.
     steady: Option<SteadyCall>,
+    /// The learned shape, when its frames hold text and nothing else.
+    text_only: Option<TextOnly>,
+}
+
+/// A learned shape whose frames hold text only: one choice with a delta,
+/// its reasoning or content (as hole ranks), and no call, finish, usage
+/// or error. [`Spans::emit`] gives such a frame's chunks from these spans
+/// alone: a [`Chunk::Reasoning`], then a [`Chunk::Text`], each when its
+/// text is not empty.
+#[derive(Debug, Clone, Copy)]
+struct TextOnly {
+    reasoning_content: Option<Span>,
+    reasoning: Option<Span>,
+    content: Option<Span>,
+}
+
+impl TextOnly {
+    fn of(top: &TopSpans, choices: &[ChoiceSpans], calls: &[CallSpans]) -> Option<TextOnly> {
+        let [choice] = choices else {
+            return None;
+        };
+        let only_text = calls.is_empty()
+            && choice.has_delta
+            && choice.finish_reason.is_none()
+            && top.error.is_none()
+            && top.usage.is_none()
+            && top.groq_usage.is_none();
+        only_text.then_some(TextOnly {
+            reasoning_content: choice.reasoning_content,
+            reasoning: choice.reasoning,
+            content: choice.content,
+        })
+    }
 }
 
 /// A learned shape whose frames say one thing only: more arguments for one
@@ -462,6 +495,23 @@ impl Spans {
         self.template.match_prefix(text, &mut self.holes)
     }
 
+    /// What the frame [`match_prefix`](Self::match_prefix) just recognized
+    /// holds, when its shape holds text and nothing else ([`TextOnly`]):
+    /// the chunks [`decode`] would emit for it change only the phase.
+    pub(super) fn probed_text(&self) -> Option<ProbedText> {
+        let shape = self.text_only?;
+        // As `emit` reads them (`json_text`): a string's span holds its
+        // quotes, and `""` is no value.
+        let non_empty = |rank| {
+            from_rank(&self.holes, rank).map(|span| span.is_some_and(|s| s.end - s.start > 2))
+        };
+        Some(ProbedText {
+            reasoning: non_empty(shape.reasoning_content).ok()?
+                || non_empty(shape.reasoning).ok()?,
+            content: non_empty(shape.content).ok()?,
+        })
+    }
+
     /// The frame at hand has the learned shape: the learned spans, moved
     /// to its holes.
     fn moved_from_template(&mut self, head: bool) -> Result<TopSpans, Bail> {
@@ -498,15 +548,21 @@ impl Spans {
             }
             Ok(())
         };
-        self.steady = match learn() {
-            Ok(()) => SteadyCall::of(
-                &self.learned_top,
-                &self.learned_choices,
-                &self.learned_calls,
-            ),
+        (self.steady, self.text_only) = match learn() {
+            Ok(()) => {
+                let (top, choices, calls) = (
+                    &self.learned_top,
+                    &self.learned_choices,
+                    &self.learned_calls,
+                );
+                (
+                    SteadyCall::of(top, choices, calls),
+                    TextOnly::of(top, choices, calls),
+                )
+            }
             Err(Bail) => {
                 self.template.forget();
-                None
+                (None, None)
             }
         };
     }
