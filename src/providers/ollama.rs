@@ -18,7 +18,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::openai_chat::error_message;
-use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, json_text};
+use super::scan::{
+    Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, has_text, json_text,
+};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, expect_object, is_set,
     raw_i64, raw_u64,
@@ -220,14 +222,9 @@ impl Lines {
         if other {
             return None;
         }
-        // As `json_text` reads them: a string's span holds its quotes, and
-        // `""` is no value.
-        let non_empty = |rank| {
-            from_rank(&self.holes, rank).map(|span| span.is_some_and(|s| s.end - s.start > 2))
-        };
         Some(ProbedText {
-            reasoning: non_empty(line.thinking).ok()?,
-            content: non_empty(line.content).ok()?,
+            reasoning: has_text(&self.holes, line.thinking).ok()?,
+            content: has_text(&self.holes, line.content).ok()?,
         })
     }
 }

@@ -16,7 +16,9 @@ use serde_json::value::RawValue;
 
 use serde::de::{self, Deserializer};
 
-use super::scan::{Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, json_text, text};
+use super::scan::{
+    Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, has_text, json_text, text,
+};
 use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, decode_string,
     expect_object, is_set, raw_i64, raw_u64,
@@ -500,15 +502,12 @@ impl Spans {
     /// the chunks [`decode`] would emit for it change only the phase.
     pub(super) fn probed_text(&self) -> Option<ProbedText> {
         let shape = self.text_only?;
-        // As `emit` reads them (`json_text`): a string's span holds its
-        // quotes, and `""` is no value.
-        let non_empty = |rank| {
-            from_rank(&self.holes, rank).map(|span| span.is_some_and(|s| s.end - s.start > 2))
-        };
+        let holes = self.holes.as_slice();
+        // `emit` takes the first of the two reasoning keys that has text.
         Some(ProbedText {
-            reasoning: non_empty(shape.reasoning_content).ok()?
-                || non_empty(shape.reasoning).ok()?,
-            content: non_empty(shape.content).ok()?,
+            reasoning: has_text(holes, shape.reasoning_content).ok()?
+                || has_text(holes, shape.reasoning).ok()?,
+            content: has_text(holes, shape.content).ok()?,
         })
     }
 

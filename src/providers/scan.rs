@@ -681,6 +681,14 @@ pub(crate) fn from_rank(holes: &[Span], rank: Option<Span>) -> Result<Option<Spa
     }
 }
 
+/// Whether the string at a hole rank of a matched frame has text, as
+/// [`json_text`] reads it: its span holds its quotes, and `""` is no
+/// value.
+#[inline]
+pub(crate) fn has_text(holes: &[Span], rank: Option<Span>) -> Result<bool, Bail> {
+    from_rank(holes, rank).map(|span| span.is_some_and(|s| s.end - s.start > 2))
+}
+
 /// A function from span to span that may give up: to a hole rank and back.
 pub(crate) type SpanMap<'f> = dyn FnMut(Option<Span>) -> Result<Option<Span>, Bail> + 'f;
 
