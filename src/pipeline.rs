@@ -292,6 +292,9 @@ struct StreamState {
     collect_events: bool,
     /// Nothing reads the text of a frame (SSE output, no event log): a
     /// recognized frame of text only goes to [`StreamState::text_frame`].
+    /// Kept rather than derived from `output` and `collect_events` on each
+    /// frame: one test instead of two on every probed frame, which every
+    /// call delta pays (BENCHMARKS.md, thirty-fourth round).
     text_unread: bool,
 }
 
@@ -642,9 +645,6 @@ impl StreamState {
     fn handle(&mut self, provider: Provider, frame: &RawFrame<'_>, now: Now, out: &mut impl Sink) {
         self.batch.clear();
         self.frames += 1;
-        // For this frame only: a frame left undecoded leaves it set, and
-        // the next frame's sets it again.
-        self.decoder_state.probed = frame.probed;
         self.probed_frames += u64::from(frame.probed);
         if frame.probed
             && self.text_unread
@@ -655,6 +655,9 @@ impl StreamState {
             self.text_frame(text, frame, out);
             return;
         }
+        // For this frame only: a frame left undecoded leaves it set, and
+        // the next frame's sets it again.
+        self.decoder_state.probed = frame.probed;
         let data = match frame.data {
             Some(_) if self.ended => {
                 self.warn_after_end(frame.at);
@@ -703,14 +706,12 @@ impl StreamState {
     /// progress), without decoding it into chunks. Nearly every frame of a
     /// chat is one.
     fn text_frame(&mut self, text: ProbedText, frame: &RawFrame<'_>, out: &mut impl Sink) {
-        self.decoder_state.probed = false;
         if text.reasoning {
             self.tracker.text(StreamPhase::Reasoning);
         }
         if text.content {
             self.tracker.text(StreamPhase::Answering);
         }
-        self.after.clear();
         out.forward(frame.raw);
     }
 

@@ -334,7 +334,7 @@ fn frames_of_a_steady_stream_are_found_by_the_decoders_template() {
         let mut annotator = Annotator::new(config.clone());
         let mut run = Run::default();
         annotator.push(input.as_bytes(), 0, &mut run);
-        run.state = (annotator.tracker().phase(), annotator.tracker().changes());
+        run.state = tracker_state(&annotator);
         annotator.finish(0, &mut run);
         assert_eq!(annotator.frames(), 42 - u64::from(input.starts_with('{')));
         assert_eq!(annotator.probed_frames(), probed, "{input}");

@@ -332,10 +332,10 @@ fn traced(config: &AnnotatorConfig, pieces: &[String]) -> (Vec<(StreamPhase, u64
     let mut trace = Vec::new();
     for piece in pieces {
         annotator.push(piece.as_bytes(), NOW_MS, &mut out);
-        trace.push((annotator.tracker().phase(), annotator.tracker().changes()));
+        trace.push(tracker_state(&annotator));
     }
     annotator.finish(NOW_MS, &mut out);
-    trace.push((annotator.tracker().phase(), annotator.tracker().changes()));
+    trace.push(tracker_state(&annotator));
     (trace, out)
 }
 

@@ -167,11 +167,17 @@ pub fn run_pieces<'a>(config: &AnnotatorConfig, pieces: impl IntoIterator<Item =
         run.warnings
             .extend(annotator.take_warnings().iter().map(ToString::to_string));
     }
-    run.state = (annotator.tracker().phase(), annotator.tracker().changes());
+    run.state = tracker_state(&annotator);
     annotator.finish(NOW_MS, &mut run);
     run.warnings
         .extend(annotator.take_warnings().iter().map(ToString::to_string));
     run
+}
+
+/// The tracker's phase and change count: what a stream's frames did to
+/// it, as far as a reader of its snapshots can tell.
+pub fn tracker_state(annotator: &Annotator) -> (StreamPhase, u64) {
+    (annotator.tracker().phase(), annotator.tracker().changes())
 }
 
 /// Runs the pipeline on the whole input at once.
