@@ -158,15 +158,18 @@ pub struct ToolCallTracker {
     /// Counts changes of the in-progress map (progress or clear), so an
     /// observer can tell cheaply whether there is anything new to publish.
     changes: u64,
-    /// `changes` after the last change that was not more arguments for the
-    /// last call (through `apply_delta`'s shortcut): a snapshot taken since
-    /// differs from the calls in progress in that call's count alone (see
+    /// The value of `changes` from which on every change was more
+    /// arguments for the call `last` names (through `apply_delta`'s
+    /// shortcut): a snapshot taken at or after it differs from the calls in
+    /// progress in that call's count alone (see
     /// [`refresh_snapshot`](Self::refresh_snapshot)).
     layout_at: u64,
     /// Keep the arguments text (for the final `toolCalls`), or only count.
     keep_arguments: bool,
     /// Where the last delta went, for the next one: nearly every delta of
-    /// a streaming call goes to the call the one before it went to.
+    /// a streaming call goes to the call the one before it went to, or
+    /// (parallel calls streamed in turns) to another call in progress of
+    /// the same choice.
     last: Option<LastCall>,
 }
 
@@ -399,30 +402,65 @@ impl ToolCallTracker {
         choice_entry(&mut self.choices, choice)
     }
 
+    /// The call of `last`'s choice with `index`, if it is in progress:
+    /// `last` itself when it names that call (and its places still hold
+    /// it), else the call found among its choice's calls, with its start
+    /// from the in-progress map. Inlined: the shortcut asks on every delta.
+    #[inline(always)]
+    fn call_in_progress(&self, last: LastCall, index: i64) -> Option<LastCall> {
+        if index == last.index {
+            return self.last_call(last).map(|_| last);
+        }
+        let choice = self
+            .choices
+            .get(last.choice_pos)
+            .filter(|choice| choice.choice == last.choice)?;
+        let slot = choice
+            .calls
+            .binary_search_by_key(&index, |call| call.index)
+            .ok()?;
+        let &started_at_ms = self.in_progress.get(&(last.choice, index))?;
+        Some(LastCall {
+            index,
+            slot,
+            started_at_ms,
+            ..last
+        })
+    }
+
     fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now: Now) -> Progress<'_> {
         let keep_arguments = self.keep_arguments;
+        let before = self.changes;
         self.changes += 1;
-        // More arguments for the call the last delta went to (with an
-        // index, which is authoritative; no id or name to record): what
-        // the searches below would find, without them.
+        // More arguments for a call in progress of the choice the last
+        // delta went to (with an index, which is authoritative; no id or
+        // name to record): what the searches below would find, without
+        // them, or with one search of that choice's calls when parallel
+        // calls stream in turns.
         if let Some(last) = self.last
             && delta.id.is_none()
             && delta.name.is_none()
             && delta.choice == last.choice
-            && delta.index == Some(last.index)
-            && self.last_call(last).is_some()
+            && let Some(index) = delta.index
+            && let Some(to) = self.call_in_progress(last, index)
         {
+            if to.index != last.index {
+                // A snapshot taken before this delta differs from the
+                // calls in progress in this call's count alone.
+                self.layout_at = before;
+                self.last = Some(to);
+            }
             // (Both places were just checked.)
-            let choice = &mut self.choices[last.choice_pos];
-            choice.last_touched = Some(last.index);
-            let call = &mut choice.calls[last.slot];
+            let choice = &mut self.choices[to.choice_pos];
+            choice.last_touched = Some(to.index);
+            let call = &mut choice.calls[to.slot];
             append_arguments(call, &delta.arguments, keep_arguments);
             return Progress {
-                choice: last.choice,
-                index: last.index,
+                choice: to.choice,
+                index: to.index,
                 name: &call.name,
                 chars_accumulated: call.chars_accumulated,
-                started_at_ms: last.started_at_ms,
+                started_at_ms: to.started_at_ms,
             };
         }
         self.layout_at = self.changes;
@@ -750,7 +788,8 @@ mod tests {
     /// after each write) is the whole snapshot: 20 seeds × 2,000 chunks,
     /// refreshed after one to three chunks, and now and then emptied in
     /// between (as a tool's execution start empties a session's). Most
-    /// refreshes rewrite one entry.
+    /// refreshes rewrite one entry, after deltas to the last call or
+    /// (parallel calls in turns) to another call in progress.
     #[test]
     fn a_refreshed_snapshot_is_the_whole_snapshot() {
         for seed in 1..=20u64 {
@@ -758,25 +797,37 @@ mod tests {
             let mut chunks = Chunks::new(seed);
             let (mut refreshed, mut whole) = (Vec::new(), Vec::new());
             let mut taken_at = tracker.changes();
-            let mut one_entry = 0;
+            let (mut one_entry, mut switched) = (0, 0);
             let mut last = None;
             for step in 0..2_000u64 {
-                // Two chunks in three carry on the last call, as a
-                // streaming call's deltas do.
-                let chunk = match last {
-                    Some((choice, index)) if chunks.roll(3) != 0 => {
-                        Chunk::ToolCallDelta(ToolCallDelta {
-                            choice,
-                            index: Some(index),
-                            id: None,
-                            name: None,
-                            arguments: ArgumentsDelta::Append(Cow::Borrowed("ab😀").into()),
-                        })
+                // Two chunks in three carry on a call: the last one, or
+                // one time in three another call in progress.
+                let carried_on = match last {
+                    Some(last) if chunks.roll(3) != 0 => {
+                        let others: Vec<(i64, i64)> = tracker
+                            .in_progress()
+                            .map(|p| (p.choice, p.index))
+                            .filter(|&call| call != last)
+                            .collect();
+                        let pick = chunks.roll(3 * others.len().max(1) as u64) as usize;
+                        Some(others.get(pick).copied().unwrap_or(last))
                     }
-                    _ => chunks.next(step),
+                    _ => None,
+                };
+                let chunk = match carried_on {
+                    Some((choice, index)) => Chunk::ToolCallDelta(ToolCallDelta {
+                        choice,
+                        index: Some(index),
+                        id: None,
+                        name: None,
+                        arguments: ArgumentsDelta::Append(Cow::Borrowed("ab😀").into()),
+                    }),
+                    None => chunks.next(step),
                 };
                 if let Chunk::ToolCallDelta(delta) = &chunk {
-                    last = delta.index.map(|index| (delta.choice, index));
+                    let to = delta.index.map(|index| (delta.choice, index));
+                    switched += u64::from(carried_on.is_some() && to != last);
+                    last = to;
                 }
                 tracker.apply(&chunk, step);
                 if chunks.roll(2) != 0 {
@@ -796,11 +847,12 @@ mod tests {
                 assert_eq!(refreshed, whole, "seed {seed}, step {step}: {chunk:?}");
             }
             assert!(one_entry > 300, "seed {seed}: {one_entry}");
+            assert!(switched > 50, "seed {seed}: {switched}");
         }
     }
 
-    /// The shortcut to the call the last delta went to gives what the
-    /// searches give: two trackers take the same chunks, one of them with
+    /// The shortcut to the call the last delta went to, or to another
+    /// call in progress of its choice, gives what the searches give: two trackers take the same chunks, one of them with
     /// its last call forgotten before each, and must agree on every
     /// answer and on what they hold at the end. The chunks move the
     /// shortcut's places: new choices before and after, new calls before,
@@ -811,15 +863,18 @@ mod tests {
             let mut fast = ToolCallTracker::new(seed % 2 == 0);
             let mut slow = ToolCallTracker::new(seed % 2 == 0);
             let mut chunks = Chunks::new(seed);
-            let mut shortcuts = 0;
+            let (mut shortcuts, mut switches) = (0, 0);
             for step in 0..2_000u64 {
                 let chunk = chunks.next(step);
                 shortcuts += u64::from(fast.last.is_some());
                 slow.last = None;
                 let (a, b) = (fast.apply(&chunk, step), slow.apply(&chunk, step));
                 assert_eq!(a, b, "seed {seed}, step {step}: {chunk:?}");
+                // Only a delta to another call in progress leaves this.
+                switches += u64::from(fast.layout_at + 1 == fast.changes);
             }
             assert!(shortcuts > 500, "seed {seed}: {shortcuts}");
+            assert!(switches > 50, "seed {seed}: {switches}");
             assert_eq!(
                 fast.in_progress().collect::<Vec<_>>(),
                 slow.in_progress().collect::<Vec<_>>()
