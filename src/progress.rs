@@ -870,7 +870,8 @@ mod tests {
                 slow.last = None;
                 let (a, b) = (fast.apply(&chunk, step), slow.apply(&chunk, step));
                 assert_eq!(a, b, "seed {seed}, step {step}: {chunk:?}");
-                // Only a delta to another call in progress leaves this.
+                // Only a delta to another call in progress sets this (a
+                // chunk that changes nothing after it keeps it).
                 switches += u64::from(fast.layout_at + 1 == fast.changes);
             }
             assert!(shortcuts > 500, "seed {seed}: {shortcuts}");
