@@ -53,7 +53,8 @@ pub struct AnnotatorConfig {
     pub max_event_bytes: usize,
     /// Keep the stream's increments ([`StreamEvent`]) for
     /// [`Annotator::take_events`] and [`Annotator::collected`] (the proxy's
-    /// events route needs them).
+    /// events route needs them). [`Annotator::collect_events`] turns it on
+    /// and off as the stream goes.
     pub collect_events: bool,
 }
 
@@ -130,6 +131,9 @@ struct EventLog {
     /// Whether `events` holds a text event (else they are emptied without
     /// a look at each).
     has_texts: bool,
+    /// Input was handled while collecting was off since the increments
+    /// were last taken or emptied: they are not all of what changed.
+    missed: bool,
 }
 
 /// Strings an [`EventLog`] keeps for texts to come: a read holds a few text
@@ -403,7 +407,27 @@ impl Annotator {
     /// [`AnnotatorConfig::collect_events`]).
     pub fn take_events(&mut self) -> Vec<StreamEvent> {
         self.state.events.has_texts = false;
+        self.state.events.missed = false;
         std::mem::take(&mut self.state.events.events)
+    }
+
+    /// Turns collecting the increments on or off from the next input on
+    /// ([`AnnotatorConfig::collect_events`]). The proxy collects only
+    /// while someone listens to the stream's session: a frame of text
+    /// nobody reads then goes the quick way ([`StreamState::text_frame`]),
+    /// as in `annotate`. The output and the tracker are the same either way.
+    #[inline]
+    pub fn collect_events(&mut self, on: bool) {
+        let state = &mut self.state;
+        state.collect_events = on;
+        state.text_unread = state.output == OutputFormat::Sse && !on;
+    }
+
+    /// Some input since the increments were last taken or emptied was
+    /// handled while collecting was off: they do not tell all that changed.
+    #[inline]
+    pub fn events_missed(&self) -> bool {
+        self.state.events.missed
     }
 
     /// Whether warnings were collected since they were last taken: a
@@ -448,6 +472,7 @@ impl Annotator {
     /// text delta's string is allocated again in steady state.
     #[inline]
     pub fn clear_events(&mut self) {
+        self.state.events.missed = false;
         if !self.state.events.events.is_empty() {
             self.state.events.clear();
         }
@@ -476,6 +501,7 @@ impl Annotator {
     }
 
     fn feed(&mut self, input: &[u8], now: Now, out: &mut impl Sink) {
+        self.state.events.missed |= !self.state.collect_events;
         let provider = match self.framer {
             Framer::Ndjson(_) => Provider::OllamaChat,
             Framer::Sse(_) | Framer::Sniffing(_) => Provider::OpenAiChat,

@@ -272,9 +272,11 @@ fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
     let mut out = OutBuf::default();
     let mut held: Option<Bytes> = None;
     let mut step = |event: &[u8]| {
+        annotator.collect_events(session.listened());
         annotator.push(event, 1_700_000_000_000, out.room());
+        let missed = annotator.events_missed();
         let (tracker, events) = annotator.collected();
-        session.publish_at(tracker, events, Instant::now());
+        session.publish_at(tracker, events, missed, Instant::now());
         annotator.clear_events();
         let piece = out.take();
         drop(held.replace(piece.clone()));
@@ -330,7 +332,8 @@ fn text_event(i: usize) -> (Vec<u8>, &'static str) {
 }
 
 /// Text and reasoning deltas, read one to four at a time as a socket
-/// hands them over: each is collected for the session's subscribers (with
+/// hands them over, in a stream that collects its increments (as when its
+/// session has a subscriber): each is collected for the subscribers (with
 /// its text, unescaped) and published, and none allocates once the
 /// collected strings are reused.
 #[test]
@@ -373,7 +376,7 @@ fn text_deltas_are_collected_and_published_without_allocating() {
                 )
             })
             .count();
-        session.publish_at(tracker, events, Instant::now());
+        session.publish_at(tracker, events, false, Instant::now());
         annotator.clear_events();
         drop(held.replace(out.take()));
     };

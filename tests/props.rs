@@ -365,8 +365,65 @@ fn check_text_frames(pieces: &[String]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// `serve` collects a stream's increments only while someone listens to
+/// its session, turning collection on and off between reads
+/// ([`Annotator::collect_events`]). Fed the same pieces, an annotator whose
+/// collection is turned on and off (`collect[i]` for piece `i`) goes
+/// through the same tracker states and writes the same output as one that
+/// always collects; for a piece read while collecting it collects the
+/// same increments, for another none, and says it missed them.
+fn check_collect_toggles(pieces: &[String], collect: &[bool]) -> Result<(), TestCaseError> {
+    for inject in [InjectMode::None, InjectMode::Field] {
+        let config = AnnotatorConfig {
+            inject,
+            collect_events: true,
+            ..AnnotatorConfig::default()
+        };
+        let mut always = Annotator::new(config.clone());
+        let mut toggled = Annotator::new(config);
+        let (mut always_out, mut toggled_out) = (Vec::new(), Vec::new());
+        let on = |i: usize| collect[i % collect.len()];
+        for (i, piece) in pieces.iter().enumerate() {
+            toggled.collect_events(on(i));
+            always.push(piece.as_bytes(), NOW_MS, &mut always_out);
+            toggled.push(piece.as_bytes(), NOW_MS, &mut toggled_out);
+            prop_assert_eq!(
+                tracker_state(&always),
+                tracker_state(&toggled),
+                "piece {}",
+                i
+            );
+            prop_assert_eq!(toggled.events_missed(), !on(i), "piece {}", i);
+            prop_assert!(!always.events_missed());
+            let mut expected = always.take_events();
+            if !on(i) {
+                expected.clear();
+            }
+            prop_assert_eq!(toggled.take_events(), expected, "piece {}", i);
+            prop_assert!(!toggled.events_missed(), "taken: nothing missed since");
+        }
+        toggled.collect_events(true);
+        always.finish(NOW_MS, &mut always_out);
+        toggled.finish(NOW_MS, &mut toggled_out);
+        prop_assert_eq!(tracker_state(&always), tracker_state(&toggled));
+        prop_assert_eq!(toggled.take_events(), always.take_events(), "the end's");
+        prop_assert_eq!(&toggled_out, &always_out, "{:?}", inject);
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn collecting_increments_on_and_off_changes_nothing_else(
+        data in proptest::collection::vec(openai_data(), 1..30),
+        lines in proptest::collection::vec(ollama_line(), 1..30),
+        collect in proptest::collection::vec(any::<bool>(), 1..8),
+    ) {
+        check_collect_toggles(&data.iter().map(|d| format!("data: {d}\n\n")).collect::<Vec<_>>(), &collect)?;
+        check_collect_toggles(&lines.iter().map(|l| format!("{l}\n")).collect::<Vec<_>>(), &collect)?;
+    }
 
     #[test]
     fn ollama_text_lines_without_chunks_change_what_chunks_change(

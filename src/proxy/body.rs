@@ -339,6 +339,10 @@ impl Body for TapBody {
                         count_out(this.bytes_out, this.metrics, data.len());
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     };
+                    // Increments are collected only while someone listens
+                    // to the session (a look at a flag, without a lock).
+                    annotator
+                        .collect_events(this.session.as_ref().is_some_and(StreamHandle::listened));
                     annotator.push(&data, Now::Clock(unix_ms), this.out.room());
                     log_warnings(annotator, this.log);
                     // Published when its output goes out, once for all the
@@ -591,8 +595,9 @@ fn publish_read(
 /// has one, and empties it for the next write.
 fn publish(annotator: &mut Annotator, session: &mut Option<StreamHandle>, now: Instant) {
     if let Some(session) = session.as_mut() {
+        let missed = annotator.events_missed();
         let (tracker, events) = annotator.collected();
-        session.publish_at(tracker, events, now);
+        session.publish_at(tracker, events, missed, now);
     }
     annotator.clear_events();
 }

@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -62,6 +63,14 @@ struct Session {
     /// (its buffer of [`SUBSCRIBER_BACKLOG`] slots is a sixth of what an
     /// open stream costs, and most sessions are never subscribed to).
     frames: Option<broadcast::Sender<Frame>>,
+    /// Someone may listen to the session's increments: its stream collects
+    /// them only then ([`StreamHandle::listened`]). Turned on, under the
+    /// lock, by a subscription (to the session or to all); turned off by a
+    /// publish that finds nobody listening. The stream reads it without
+    /// the lock, before each read: a stale `true` costs a read collected
+    /// for nothing, a stale `false` a read published as a fresh snapshot
+    /// (see [`StreamHandle::publish_at`]).
+    listened: Arc<AtomicBool>,
 }
 
 impl Session {
@@ -72,6 +81,7 @@ impl Session {
             streaming: false,
             last_active: Instant::now(),
             frames: None,
+            listened: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -80,6 +90,12 @@ impl Session {
         self.frames
             .as_ref()
             .map_or(0, broadcast::Sender::receiver_count)
+    }
+
+    /// Someone listens to it: its own subscribers or those of every
+    /// session (`all`).
+    fn listening(&self, all: &broadcast::Sender<Frame>) -> bool {
+        all.receiver_count() > 0 || self.subscribers() > 0
     }
 
     /// Nothing uses it any more.
@@ -161,6 +177,10 @@ impl Sessions {
         self.by_id.len()
     }
 
+    fn sessions(&self) -> impl Iterator<Item = &Session> {
+        self.slots.iter().map(|(_, session)| session)
+    }
+
     fn iter(&self) -> impl Iterator<Item = (&String, &Session)> {
         self.by_id
             .iter()
@@ -235,6 +255,8 @@ pub struct StreamHandle {
     /// Where the session is in the registry ([`Sessions`]).
     slot: usize,
     generation: u64,
+    /// The session's [`Session::listened`].
+    listened: Arc<AtomicBool>,
     /// The tracker's change counter when last published.
     published: u64,
     /// The stream failed (its spinners end with `✗`).
@@ -288,6 +310,10 @@ impl SessionRegistry {
         session.generation = generation;
         session.streaming = true;
         session.last_active = Instant::now();
+        session
+            .listened
+            .store(session.listening(all), Ordering::Relaxed);
+        let listened = Arc::clone(&session.listened);
         if !session.progress.is_empty() {
             session.progress.clear();
             send(
@@ -303,6 +329,7 @@ impl SessionRegistry {
             session_id: session_id.to_owned(),
             slot,
             generation,
+            listened,
             published: 0,
             failed: false,
         }
@@ -335,6 +362,7 @@ impl SessionRegistry {
         let mut state = self.lock();
         let (_, session) = state.sessions.get_or_insert(session_id);
         session.last_active = Instant::now();
+        session.listened.store(true, Ordering::Relaxed);
         Subscription {
             frames: session
                 .frames
@@ -357,6 +385,9 @@ impl SessionRegistry {
     /// host, so one per session would not do).
     pub fn subscribe_all(&self) -> Subscription {
         let state = self.lock();
+        for session in state.sessions.sessions() {
+            session.listened.store(true, Ordering::Relaxed);
+        }
         Subscription {
             frames: state.all.subscribe(),
             resume: state.all_resume(),
@@ -476,24 +507,47 @@ impl SessionRegistry {
 }
 
 impl StreamHandle {
+    /// Whether someone may listen to the session's increments: the stream
+    /// collects them for [`publish_at`](Self::publish_at) only then
+    /// ([`Annotator::collect_events`](crate::pipeline::Annotator::collect_events)).
+    /// One load, without the lock.
+    #[inline]
+    pub fn listened(&self) -> bool {
+        self.listened.load(Ordering::Relaxed)
+    }
+
     /// Publishes what the stream did since the last call: the tracker's
     /// in-progress calls (when they changed) and `events` for subscribers,
     /// as long as this stream still owns the session. The caller empties
     /// `events` ([`Annotator::clear_events`](crate::pipeline::Annotator::clear_events)).
     pub fn publish(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent]) {
-        self.publish_at(tracker, events, Instant::now());
+        self.publish_at(tracker, events, false, Instant::now());
     }
 
     /// [`publish`](Self::publish), with `now` (a moment ago) as the
     /// session's last activity: a caller that has just read the clock
     /// passes that, and publishing costs no clock read of its own.
+    ///
+    /// `missed`: some of what is published was read while the stream did
+    /// not collect increments ([`listened`](Self::listened) was false), so
+    /// `events` do not tell all that changed. A subscriber that came in
+    /// the meantime took its snapshot before that read, so if the calls
+    /// changed it is sent the session's snapshot again (`stream_resume`,
+    /// as after a lag) after `events`. The text and `done` of such a read
+    /// are not sent: they came before the subscriber could hear them.
     #[inline]
-    pub fn publish_at(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent], now: Instant) {
+    pub fn publish_at(
+        &mut self,
+        tracker: &ToolCallTracker,
+        events: &[StreamEvent],
+        missed: bool,
+        now: Instant,
+    ) {
         // Most calls find nothing new (a stream's body is polled more often
         // than it reads): a comparison, without a call.
         let changed = tracker.changes() != self.published;
         if changed || !events.is_empty() {
-            self.publish_changes(tracker, events, now, changed);
+            self.publish_changes(tracker, events, now, changed, missed);
         }
     }
 
@@ -505,6 +559,7 @@ impl StreamHandle {
         events: &[StreamEvent],
         now: Instant,
         changed: bool,
+        missed: bool,
     ) {
         let taken_at = std::mem::replace(&mut self.published, tracker.changes());
         let mut state = self.registry.lock();
@@ -522,11 +577,21 @@ impl StreamHandle {
             // writes it, and anything else only empties it.
             tracker.refresh_snapshot(&mut session.progress, taken_at);
         }
-        // Frames are rendered only when someone listens.
-        if all.receiver_count() > 0 || session.subscribers() > 0 {
+        // Frames are rendered only when someone listens; when nobody does,
+        // the stream stops collecting increments.
+        if session.listening(all) {
             for event in events {
                 send(all, session, event_frame(&self.session_id, event));
             }
+            if missed && changed {
+                send(
+                    all,
+                    session,
+                    resume_frame(&self.session_id, &session.progress),
+                );
+            }
+        } else {
+            session.listened.store(false, Ordering::Relaxed);
         }
         if changed {
             self.registry

@@ -410,3 +410,106 @@ fn the_spinners_are_told_in_the_registrys_order() {
         "written after the registry's lock was let go: {unlocked:?}"
     );
 }
+
+/// A stream collects its increments only while someone may listen: from
+/// a subscription to its session or to all, until a publish finds nobody.
+#[test]
+fn a_stream_collects_only_while_someone_listens() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    assert!(!stream.listened(), "nobody subscribed");
+    let sub = registry.subscribe("s1");
+    assert!(stream.listened(), "subscribed");
+    let mut tracker = tracker_with(&[(0, "a", "x")], 1);
+    stream.publish(&tracker, &[progress_event(0, "a", 1, 1)]);
+    assert!(stream.listened(), "still subscribed");
+    drop(sub);
+    tracker.apply(&delta(0, "a", "y"), 2);
+    stream.publish(&tracker, &[progress_event(0, "a", 2, 1)]);
+    assert!(!stream.listened(), "a publish found nobody");
+    let all = registry.subscribe_all();
+    assert!(stream.listened(), "every session is listened to");
+    let mut other = registry.begin_stream("s2");
+    assert!(
+        other.listened(),
+        "a stream that begins under a subscriber to all"
+    );
+    drop(all);
+    other.publish(&tracker, &[]);
+    assert!(!other.listened());
+    assert!(stream.listened(), "told when it publishes next");
+    // A new request of the session starts from what is true now.
+    drop(stream);
+    let _sub = registry.subscribe("s3");
+    assert!(registry.begin_stream("s3").listened());
+    assert!(!registry.begin_stream("s1").listened());
+}
+
+/// A subscriber that came while the stream read without collecting
+/// (`missed`) took its snapshot before that read: if the read changed the
+/// calls, it gets the session's snapshot again, after the increments that
+/// were collected, and so does a subscriber to all. A missed read that
+/// changed no call sends nothing.
+#[test]
+fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "a", "12345")], 100);
+    stream.publish_at(&tracker, &[], true, Instant::now());
+    let mut sub = registry.subscribe("s1");
+    let mut all = registry.subscribe_all();
+    assert!(
+        sub.resume.contains(r#""charsAccumulated":5"#),
+        "{}",
+        sub.resume
+    );
+    // Read without collecting, then with: the snapshot goes last.
+    tracker.apply(&delta(0, "a", "67"), 200);
+    tracker.apply(&delta(1, "b", "1"), 200);
+    stream.publish_at(
+        &tracker,
+        &[progress_event(1, "b", 1, 200)],
+        true,
+        Instant::now(),
+    );
+    let expected = vec![
+        r#"{"sessionId":"s1","toolCallProgress":{"index":1,"name":"b","charsAccumulated":1,"startedAt":200}}"#,
+        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":7,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":200}]}"#,
+    ];
+    for sub in [&mut sub, &mut all] {
+        let frames: Vec<_> = received(sub)
+            .iter()
+            .map(|f| without_server_time(f))
+            .collect();
+        assert_eq!(frames, expected);
+    }
+    // A missed clear (text after the calls) reaches them as an empty
+    // snapshot.
+    tracker.apply(
+        &Chunk::Text {
+            choice: 0,
+            text: "ok".into(),
+        },
+        300,
+    );
+    stream.publish_at(&tracker, &[], true, Instant::now());
+    assert_eq!(
+        received(&mut sub)
+            .iter()
+            .map(|f| without_server_time(f))
+            .collect::<Vec<_>>(),
+        vec![r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[]}"#]
+    );
+    // Nothing changed: nothing to resend.
+    stream.publish_at(&tracker, &[], true, Instant::now());
+    assert!(received(&mut sub).is_empty());
+    // Collected: the increments alone.
+    tracker.apply(&delta(2, "c", ""), 400);
+    stream.publish_at(
+        &tracker,
+        &[progress_event(2, "c", 0, 400)],
+        false,
+        Instant::now(),
+    );
+    assert_eq!(received(&mut sub).len(), 1);
+}
