@@ -319,6 +319,82 @@ async fn a_late_subscriber_resumes_mid_call() {
     }
 }
 
+/// A stream whose session nobody watches collects no increments; one
+/// that comes while its text streams hears the rest of it from then on,
+/// then the tool's progress and `done`, and the client's stream is the
+/// same as without a subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_comes_mid_text_hears_the_rest() {
+    const TEXT: &str = "Let me check the forecast for you.";
+    let run = start(Duration::from_millis(150)).await;
+    let unwatched = chat_model(&run.proxy, "alone", "text_then_tool").await;
+    let request = http::Request::post(format!("{}/v1/chat/completions", run.proxy))
+        .header("x-aalis-session", "mid")
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"text_then_tool","stream":true}"#,
+        )))
+        .expect("request");
+    let response = tokio::time::timeout(PATIENCE, client().request(request))
+        .await
+        .expect("in time")
+        .expect("response");
+    let mut body = response.into_body();
+    let mut streamed = Vec::new();
+    // Subscribe once the text has begun to flow through the proxy.
+    let needle = br#""content":"Let""#;
+    while !streamed.windows(needle.len()).any(|w| w == needle) {
+        let frame = tokio::time::timeout(PATIENCE, body.frame())
+            .await
+            .expect("a frame in time")
+            .expect("stream open")
+            .expect("frame");
+        if let Ok(data) = frame.into_data() {
+            streamed.extend_from_slice(&data);
+        }
+    }
+    let mut frames = Frames::open(&run.proxy, "mid").await;
+    assert_eq!(frames.next().await["type"], "stream_resume");
+    let rest = tokio::spawn(async move { body.collect().await.expect("stream").to_bytes() });
+    let seen = frames.until(|f| f["done"] == true).await;
+    streamed.extend_from_slice(&rest.await.expect("stream task"));
+    let heard: String = seen
+        .iter()
+        .filter_map(|f| f["contentDelta"].as_str())
+        .collect();
+    assert!(
+        !heard.is_empty() && TEXT.ends_with(&heard) && heard != TEXT,
+        "the text after the subscription, and only that: {heard:?} {seen:?}"
+    );
+    let progress = progress(&seen);
+    assert!(
+        progress.len() >= 3 && progress.iter().all(|p| p.0 == 0),
+        "{seen:?}"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&streamed),
+        String::from_utf8_lossy(&unwatched),
+        "a subscriber changes nothing in the client's stream"
+    );
+}
+
+/// Starts `model`'s stream in session `session` and reads it to the end.
+async fn chat_model(base: &str, session: &str, model: &str) -> Vec<u8> {
+    let response = send(
+        "POST",
+        &format!("{base}/v1/chat/completions"),
+        &format!(r#"{{"model":"{model}","stream":true}}"#),
+        &[("x-aalis-session", session)],
+    )
+    .await;
+    response
+        .into_body()
+        .collect()
+        .await
+        .expect("stream")
+        .to_bytes()
+        .to_vec()
+}
+
 /// A subscriber that reads nothing does not slow the stream: the chat
 /// stream completes at the upstream's pace while it stalls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
