@@ -295,15 +295,17 @@ impl Proxy {
                     HeaderName::from_static("x-accel-buffering"),
                     HeaderValue::from_static("no"),
                 );
+                let stream = self.shared.sessions.begin_stream(&session_id);
+                // Increments are collected while someone listens to the
+                // session; the body looks again before each read.
                 let annotator = Annotator::new(AnnotatorConfig {
                     output: OutputFormat::Sse,
                     inject,
                     session_id: Some(session_id.clone()),
                     framing: Some(framing),
                     max_event_bytes: config.max_event_bytes,
-                    collect_events: true,
+                    collect_events: stream.listened(),
                 });
-                let stream = self.shared.sessions.begin_stream(&session_id);
                 let recording = self.shared.recorder.as_ref().and_then(|recorder| {
                     let request = request_copy.clone().unwrap_or_default();
                     recorder
