@@ -96,18 +96,10 @@ async fn json(method: &str, url: &str, body: &str) -> (u16, Value) {
 /// Starts the `parallel_tool_calls` stream in session `session`; the task
 /// reads it to the end and returns its bytes.
 fn chat(base: &str, session: &str) -> tokio::task::JoinHandle<Vec<u8>> {
-    let url = format!("{base}/v1/chat/completions");
-    let session = session.to_owned();
+    let (base, session) = (base.to_owned(), session.to_owned());
     tokio::spawn(async move {
-        let response = send(
-            "POST",
-            &url,
-            r#"{"model":"parallel_tool_calls","stream":true}"#,
-            &[("x-aalis-session", &session)],
-        )
-        .await;
-        response
-            .into_body()
+        chat_body(&base, &session, "parallel_tool_calls")
+            .await
             .collect()
             .await
             .expect("stream")
@@ -327,18 +319,13 @@ async fn a_late_subscriber_resumes_mid_call() {
 async fn a_subscriber_that_comes_mid_text_hears_the_rest() {
     const TEXT: &str = "Let me check the forecast for you.";
     let run = start(Duration::from_millis(150)).await;
-    let unwatched = chat_model(&run.proxy, "alone", "text_then_tool").await;
-    let request = http::Request::post(format!("{}/v1/chat/completions", run.proxy))
-        .header("x-aalis-session", "mid")
-        .body(Full::new(Bytes::from_static(
-            br#"{"model":"text_then_tool","stream":true}"#,
-        )))
-        .expect("request");
-    let response = tokio::time::timeout(PATIENCE, client().request(request))
+    let unwatched = chat_body(&run.proxy, "alone", "text_then_tool")
         .await
-        .expect("in time")
-        .expect("response");
-    let mut body = response.into_body();
+        .collect()
+        .await
+        .expect("stream")
+        .to_bytes();
+    let mut body = chat_body(&run.proxy, "mid", "text_then_tool").await;
     let mut streamed = Vec::new();
     // Subscribe once the text has begun to flow through the proxy.
     let needle = br#""content":"Let""#;
@@ -377,22 +364,16 @@ async fn a_subscriber_that_comes_mid_text_hears_the_rest() {
     );
 }
 
-/// Starts `model`'s stream in session `session` and reads it to the end.
-async fn chat_model(base: &str, session: &str, model: &str) -> Vec<u8> {
-    let response = send(
+/// Starts `model`'s stream in session `session`: its body, to read.
+async fn chat_body(base: &str, session: &str, model: &str) -> Incoming {
+    send(
         "POST",
         &format!("{base}/v1/chat/completions"),
         &format!(r#"{{"model":"{model}","stream":true}}"#),
         &[("x-aalis-session", session)],
     )
-    .await;
-    response
-        .into_body()
-        .collect()
-        .await
-        .expect("stream")
-        .to_bytes()
-        .to_vec()
+    .await
+    .into_body()
 }
 
 /// A subscriber that reads nothing does not slow the stream: the chat
@@ -612,17 +593,8 @@ async fn a_lagging_subscriber_starts_again_from_a_snapshot() {
     .await;
     let mut stalled = Frames::open(&run.proxy, "big").await;
     assert_eq!(stalled.next().await["type"], "stream_resume");
-    let request = http::Request::post(format!("{}/v1/chat/completions", run.proxy))
-        .header("x-aalis-session", "big")
-        .body(Full::new(Bytes::from_static(
-            br#"{"model":"long_call","stream":true}"#,
-        )))
-        .expect("request");
-    let response = tokio::time::timeout(PATIENCE, client().request(request))
-        .await
-        .expect("in time")
-        .expect("response");
-    let body = tokio::time::timeout(Duration::from_secs(60), response.into_body().collect())
+    let body = chat_body(&run.proxy, "big", "long_call").await;
+    let body = tokio::time::timeout(Duration::from_secs(60), body.collect())
         .await
         .expect("the stream is not held back by the stalled subscriber")
         .expect("body")
