@@ -414,7 +414,7 @@ impl Annotator {
     /// Turns collecting the increments on or off from the next input on
     /// ([`AnnotatorConfig::collect_events`]). The proxy collects only
     /// while someone listens to the stream's session: a frame of text
-    /// nobody reads then goes the quick way ([`StreamState::text_frame`]),
+    /// nobody reads then goes the quick way (`StreamState::text_frame`),
     /// as in `annotate`. The output and the tracker are the same either way.
     #[inline]
     pub fn collect_events(&mut self, on: bool) {
