@@ -47,6 +47,14 @@ fn without_server_time(frame: &str) -> String {
     }
 }
 
+/// The frames received so far, each [`without_server_time`].
+fn received_untimed(sub: &mut Subscription) -> Vec<String> {
+    received(sub)
+        .iter()
+        .map(|f| without_server_time(f))
+        .collect()
+}
+
 #[test]
 fn publish_snapshot_and_end() {
     let registry = SessionRegistry::new();
@@ -97,10 +105,7 @@ fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
     new.publish(&tracker_with(&[(0, "fresh", "")], 3), &[]);
     drop(old);
     assert_eq!(&*registry.snapshot("s1")[0].name, "fresh");
-    let frames: Vec<_> = received(&mut sub)
-        .iter()
-        .map(|f| without_server_time(f))
-        .collect();
+    let frames = received_untimed(&mut sub);
     assert_eq!(
         frames,
         vec![r#"{"type":"tool_call_progress_clear","sessionId":"s1","reason":"new_request"}"#],
@@ -199,10 +204,7 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
         ],
     );
     drop(stream);
-    let frames: Vec<_> = received(&mut sub)
-        .iter()
-        .map(|f| without_server_time(f))
-        .collect();
+    let frames = received_untimed(&mut sub);
     assert_eq!(
         frames,
         vec![
@@ -270,10 +272,7 @@ fn tool_execution_clears_and_tells_subscribers() {
     assert_eq!(registry.tool_execution_started("s1"), 2);
     assert!(registry.snapshot("s1").is_empty());
     assert_eq!(registry.tool_execution_started("unknown"), 0);
-    let frames: Vec<_> = received(&mut sub)
-        .iter()
-        .map(|f| without_server_time(f))
-        .collect();
+    let frames = received_untimed(&mut sub);
     assert_eq!(
         frames,
         vec![r#"{"type":"tool_call_progress_clear","sessionId":"s1","reason":"tool_execute"}"#]
@@ -477,10 +476,7 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
         r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":7,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":200}]}"#,
     ];
     for sub in [&mut sub, &mut all] {
-        let frames: Vec<_> = received(sub)
-            .iter()
-            .map(|f| without_server_time(f))
-            .collect();
+        let frames = received_untimed(sub);
         assert_eq!(frames, expected);
     }
     // A missed clear (text after the calls) reaches them as an empty
@@ -494,10 +490,7 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
     );
     stream.publish_at(&tracker, &[], true, Instant::now());
     assert_eq!(
-        received(&mut sub)
-            .iter()
-            .map(|f| without_server_time(f))
-            .collect::<Vec<_>>(),
+        received_untimed(&mut sub),
         vec![r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[]}"#]
     );
     // Nothing changed: nothing to resend.
