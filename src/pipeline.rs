@@ -302,6 +302,12 @@ struct StreamState {
     text_unread: bool,
 }
 
+/// [`StreamState::text_unread`]: SSE output (whose text frames are
+/// forwarded as they are) and no event log.
+fn text_unread(output: OutputFormat, collect_events: bool) -> bool {
+    output == OutputFormat::Sse && !collect_events
+}
+
 impl Annotator {
     pub fn new(config: AnnotatorConfig) -> Annotator {
         let format = match (config.output, config.session_id) {
@@ -339,7 +345,7 @@ impl Annotator {
                 probed_frames: 0,
                 events: EventLog::default(),
                 collect_events: config.collect_events,
-                text_unread: config.output == OutputFormat::Sse && !config.collect_events,
+                text_unread: text_unread(config.output, config.collect_events),
             },
         };
         if let Some(framing) = config.framing {
@@ -420,7 +426,7 @@ impl Annotator {
     pub fn collect_events(&mut self, on: bool) {
         let state = &mut self.state;
         state.collect_events = on;
-        state.text_unread = state.output == OutputFormat::Sse && !on;
+        state.text_unread = text_unread(state.output, on);
     }
 
     /// Some input since the increments were last taken or emptied was
