@@ -106,7 +106,7 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
     let mut held: Option<(Bytes, usize)> = None;
     let mut pieces = Vec::new();
     let step = |out: &mut OutBuf, held: &mut Option<(Bytes, usize)>, i: usize| {
-        out.room().extend_from_slice(&events[i]);
+        out.room_for(events[i].len()).extend_from_slice(&events[i]);
         let piece = out.take();
         // The previous piece is written and dropped only now: writing this
         // event left it as it was.
@@ -138,16 +138,16 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
     // With nothing held, one buffer is enough, and a held piece keeps its
     // bytes while the buffer is written again.
     let mut out = OutBuf::default();
-    out.room().extend_from_slice(&events[0]);
+    out.room_for(events[0].len()).extend_from_slice(&events[0]);
     let kept = out.take();
     for event in &events[1..50] {
-        out.room().extend_from_slice(event);
+        out.room_for(event.len()).extend_from_slice(event);
         drop(out.take());
     }
     assert_eq!(kept, Bytes::from(events[0].clone()));
     let n = allocations(|| {
         for event in &events[50..] {
-            out.room().extend_from_slice(event);
+            out.room_for(event.len()).extend_from_slice(event);
             let piece = out.take();
             assert_eq!(piece.len(), event.len());
         }
@@ -177,12 +177,12 @@ fn gather_bursts(held_at_once: usize, small: usize) -> (u64, u64) {
         let first = &events[next % events.len()];
         expected.extend_from_slice(first);
         next += 1;
-        let mut finding = allocations(|| out.room().extend_from_slice(first));
+        let mut finding = allocations(|| out.room_for(first.len()).extend_from_slice(first));
         let room = out.room().capacity();
         let gathering = allocations(|| {
             while out.len() < size {
                 let event = &events[next % events.len()];
-                out.room().extend_from_slice(event);
+                out.room_for(event.len()).extend_from_slice(event);
                 next += 1;
                 // Within capacity: the test's own copy does not allocate.
                 expected.extend_from_slice(event);
@@ -244,6 +244,42 @@ fn bursts_with_several_pieces_held_get_a_buffer_each_and_never_grow_it() {
     }
 }
 
+/// A new stream's first burst, read as an unpaced upstream's socket gives
+/// it (reads of 8, 16, 32 and 64 KiB, as the upstream connection's read
+/// buffer doubles): its output buffer is allocated for the first read and
+/// grown at most twice while the burst gathers, where doubling as it
+/// filled took six growths, each a copy of all gathered so far.
+#[test]
+fn a_new_streams_first_burst_grows_its_buffer_at_most_twice() {
+    const BURST: usize = 64 * 1024;
+    let events: Vec<Vec<u8>> = (0..2000).map(delta_event).collect();
+    let mut next = 0;
+    let mut reads = Vec::new();
+    for size in [8 * 1024, 16 * 1024, 32 * 1024, 64 * 1024] {
+        let mut read = Vec::with_capacity(size + 1024);
+        while read.len() + events[next].len() <= size {
+            read.extend_from_slice(&events[next]);
+            next += 1;
+        }
+        reads.push(read);
+    }
+    let mut out = OutBuf::default();
+    let mut gathered = 0;
+    let n = allocations(|| {
+        for read in &reads {
+            out.room_for(read.len()).extend_from_slice(read);
+            gathered += 1;
+            if out.len() >= BURST {
+                break;
+            }
+        }
+    });
+    assert_eq!(gathered, reads.len(), "the burst took all four reads");
+    assert!(n <= 3, "{n} allocations for the first burst");
+    let piece = out.take();
+    assert!(piece == reads.concat(), "the burst's output changed");
+}
+
 /// A stream as `serve` sets it up for an SSE response: its session (which
 /// nobody watches) and its annotator, with field injection.
 fn proxied_stream(session_id: &str) -> (SessionRegistry, StreamHandle, Annotator) {
@@ -273,7 +309,7 @@ fn annotating_and_publishing_an_event_does_not_allocate_in_steady_state() {
     let mut held: Option<Bytes> = None;
     let mut step = |event: &[u8]| {
         annotator.collect_events(session.listened());
-        annotator.push(event, 1_700_000_000_000, out.room());
+        annotator.push(event, 1_700_000_000_000, out.room_for(event.len()));
         let missed = annotator.events_missed();
         let (tracker, events) = annotator.collected();
         session.publish_at(tracker, events, missed, Instant::now());
@@ -358,7 +394,7 @@ fn text_deltas_are_collected_and_published_without_allocating() {
     let mut held: Option<Bytes> = None;
     let mut collected = 0usize;
     let mut step = |read: &(Vec<u8>, Vec<&str>)| {
-        annotator.push(&read.0, 1_700_000_000_000, out.room());
+        annotator.push(&read.0, 1_700_000_000_000, out.room_for(read.0.len()));
         let (tracker, events) = annotator.collected();
         let texts = events.iter().filter_map(|event| match event {
             StreamEvent::Content { text, .. } | StreamEvent::Reasoning { text, .. } => {

@@ -74,7 +74,15 @@ workers() {
     ls -d "/proc/${procs[$1]}"/task/*
   fi
 }
-cpu_ms() { for w in $(workers "$1"); do awk -v w="${w##*/}" '{printf "%s %d\n", w, $1 / 1e6}' "$w/schedstat"; done; }
+# Per worker: its CPU in ms (schedstat), then its user and system time in
+# clock ticks (stat's fields 14 and 15; the command name, field 2, may hold
+# spaces, so fields are counted after its closing parenthesis).
+cpu_ms() {
+  for w in $(workers "$1"); do
+    awk -v w="${w##*/}" '{printf "%s %d", w, $1 / 1e6}' "$w/schedstat"
+    sed 's/.*) //' "$w/stat" | awk '{printf " %d %d\n", $12, $13}'
+  done
+}
 
 # serve writes with `sendto` (hyper flattens each frame into one buffer,
 # twenty-sixth round), nginx with `writev`; `futex` would be a worker
@@ -107,9 +115,12 @@ for line in open(path):
         counts[f[2].split(":")[-1].replace("sys_enter_", "")] = float(f[0])
 cpu = counts.pop("task-clock", 0.0) * 1000 / n  # task-clock is in ms
 per = " ".join(f"{k}={v / n:.3f}" for k, v in counts.items())
-b = dict(l.split() for l in open(before))
-spread = [int(v) - int(b.get(k, 0)) for k, v in (l.split() for l in open(after))]
-spread = "/".join(str(ms) for ms in sorted(spread, reverse=True) if ms > 0)
+b = {l.split()[0]: [int(x) for x in l.split()[1:]] for l in open(before)}
+a = {l.split()[0]: [int(x) for x in l.split()[1:]] for l in open(after)}
+d = {k: [x - y for x, y in zip(v, b.get(k, [0, 0, 0]))] for k, v in a.items()}
+spread = "/".join(str(v[0]) for v in sorted(d.values(), reverse=True) if v[0] > 0)
+user, system = sum(v[1] for v in d.values()), sum(v[2] for v in d.values())
+spread += f"; user {100 * user / max(user + system, 1):.0f} % of ticks"
 print(f"{target:5} C={c:>3} drive {rep}: {r['events_per_s']:>8.0f} events/s, "
       f"p50 {r['latency_us']['p50']:.0f} p99 {r['latency_us']['p99']:.0f} µs, "
       f"CPU {cpu:.2f} µs/event; per event {per}; workers' CPU ms {spread}")

@@ -42,7 +42,7 @@ use crate::progress::Now;
 /// has more ready (see `poll_frame`): fewer writes, no added wait.
 const COALESCE_BYTES: usize = 64 * 1024;
 
-/// Room made in a stream's output buffer, beyond what its last piece took,
+/// Room made in a stream's output buffer, beyond its largest piece,
 /// before output is written into it when it is empty (see [`OutBuf`]); a
 /// larger output grows the buffer.
 const OUT_ROOM: usize = 2 * 1024;
@@ -343,7 +343,7 @@ impl Body for TapBody {
                     // to the session (a look at a flag, without a lock).
                     annotator
                         .collect_events(this.session.as_ref().is_some_and(StreamHandle::listened));
-                    annotator.push(&data, Now::Clock(unix_ms), this.out.room());
+                    annotator.push(&data, Now::Clock(unix_ms), this.out.room_for(data.len()));
                     log_warnings(annotator, this.log);
                     // Published when its output goes out, once for all the
                     // reads gathered into it.
@@ -440,7 +440,7 @@ fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio:
 ///
 /// A piece handed on shares the buffer's allocation until the connection
 /// has written and dropped it. The next output is written after it while
-/// the rest of the allocation has room for as much as the last piece took;
+/// the rest of the allocation has room for as much as the largest piece took;
 /// otherwise the buffer is made whole again once the piece is dropped, and
 /// the output is written at the start of its allocation. (Left to itself,
 /// `bytes` would move what was gathered back to the start once it ran out
@@ -451,16 +451,25 @@ fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio:
 /// polls the body again before it writes, and may queue several pieces),
 /// so a second buffer takes turns with the first: output is written into
 /// whichever has room, and a new buffer is allocated only when neither
-/// has, as large as the last piece was plus `OUT_ROOM`. A burst gathered
+/// has, as large as the largest piece was plus `OUT_ROOM`. A burst gathered
 /// in it (up to `COALESCE_BYTES`) then does not grow it step by step, each
-/// step a copy of all it holds, unless it is larger than the last one
-/// (BENCHMARKS.md, nineteenth and twentieth rounds).
+/// step a copy of all it holds, unless it is larger than any before
+/// (BENCHMARKS.md, nineteenth and twentieth rounds). The largest piece, not
+/// the last: a small burst between two large ones (the upstream paused)
+/// would otherwise leave the next large one too little room.
+///
+/// A stream's first bursts have no piece to go by, so the room for a read
+/// is also sized from the read ([`room_for`](Self::room_for)): an empty
+/// buffer gets room for the read's output, and a buffer already gathering
+/// a burst that has less room left than the next read is grown once to
+/// hold a whole burst, rather than doubled step by step as the burst fills
+/// it (BENCHMARKS.md, thirty-seventh round).
 #[derive(Default)]
 pub struct OutBuf {
     out: Whole,
     spare: Whole,
-    /// The length of the last piece taken.
-    last_len: usize,
+    /// The length of the largest piece taken.
+    largest: usize,
 }
 
 /// One of [`OutBuf`]'s buffers, with the capacity its allocation has.
@@ -520,16 +529,36 @@ impl OutBuf {
 
     /// What was written since the last take, as one piece.
     pub fn take(&mut self) -> Bytes {
-        self.last_len = self.out.buf.len();
+        self.largest = self.largest.max(self.out.buf.len());
         self.out.take()
     }
 
     /// The buffer to write the next output into. When it is empty, room is
-    /// made first: this buffer or the spare made whole, or a new one
-    /// allocated when the connection still holds pieces of both.
+    /// made first, as much as the largest piece took and some: this buffer or
+    /// the spare made whole, or a new one allocated when the connection
+    /// still holds pieces of both.
     pub fn room(&mut self) -> &mut BytesMut {
-        // As much as the last piece took, and some.
-        let need = self.last_len + OUT_ROOM;
+        self.room_if_empty(self.largest + OUT_ROOM)
+    }
+
+    /// The buffer to write a read's output into (`read`: its length in
+    /// bytes). Room is made as by [`room`](Self::room), from the read as
+    /// well as from the largest piece. A buffer that already gathers a burst
+    /// and has less room left than the read grows once to a whole burst's
+    /// size (`COALESCE_BYTES`, then this read, and `OUT_ROOM`): the burst
+    /// goes on until it is that large, and its other reads then fit where
+    /// they are.
+    pub fn room_for(&mut self, read: usize) -> &mut BytesMut {
+        let buf = self.room_if_empty(self.largest.max(read) + OUT_ROOM);
+        if !buf.is_empty() && buf.capacity() - buf.len() < read {
+            buf.reserve((COALESCE_BYTES + read + OUT_ROOM).saturating_sub(buf.len()));
+        }
+        buf
+    }
+
+    /// The buffer to write into, with room for `need` bytes made first if
+    /// it is empty.
+    fn room_if_empty(&mut self, need: usize) -> &mut BytesMut {
         if self.out.buf.is_empty() && !self.out.reclaim(need) {
             // Held: the spare takes its turn, and this buffer waits as the
             // spare until its pieces are dropped.
