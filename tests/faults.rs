@@ -1631,6 +1631,69 @@ async fn a_hundred_parallel_tool_calls_each_get_their_own_progress() {
     assert_no_foreign_panic();
 }
 
+/// Frames that arrive together go out together: the upstream flushes a
+/// role chunk and ten tool-call deltas as eleven chunks in one write, and
+/// the proxy, which takes them as eleven frames from one read, passes
+/// them on in one write. The latency a write adds is observed once a
+/// write (from its first frame), not once a frame; the bytes are the
+/// annotated input, whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_read_together_go_out_in_one_write_with_one_latency() {
+    let mut rng = Lcg(11);
+    let mut frames = vec![role_event()];
+    frames.push(tool_event(&[tool_entry(
+        0,
+        Some(("call_0", "write_file")),
+        "",
+    )]));
+    for _ in 0..9 {
+        frames.push(tool_event(&[tool_entry(0, None, &fragment(&mut rng))]));
+    }
+    let head = frames.concat().into_bytes();
+    let tail = format!("{}{DONE}", finish_event()).into_bytes();
+    let input = [head.clone(), tail.clone()].concat();
+
+    let gate = Arc::new(Notify::new());
+    let upstream_gate = gate.clone();
+    let upstream = FakeUpstream::start(move |_| {
+        // No `Yield` between the frames: the upstream's connection
+        // buffers them and writes them at once, when the body waits.
+        let mut reply = Reply::new(200).header("content-type", "text/event-stream");
+        for frame in &frames {
+            reply = reply.body(frame.clone());
+        }
+        reply
+            .then(Step::Wait(upstream_gate.clone()))
+            .body(tail.clone())
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let client = client();
+    let response = send(
+        &client,
+        post(&proxy.url("/v1/chat/completions"), "together"),
+    )
+    .await;
+    let mut body = response.into_body();
+    let mut got = Vec::new();
+    let first = annotate_open(&head);
+    read_at_least(&mut body, &mut got, first.len(), PATIENCE).await;
+    assert!(got == first, "the first eleven frames, annotated");
+    let writes = proxy.metric("aalis_added_latency_seconds_count");
+    assert!(
+        (1.0..=2.0).contains(&writes),
+        "{writes} latencies observed for eleven frames read at once"
+    );
+
+    gate.notify_one();
+    let (rest, end) = read_body(&mut body, PATIENCE).await;
+    end.expect("a clean end");
+    got.extend_from_slice(&rest);
+    assert!(strip_injected(&got) == input, "bytes lost or changed");
+    assert!(proxy.metric("aalis_added_latency_seconds_count") <= writes + 2.0);
+    assert_no_foreign_panic();
+}
+
 // ===========================================================================
 // 4. A client that goes away
 

@@ -250,6 +250,10 @@ impl Body for TapBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
+        // When this poll took its first frame from the upstream. A read of
+        // many events hands them over as as many frames, one after the
+        // other: they share that clock read, one a write, not one a frame.
+        let mut first_frame: Option<tokio::time::Instant> = None;
         loop {
             match *this.phase {
                 Phase::Done => return Poll::Ready(this.trailers.take().map(Ok)),
@@ -271,7 +275,7 @@ impl Body for TapBody {
                 // never waiting for a later event.
                 Poll::Pending if !this.out.is_empty() => {
                     publish_read(this.annotator, this.session, *this.heard);
-                    let chunk = take_out(this.out, this.bytes_out, this.metrics);
+                    let chunk = take_out(this.out, this.bytes_out, this.metrics, first_frame);
                     return Poll::Ready(Some(Ok(Frame::data(chunk))));
                 }
                 Poll::Pending => {
@@ -295,10 +299,11 @@ impl Body for TapBody {
                     Some(Err(Box::new(IdleTimeout(*this.idle_timeout)) as BoxError))
                 }
             };
-            // One clock read for all that needs the time of this frame:
-            // when it was heard, the start of its annotation, its session's
-            // last activity.
-            let now = tokio::time::Instant::now();
+            // One clock read for all that needs the time of the frames this
+            // poll takes: when they were heard (the idle timer's start, the
+            // session's last activity), and the start of the latency their
+            // write adds.
+            let now = *first_frame.get_or_insert_with(tokio::time::Instant::now);
             *this.heard = now;
             match event {
                 Some(Ok(frame)) => {
@@ -313,7 +318,8 @@ impl Body for TapBody {
                                 return Poll::Ready(Some(Ok(frame)));
                             }
                             *this.trailers = Some(frame);
-                            let chunk = take_out(this.out, this.bytes_out, this.metrics);
+                            let chunk =
+                                take_out(this.out, this.bytes_out, this.metrics, first_frame);
                             return Poll::Ready(Some(Ok(Frame::data(chunk))));
                         }
                     };
@@ -347,7 +353,6 @@ impl Body for TapBody {
                     log_warnings(annotator, this.log);
                     // Published when its output goes out, once for all the
                     // reads gathered into it.
-                    this.metrics.added_latency.observe(now.elapsed());
                     if last {
                         finish(this.annotator, this.session, this.out, this.log);
                     }
@@ -372,7 +377,7 @@ impl Body for TapBody {
             let more_may_come = *this.phase == Phase::Streaming && this.out.len() < COALESCE_BYTES;
             if !this.out.is_empty() && !more_may_come {
                 publish_read(this.annotator, this.session, *this.heard);
-                let chunk = take_out(this.out, this.bytes_out, this.metrics);
+                let chunk = take_out(this.out, this.bytes_out, this.metrics, first_frame);
                 return Poll::Ready(Some(Ok(Frame::data(chunk))));
             }
         }
@@ -590,11 +595,21 @@ fn finish(
     }
 }
 
-/// The gathered output, taken to go to the client, and counted.
+/// The gathered output, taken to go to the client, and counted; the time
+/// since its first frame was taken from the upstream (`first_frame`, when
+/// this poll took one) is the latency it adds.
 #[inline]
-fn take_out(out: &mut OutBuf, bytes_out: &mut u64, metrics: &Metrics) -> Bytes {
+fn take_out(
+    out: &mut OutBuf,
+    bytes_out: &mut u64,
+    metrics: &Metrics,
+    first_frame: Option<tokio::time::Instant>,
+) -> Bytes {
     let chunk = out.take();
     count_out(bytes_out, metrics, chunk.len());
+    if let Some(first) = first_frame {
+        metrics.added_latency.observe(first.elapsed());
+    }
     chunk
 }
 

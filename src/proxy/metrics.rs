@@ -105,7 +105,8 @@ pub struct Metrics {
     upstream_errors: [AtomicU64; 5],
     /// From the request to the first byte of the upstream's body.
     pub time_to_first_byte: Histogram,
-    /// Time spent annotating one upstream read before it goes out.
+    /// From taking the first upstream frame of a write to passing the write
+    /// on: annotating, gathering and publishing it (one per write).
     pub added_latency: Histogram,
 }
 
@@ -181,7 +182,7 @@ impl Metrics {
         );
         self.added_latency.render(
             "aalis_added_latency_seconds",
-            "Time spent annotating one upstream read before passing it on.",
+            "From taking the first upstream frame of a write to passing the write on.",
             &mut out,
         );
         out
