@@ -303,8 +303,7 @@ impl Body for TapBody {
             // poll takes: when they were heard (the idle timer's start, the
             // session's last activity), and the start of the latency their
             // write adds.
-            let now = *first_frame.get_or_insert_with(tokio::time::Instant::now);
-            *this.heard = now;
+            *this.heard = *first_frame.get_or_insert_with(tokio::time::Instant::now);
             match event {
                 Some(Ok(frame)) => {
                     let data = match frame.into_data() {
@@ -351,8 +350,8 @@ impl Body for TapBody {
                         .collect_events(this.session.as_ref().is_some_and(StreamHandle::listened));
                     annotator.push(&data, Now::Clock(unix_ms), this.out.room_for(data.len()));
                     log_warnings(annotator, this.log);
-                    // Published when its output goes out, once for all the
-                    // reads gathered into it.
+                    // What it collected is published when its output goes
+                    // out, once for all the reads gathered into it.
                     if last {
                         finish(this.annotator, this.session, this.out, this.log);
                     }
