@@ -178,7 +178,7 @@ fn gather_bursts(held_at_once: usize, small: usize) -> (u64, u64) {
         expected.extend_from_slice(first);
         next += 1;
         let mut finding = allocations(|| out.room_for(first.len()).extend_from_slice(first));
-        let room = out.room().capacity();
+        let room = out.room_for(0).capacity();
         let gathering = allocations(|| {
             while out.len() < size {
                 let event = &events[next % events.len()];

@@ -537,32 +537,17 @@ impl OutBuf {
         self.out.take()
     }
 
-    /// The buffer to write the next output into. When it is empty, room is
-    /// made first, as much as the largest piece took and some: this buffer or
-    /// the spare made whole, or a new one allocated when the connection
-    /// still holds pieces of both.
-    pub fn room(&mut self) -> &mut BytesMut {
-        self.room_if_empty(self.largest + OUT_ROOM)
-    }
-
-    /// The buffer to write a read's output into (`read`: its length in
-    /// bytes). Room is made as by [`room`](Self::room), from the read as
-    /// well as from the largest piece. A buffer that already gathers a burst
-    /// and has less room left than the read grows once to a whole burst's
-    /// size (`COALESCE_BYTES`, then this read, and `OUT_ROOM`): the burst
-    /// goes on until it is that large, and its other reads then fit where
-    /// they are.
+    /// The buffer to write the output of a read of `read` bytes into (0
+    /// for what the input's end writes). When it is empty, room is made
+    /// first, as much as the largest piece or the read took and some: this
+    /// buffer or the spare made whole, or a new one allocated when the
+    /// connection still holds pieces of both. A buffer that already gathers
+    /// a burst and has less room left than the read grows once to a whole
+    /// burst's size (`COALESCE_BYTES`, then this read, and `OUT_ROOM`): the
+    /// burst goes on until it is that large, and its other reads then fit
+    /// where they are.
     pub fn room_for(&mut self, read: usize) -> &mut BytesMut {
-        let buf = self.room_if_empty(self.largest.max(read) + OUT_ROOM);
-        if !buf.is_empty() && buf.capacity() - buf.len() < read {
-            buf.reserve((COALESCE_BYTES + read + OUT_ROOM).saturating_sub(buf.len()));
-        }
-        buf
-    }
-
-    /// The buffer to write into, with room for `need` bytes made first if
-    /// it is empty.
-    fn room_if_empty(&mut self, need: usize) -> &mut BytesMut {
+        let need = self.largest.max(read) + OUT_ROOM;
         if self.out.buf.is_empty() && !self.out.reclaim(need) {
             // Held: the spare takes its turn, and this buffer waits as the
             // spare until its pieces are dropped.
@@ -575,7 +560,11 @@ impl OutBuf {
                 };
             }
         }
-        &mut self.out.buf
+        let buf = &mut self.out.buf;
+        if !buf.is_empty() && buf.capacity() - buf.len() < read {
+            buf.reserve((COALESCE_BYTES + read + OUT_ROOM).saturating_sub(buf.len()));
+        }
+        buf
     }
 }
 
@@ -588,7 +577,7 @@ fn finish(
     log: &RequestLog,
 ) {
     if let Some(annotator) = annotator.as_mut() {
-        annotator.finish(Now::Clock(unix_ms), out.room());
+        annotator.finish(Now::Clock(unix_ms), out.room_for(0));
         log_warnings(annotator, log);
         publish(annotator, session, Instant::now());
     }

@@ -177,10 +177,6 @@ impl Sessions {
         self.by_id.len()
     }
 
-    fn sessions(&self) -> impl Iterator<Item = &Session> {
-        self.slots.iter().map(|(_, session)| session)
-    }
-
     fn iter(&self) -> impl Iterator<Item = (&String, &Session)> {
         self.by_id
             .iter()
@@ -385,7 +381,7 @@ impl SessionRegistry {
     /// host, so one per session would not do).
     pub fn subscribe_all(&self) -> Subscription {
         let state = self.lock();
-        for session in state.sessions.sessions() {
+        for (_, session) in state.sessions.iter() {
             session.listened.store(true, Ordering::Relaxed);
         }
         Subscription {
