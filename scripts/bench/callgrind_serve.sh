@@ -8,10 +8,11 @@
 #   C=64 EVENTS=100 scripts/bench/callgrind_serve.sh
 #   DELAY_US=0 C=16 EVENTS=1000 scripts/bench/callgrind_serve.sh   # unpaced: as fast as it goes
 #   sample=/tmp/text.sse C=1 EVENTS=1000 scripts/bench/callgrind_serve.sh   # another capture
+#   DRIVES=6 C=32 EVENTS=2 scripts/bench/callgrind_serve.sh   # with DRIVES=2: a stream's set-up
 #   CACHE_SIM=1 C=4 EVENTS=400 ARGS="--threads 1" scripts/bench/callgrind_serve.sh
 #   CACHE_SIM=1 C=4 EVENTS=400 TARGET=nginx scripts/bench/callgrind_serve.sh
 #
-# Two drives of C streams × EVENTS events, one every 5 ms per stream
+# DRIVES (two unless set) drives of C streams × EVENTS events, one every 5 ms per stream
 # (DELAY_US), from the stamping upstream of examples/loadgen.rs (tool-heavy
 # capture, seed 8, unless `sample` names another capture, for example one of
 # scripts/bench/gen_captures.py's).
@@ -36,6 +37,7 @@ work=${WORKDIR:-/tmp/aalis-bench/callgrind-serve}
 conc=${C:-16}
 events=${EVENTS:-200}
 delay_us=${DELAY_US:-5000}
+drives=${DRIVES:-2}
 pace=paced
 [ "$delay_us" = 0 ] && pace=unpaced
 target=${TARGET:-serve}
@@ -83,7 +85,7 @@ pids+=($target_pid)
 wait_port "$port" 60
 
 total_events=0
-for _ in 1 2; do
+for _ in $(seq "$drives"); do
   n=$(timeout 300 "$loadgen" drive --target "127.0.0.1:$port" --concurrency "$conc" --events "$events" \
     --delay-us "$delay_us" --timeout-seconds 240 | python3 -c 'import json,sys; print(json.load(sys.stdin)["events"])')
   total_events=$((total_events + n))
