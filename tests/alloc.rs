@@ -155,6 +155,38 @@ fn an_output_buffer_whose_last_piece_is_still_held_does_not_allocate() {
     assert_eq!(n, 0, "allocations over 550 events, nothing held");
 }
 
+/// A paced stream's output goes to the same memory every event: once the
+/// connection has dropped the last piece, the next is written at the start
+/// of the buffer (still in the cache), not after it, even where the
+/// buffer has room after it (here, a buffer grown by a burst at the
+/// stream's start). No allocation.
+#[test]
+fn a_paced_streams_output_is_written_where_the_last_was_once_it_is_dropped() {
+    let events: Vec<Vec<u8>> = (0..60).map(delta_event).collect();
+    let mut out = OutBuf::default();
+    // A burst, gathered read by read: the buffer grows once to a whole
+    // burst's size, far more than one event needs.
+    for event in &events[..20] {
+        out.room_for(event.len()).extend_from_slice(event);
+    }
+    let burst = out.take();
+    assert_eq!(
+        burst.len(),
+        events[..20].iter().map(Vec::len).sum::<usize>()
+    );
+    let start = burst.as_ptr();
+    drop(burst);
+    let n = allocations(|| {
+        for event in &events[20..] {
+            out.room_for(event.len()).extend_from_slice(event);
+            let piece = out.take();
+            assert_eq!(&piece[..], &event[..]);
+            assert_eq!(piece.as_ptr(), start, "written where the last piece was");
+        }
+    });
+    assert_eq!(n, 0, "allocations over 40 paced events");
+}
+
 /// An unpaced stream's pattern: events are gathered up to 64 KiB before a
 /// piece goes out (`COALESCE_BYTES`; less when the upstream pauses), and
 /// the connection may queue several pieces before it writes them.

@@ -443,13 +443,15 @@ fn deadline_after(heard: tokio::time::Instant, idle_timeout: Duration) -> tokio:
 /// connection a piece at a time ([`take`](Self::take)) without a copy.
 ///
 /// A piece handed on shares the buffer's allocation until the connection
-/// has written and dropped it. The next output is written after it while
-/// the rest of the allocation has room for as much as the largest piece took;
-/// otherwise the buffer is made whole again once the piece is dropped, and
-/// the output is written at the start of its allocation. (Left to itself,
-/// `bytes` would move what was gathered back to the start once it ran out
-/// of room: a copy of up to a whole burst, in an unpaced stream nearly
-/// every burst.)
+/// has written and dropped it. Once it is dropped, the buffer is made whole
+/// again and the next output is written at the start of its allocation:
+/// the same first bytes every event of a paced stream, which are still in
+/// the cache, rather than the next ones along, which are not (BENCHMARKS.md,
+/// thirty-eighth round). While the piece is held, the next output is
+/// written after it if the rest of the allocation has room for as much as
+/// the largest piece took. (Left to itself, `bytes` would move what was
+/// gathered back to the start once it ran out of room: a copy of up to a
+/// whole burst, in an unpaced stream nearly every burst.)
 ///
 /// The connection may still hold a piece when the next event comes (it
 /// polls the body again before it writes, and may queue several pieces),
@@ -487,30 +489,30 @@ struct Whole {
 }
 
 impl Whole {
-    /// Room in the empty buffer: where it is, if it has `need` bytes left
-    /// after the pieces taken before (a paced stream's events, one at a
-    /// time); or the whole allocation, at its start, once no piece of it is
-    /// held (an allocation smaller than `need` then grows as it is
-    /// written). False while a piece is held and there is less room than
-    /// `need`, or when it has no allocation yet; never allocates or copies.
+    /// Room in the empty buffer: the whole allocation, at its start, once
+    /// no piece of it is held (an allocation smaller than `need` then grows
+    /// as it is written); while one is, where it is, if it has `need` bytes
+    /// left after the pieces taken before. False while a piece is held and
+    /// there is less room than `need`, or when it has no allocation yet;
+    /// never allocates or copies.
     fn reclaim(&mut self, need: usize) -> bool {
         let room = self.buf.capacity();
         if self.capacity == 0 {
             return false;
         }
-        if room >= need || room >= self.capacity {
-            // Room enough, or nothing taken since it was last whole.
+        if room >= self.capacity {
+            // Nothing taken since it was last whole.
             return true;
         }
         // Asked for more than it has left, `try_reclaim` goes back to the
         // allocation's start when this is the only handle left on it (a
         // piece was taken, so the start is further back); it never
         // allocates.
-        if !self.buf.try_reclaim(room + 1) {
-            return false;
+        if self.buf.try_reclaim(room + 1) {
+            self.capacity = self.capacity.max(self.buf.capacity());
+            return true;
         }
-        self.capacity = self.capacity.max(self.buf.capacity());
-        true
+        room >= need
     }
 
     /// What was written since the last take, as one piece.
