@@ -11,6 +11,7 @@
 #   DRIVES=6 C=32 EVENTS=2 scripts/bench/callgrind_serve.sh   # with DRIVES=2: a stream's set-up
 #   CACHE_SIM=1 C=4 EVENTS=400 ARGS="--threads 1" scripts/bench/callgrind_serve.sh
 #   CACHE_SIM=1 C=4 EVENTS=400 TARGET=nginx scripts/bench/callgrind_serve.sh
+#   CACHE_SIM=1 CACHE_ARGS="--LL=524288,16,64" C=64 EVENTS=200 ARGS="--threads 1" scripts/bench/callgrind_serve.sh   # a 512 KiB last level
 #
 # DRIVES (two unless set) drives of C streams × EVENTS events, one every 5 ms per stream
 # (DELAY_US), from the stamping upstream of examples/loadgen.rs (tool-heavy
@@ -49,7 +50,8 @@ case "$target" in
   *) echo "callgrind_serve: TARGET must be serve or nginx" >&2; exit 2 ;;
 esac
 cache=()
-[ "${CACHE_SIM:-0}" = 1 ] && cache=(--cache-sim=yes)
+# shellcheck disable=SC2206 # CACHE_ARGS is a list of valgrind flags
+[ "${CACHE_SIM:-0}" = 1 ] && cache=(--cache-sim=yes ${CACHE_ARGS:-})
 
 # shellcheck source=scripts/bench/proxy_setup.sh
 . scripts/bench/proxy_setup.sh
