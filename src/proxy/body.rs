@@ -504,11 +504,8 @@ impl Whole {
             // Nothing taken since it was last whole.
             return true;
         }
-        // Asked for more than it has left, `try_reclaim` goes back to the
-        // allocation's start when this is the only handle left on it (a
-        // piece was taken, so the start is further back); it never
-        // allocates.
-        if self.buf.try_reclaim(room + 1) {
+        // A piece was taken, so the start is further back.
+        if super::rewind(&mut self.buf) {
             self.capacity = self.capacity.max(self.buf.capacity());
             return true;
         }

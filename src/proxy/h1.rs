@@ -202,16 +202,10 @@ impl Conn {
     /// Room for a read: at least [`MIN_READ_BYTES`], made `read_bytes`
     /// when short (`BytesMut` takes back the front of its buffer when no
     /// data handed on still points into it). A buffer whose bytes were all
-    /// taken, and dropped, reads at its start again: a paced stream's reads
-    /// then land on the same few lines of memory, still in the cache, not
-    /// on the next ones along (BENCHMARKS.md, thirty-eighth round).
+    /// taken, and dropped, reads at its start again ([`super::rewind`]): a
+    /// paced stream's reads then land on the same few lines of memory.
     fn make_room(&mut self) -> usize {
-        if self.buf.is_empty() {
-            // Asked for more than it has left, `try_reclaim` goes back to
-            // the start when nothing handed on points into the buffer; it
-            // never allocates, and does nothing otherwise.
-            let _ = self.buf.try_reclaim(self.buf.capacity() + 1);
-        }
+        super::rewind(&mut self.buf);
         if self.buf.capacity() - self.buf.len() < MIN_READ_BYTES {
             self.buf.reserve(self.read_bytes);
         }

@@ -28,6 +28,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use bytes::BytesMut;
 use tokio::net::TcpListener;
 
 use crate::encode::InjectMode;
@@ -120,4 +121,16 @@ pub async fn serve_proxy_on(
         async move { proxy.handle(req, peer).await }
     };
     server::serve(listener, handler, shutdown, grace, workers).await;
+}
+
+/// Moves an empty `buf` back to the start of its allocation when no piece
+/// split off it is still held: the next bytes then go where the last ones
+/// went, into memory still in the cache, not into the next lines along
+/// (BENCHMARKS.md, thirty-eighth round). Whether it did; it never
+/// allocates or copies, and does nothing to a buffer that holds bytes, is
+/// already at its start, or shares its allocation. (`try_reclaim`, asked
+/// for more than the buffer has left, goes back to the start when it is
+/// the only handle left.)
+pub(crate) fn rewind(buf: &mut BytesMut) -> bool {
+    buf.is_empty() && buf.try_reclaim(buf.capacity() + 1)
 }
