@@ -450,7 +450,13 @@ def proxy_overhead(cfg, loadgen, targets, pids, notes):
             runs = {name: [] for name in targets}
             cpu = {name: [] for name in targets}
             for rep in range(reps):
-                for name, port in targets.items():
+                # Each repetition starts one target later than the last, so
+                # that no target always drives right after the same other
+                # one: an effect of the order would read as a difference
+                # between the targets.
+                order = list(targets.items())
+                order = order[rep % len(order):] + order[:rep % len(order)]
+                for name, port in order:
                     check_deadline(f"proxy {mode} C={c}")
                     before = tree_cpu_s(pids[name]) if name in pids else None
                     r = drive(loadgen, port, c, events, delay, timeout=min(left(), 300))
