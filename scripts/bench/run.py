@@ -9,7 +9,9 @@ One run measures, side by side, and prints one table of medians and ratios:
      `annotate`'s reading and writing alone (`loadgen copy`);
   2. proxy overhead: per-event added latency and time to first byte through
      `aalis-proxy serve` and nginx, against a direct connection to the same
-     stamping upstream (examples/loadgen.rs), paced and unpaced;
+     stamping upstream (examples/loadgen.rs), paced and unpaced; and, not a
+     target, a second nginx judged against the first, which shows how many
+     cells the host alone lets a proxy that is nginx meet;
   3. memory: RSS per open idle stream, and the RSS slope of a soak;
   4. instruction counts (callgrind) per input byte, stable on a noisy box;
   5. the criterion micro-benchmarks (benches/pipeline.rs).
