@@ -435,12 +435,15 @@ def tree_cpu_s(pid):
     return total / 1e9
 
 
-def proxy_overhead(cfg, loadgen, targets, pids, notes):
+def proxy_overhead(cfg, loadgen, targets, pids, notes, restart=None):
     """Drives every target (name → port) in turn, repetition after
     repetition; `pids` (name → pid) are the processes whose CPU time per
-    event is measured over each drive."""
+    event is measured over each drive. With `restart` (name → None, which
+    starts a fresh process for that target and updates `targets` and
+    `pids`), every repetition but the run's first drives fresh proxies."""
     rows = []
     reps = cfg["proxy_reps"]
+    first = True
     for mode in ("paced", "unpaced"):
         for c in cfg["concurrency"]:
             if mode == "paced":
@@ -452,6 +455,10 @@ def proxy_overhead(cfg, loadgen, targets, pids, notes):
             runs = {name: [] for name in targets}
             cpu = {name: [] for name in targets}
             for rep in range(reps):
+                if restart and not first:
+                    for name in list(pids):
+                        restart(name)
+                first = False
                 # Each repetition starts one target later than the last, so
                 # that no target always drives right after the same other
                 # one: an effect of the order would read as a difference
@@ -978,6 +985,9 @@ def main():
                     "--release` gives), measured beside --aalis: filter contenders, instruction counts, a proxy target")
     ap.add_argument("--forward-only", help="a build made with --cfg aalis_forward_only (annotates nothing): "
                     "a fourth proxy target, the HTTP path's cost without parsing")
+    ap.add_argument("--fresh-processes", action="store_true",
+                    help="start every proxy target afresh for each repetition of the proxy part, so that no "
+                    "process's own luck (where its threads run, how its memory is laid out) lasts for all of them")
     ap.add_argument("--workdir", default="/tmp/aalis-bench")
     ap.add_argument("--soak-seconds", type=int)
     ap.add_argument("--reps", type=int)
@@ -1012,42 +1022,63 @@ def main():
         if "proxy" in only or "memory" in only:
             sample = capture(a.workdir, "tool", cfg["sample_mb"], seed=8)
             upstream, up_port = start_upstream(a.loadgen, sample, a.workdir)
-            aalis, aalis_port = start_aalis(a.aalis, up_port, a.workdir)
-            targets_ = {"direct": up_port, "aalis": aalis_port}
-            pids = {"aalis": aalis.pid}
-            # The other builds (OTHER_BUILDS), each in serve's place, for the
-            # proxy part only.
-            others = []
+            targets_ = {"direct": up_port}
+            pids = {}
+            # Each proxy target's process, how it is stopped and how it is
+            # started (name → (Popen, signal, launcher)), so that a
+            # repetition can drive fresh ones (--fresh-processes).
+            procs = {}
+            # The largest VmHWM of each target's processes that were stopped,
+            # and the targets restarted, one entry a restart.
+            peak = {}
+            restarted = []
+
+            def launch(name, launcher, sig):
+                p, port = launcher()
+                procs[name] = (p, sig, launcher)
+                targets_[name] = port
+                pids[name] = p.pid
+
+            def restart(name):
+                restarted.append(name)
+                p, sig, launcher = procs[name]
+                peak[name] = max(peak.get(name, 0), tree_hwm_kib(p.pid))
+                stop(p, sig)
+                launch(name, launcher, sig)
+
+            def start_build(binary, log_name="serve.log"):
+                return lambda: start_aalis(binary, up_port, a.workdir, log_name)
+
+            launch("aalis", start_build(a.aalis), signal.SIGTERM)
+            # The other builds (OTHER_BUILDS), each in serve's place, and the
+            # second nginx (TWIN): for the proxy part only.
             builds = [(a.plain, "aalis (plain build)", "serve-plain.log"),
                       (a.forward_only, "forward-only", "serve-forward-only.log")]
             for binary, name, log_name in builds:
                 if binary and "proxy" in only:
-                    p, port = start_aalis(binary, up_port, a.workdir, log_name)
-                    targets_[name] = port
-                    pids[name] = p.pid
-                    others.append((p, signal.SIGTERM))
-            nginx = None
+                    launch(name, start_build(binary, log_name), signal.SIGTERM)
             if have_nginx:
-                nginx, nginx_port = start_nginx(up_port, a.workdir)
-                targets_["nginx"] = nginx_port
-                pids["nginx"] = nginx.pid
+                launch("nginx", lambda: start_nginx(up_port, a.workdir), signal.SIGQUIT)
                 if "proxy" in only:
-                    twin, twin_port = start_nginx(up_port, a.workdir, "nginx-2")
-                    targets_[TWIN] = twin_port
-                    pids[TWIN] = twin.pid
-                    others.append((twin, signal.SIGQUIT))
+                    launch(TWIN, lambda: start_nginx(up_port, a.workdir, "nginx-2"), signal.SIGQUIT)
             else:
                 notes.append("nginx is not available: no nginx comparison.")
             if "proxy" in only:
-                results["proxy"] = proxy_overhead(cfg, a.loadgen, targets_, pids, notes)
-                for p, sig in others:
-                    stop(p, sig)
-                # High-water RSS after the unpaced runs: what buffering cost.
-                results["peak_rss"] = [dict(target="aalis", vm_hwm_kib=hwm_kib(aalis.pid),
-                                            rss_kib=tree_rss_kib(aalis.pid))]
-                if nginx:
-                    results["peak_rss"].append(dict(target="nginx", vm_hwm_kib=tree_hwm_kib(nginx.pid),
-                                                    rss_kib=tree_rss_kib(nginx.pid)))
+                results["proxy"] = proxy_overhead(cfg, a.loadgen, targets_, pids, notes,
+                                                  restart if a.fresh_processes else None)
+                if a.fresh_processes:
+                    notes.append(f"--fresh-processes: each repetition of the proxy part drove fresh proxies "
+                                 f"({len(restarted)} restarts).")
+                # High-water RSS after the unpaced runs: what buffering cost
+                # (with --fresh-processes, the largest of any one process).
+                results["peak_rss"] = [dict(target=name, rss_kib=tree_rss_kib(procs[name][0].pid),
+                                            vm_hwm_kib=max(peak.get(name, 0), tree_hwm_kib(procs[name][0].pid)))
+                                       for name in ("aalis", "nginx") if name in procs]
+                for name in list(procs):
+                    if name not in ("aalis", "nginx"):
+                        stop(procs[name][0], procs[name][1])
+            aalis = procs["aalis"][0]
+            nginx = procs["nginx"][0] if "nginx" in procs else None
             if "memory" in only:
                 # Fresh processes, warmed by one small paced run, so "before"
                 # is a proxy at rest rather than one that just buffered the
