@@ -11,7 +11,8 @@
 #   scripts/bench.sh --smoke              # seconds: tiny sizes, C=1/4, proves it works
 #
 # Other options are passed to scripts/bench/run.py: --reps N, --mb N,
-# --only throughput,callgrind,proxy,memory,criterion, --workdir DIR.
+# --only throughput,callgrind,proxy,memory,criterion, --workdir DIR,
+# --fresh-processes (the proxies started afresh for each repetition).
 #
 # Loopback only; every loop is bounded in count and time, and the run stops by
 # itself. The full suite installs nginx and jq from Debian's packages when they
