@@ -878,6 +878,20 @@ def paced_detail(a, n):
             f"p99 {reps_won(a, n, 'added_p99_reps', lower=True)}")
 
 
+def unpaced_cells(a, n):
+    """The one unpaced cell, throughput at least nginx's, met or not."""
+    return [a["events_per_s"] >= n["events_per_s"]]
+
+
+def judged(who, c, rule, cells, detail):
+    """The verdict line of `serve` (a target) or of the second nginx (not
+    one) on the cells of one C."""
+    ok = all(cells)
+    if who == TWIN:
+        return f"  (not a target) {TWIN_SAYS} at C={c}: {'would meet' if ok else 'would miss'} ({detail})"
+    return f"{rule}: {'MET' if ok else 'MISSED'} ({detail})"
+
+
 def unpaced_detail(a, n):
     return (f"{a['events_per_s'] / n['events_per_s']:.2f}× nginx; {a['throughput_ratio']:.2f} vs "
             f"{n['throughput_ratio']:.2f} of direct; {reps_won(a, n, 'events_per_s_reps', lower=False)}")
@@ -913,18 +927,13 @@ def targets(results):
         for c in sorted({r["concurrency"] for r in prox}):
             get = {r["target"]: r for r in prox if r["mode"] == mode and r["concurrency"] == c}
             if "aalis" in get and "nginx" in get:
-                a, n = get["aalis"], get["nginx"]
-                cells = paced_cells(a, n)
-                met["aalis"] += cells
-                ok = all(cells)
-                lines.append(f"paced C={c}: added latency ≤ nginx's: {'MET' if ok else 'MISSED'} "
-                             f"({paced_detail(a, n)})")
-                if TWIN in get:
-                    cells = paced_cells(get[TWIN], n)
-                    met[TWIN] += cells
-                    ok = all(cells)
-                    lines.append(f"  (not a target) {TWIN_SAYS} at C={c}: {'would meet' if ok else 'would miss'} "
-                                 f"({paced_detail(get[TWIN], n)})")
+                n = get["nginx"]
+                for who in ("aalis", TWIN):
+                    if who in get:
+                        cells = paced_cells(get[who], n)
+                        met[who] += cells
+                        lines.append(judged(who, c, f"paced C={c}: added latency ≤ nginx's", cells,
+                                            paced_detail(get[who], n)))
                 for target, build in OTHER_BUILDS:
                     if target in get:
                         f = get[target]
@@ -934,16 +943,13 @@ def targets(results):
     for c in sorted({r["concurrency"] for r in prox}):
         get = {r["target"]: r for r in prox if r["mode"] == "unpaced" and r["concurrency"] == c}
         if "aalis" in get and "nginx" in get:
-            a, n = get["aalis"], get["nginx"]
-            x = a["events_per_s"] / n["events_per_s"]
-            met["aalis"].append(x >= 1)
-            lines.append(f"unpaced C={c}: throughput ≥ nginx's: {'MET' if x >= 1 else 'MISSED'} "
-                         f"({unpaced_detail(a, n)})")
-            if TWIN in get:
-                x = get[TWIN]["events_per_s"] / n["events_per_s"]
-                met[TWIN].append(x >= 1)
-                lines.append(f"  (not a target) {TWIN_SAYS} at C={c}: {'would meet' if x >= 1 else 'would miss'} "
-                             f"({unpaced_detail(get[TWIN], n)})")
+            n = get["nginx"]
+            for who in ("aalis", TWIN):
+                if who in get:
+                    cells = unpaced_cells(get[who], n)
+                    met[who] += cells
+                    lines.append(judged(who, c, f"unpaced C={c}: throughput ≥ nginx's", cells,
+                                        unpaced_detail(get[who], n)))
             for target, build in OTHER_BUILDS:
                 if target in get:
                     x = get[target]["events_per_s"] / n["events_per_s"]
