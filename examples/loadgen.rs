@@ -21,6 +21,7 @@
 //! sends, what hyper and nginx forward, and nothing else.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -61,6 +62,12 @@ enum Command {
     Drive {
         #[command(flatten)]
         load: Load,
+        /// Also writes each event's latency to this file, one line an
+        /// event: the stream's number, the event's position in its stream,
+        /// the stream's events, the latency in nanoseconds (for
+        /// scripts/bench/tail_by_position.py).
+        #[arg(long)]
+        latencies_out: Option<std::path::PathBuf>,
     },
     /// C workers, each streaming one stream after another for a duration.
     Soak {
@@ -141,7 +148,10 @@ fn main() -> std::process::ExitCode {
                 events,
                 max_seconds,
             } => upstream(listen, &events, max_seconds).await,
-            Command::Drive { load } => drive(load).await,
+            Command::Drive {
+                load,
+                latencies_out,
+            } => drive(load, latencies_out.as_deref()).await,
             Command::Soak {
                 load,
                 duration_seconds,
@@ -545,7 +555,7 @@ fn summary_json(values: &mut [u64]) -> String {
 /// `latency_start_us` (the rest are `latency_steady_us`).
 const START_EVENTS: usize = 10;
 
-async fn drive(load: Load) -> Result<(), Error> {
+async fn drive(load: Load, latencies_out: Option<&std::path::Path>) -> Result<(), Error> {
     let request = Arc::new(request_bytes(&load, 0));
     let deadline = Duration::from_secs(load.timeout_seconds);
     let started = Instant::now();
@@ -580,6 +590,8 @@ async fn drive(load: Load) -> Result<(), Error> {
     // a tail comes from.
     let (mut start, mut steady) = (Vec::new(), Vec::new());
     let mut ttfbs = Vec::new();
+    // Each stream's latencies in order, kept for `latencies_out` only.
+    let mut per_stream = Vec::new();
     let (mut ok, mut errors, mut events, mut bytes) = (0u64, 0u64, 0u64, 0u64);
     let mut first_error = None;
     while let Some(joined) = tasks.join_next().await {
@@ -597,8 +609,22 @@ async fn drive(load: Load) -> Result<(), Error> {
         let split = stats.latencies_ns.len().min(START_EVENTS);
         start.extend_from_slice(&stats.latencies_ns[..split]);
         steady.extend_from_slice(&stats.latencies_ns[split..]);
+        if latencies_out.is_some() {
+            per_stream.push(stats.latencies_ns);
+        }
     }
     let wall = started.elapsed().as_secs_f64();
+    // Written once every stream has ended, so that the writing costs the
+    // drive nothing.
+    if let Some(path) = latencies_out {
+        let mut text = String::new();
+        for (stream, latencies) in per_stream.iter().enumerate() {
+            for (position, ns) in latencies.iter().enumerate() {
+                let _ = writeln!(text, "{stream} {position} {} {ns}", latencies.len());
+            }
+        }
+        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
     println!(
         r#"{{"concurrency":{},"ok":{},"errors":{},"first_error":{},"events":{},"bytes":{},"wall_s":{:.4},"events_per_s":{:.1},"mb_per_s":{:.3},"latency_us":{},"ttfb_us":{},"start_events":{},"latency_start_us":{},"latency_steady_us":{}}}"#,
         load.concurrency,

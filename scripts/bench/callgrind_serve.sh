@@ -83,7 +83,7 @@ else
     >"$work/serve.log" 2>&1 &
 fi
 target_pid=$!
-pids+=($target_pid)
+pids+=("$target_pid")
 wait_port "$port" 60
 
 total_events=0
