@@ -14,16 +14,16 @@
 #   C=64 EVENTS=200 REPS=20 LATENCIES=/tmp/lat scripts/bench/interleave.sh   # and
 #   python3 scripts/bench/tail_by_position.py /tmp/lat/*                     # where the tail is
 #
-# TARGETS: name=binary pairs (default: this checkout's release build as
-# "serve"); ENV_<name>: environment for that one (VAR=value ..., split on
-# spaces). C (256), EVENTS per stream (200), DELAY_US between two events of
-# a stream (5000; 0 is unpaced), REPS (10), GAP seconds of idleness before
-# each drive (0), NGINX=0 leaves nginx out, LATENCIES: a directory for each
-# drive's per-event latencies (`loadgen drive --latencies-out`), one file
-# per drive named target.rep. Each target is warmed by one short drive at
-# C first. Needs nginx (nginx-light) unless NGINX=0. Loopback only; every
-# drive bounded by `timeout`; the processes started here are stopped here by
-# their pids.
+# TARGETS: name=binary pairs, names of letters, digits and _ (default:
+# this checkout's release build as "serve"); ENV_<name>: environment for
+# that one (VAR=value ..., split on spaces). C (256), EVENTS per stream
+# (200), DELAY_US between two events of a stream (5000; 0 is unpaced), REPS
+# (10), GAP seconds of idleness before each drive (0), NGINX=0 leaves nginx
+# out, LATENCIES: a directory for each drive's per-event latencies
+# (`loadgen drive --latencies-out`), one file per drive named target.rep.
+# Each target is warmed by one short drive at C first. Needs nginx
+# (nginx-light) unless NGINX=0. Loopback only; every drive bounded by
+# `timeout`; the processes started here are stopped here by their pids.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -50,6 +50,7 @@ names=()
 for entry in ${TARGETS:-serve=target/release/aalis-proxy}; do
   name=${entry%%=*}
   bin=${entry#*=}
+  [[ $name =~ ^[A-Za-z0-9_]+$ && $name != nginx ]] || { echo "interleave: '$name': a target's name is letters, digits and _ (and not nginx)" >&2; exit 2; }
   [ -x "$bin" ] || { echo "interleave: $bin is not an executable (TARGETS takes name=binary pairs)" >&2; exit 2; }
   envvar="ENV_$name"
   # shellcheck disable=SC2206 # a list of VAR=value words
