@@ -897,6 +897,26 @@ def unpaced_detail(a, n):
             f"{n['throughput_ratio']:.2f} of direct; {reps_won(a, n, 'events_per_s_reps', lower=False)}")
 
 
+def paced_other(a, n):
+    """A build that is not a target, paced: its added latency and CPU."""
+    return (f"p50 {a['added_p50']:+.0f}, p99 {a['added_p99']:+.0f} µs, "
+            f"CPU {fmt(a['cpu_us_per_event'])} µs per event")
+
+
+def unpaced_other(a, n):
+    """A build that is not a target, unpaced: its throughput against nginx's."""
+    return f"{a['events_per_s'] / n['events_per_s']:.2f}× nginx"
+
+
+# Per mode, the proxy's rule and how its cells, its verdict's detail and
+# the line of a build that is not a target are read from a row and
+# nginx's; paced first, as the table shows them.
+PROXY_RULES = {
+    "paced": ("added latency ≤ nginx's", paced_cells, paced_detail, paced_other),
+    "unpaced": ("throughput ≥ nginx's", unpaced_cells, unpaced_detail, unpaced_other),
+}
+
+
 def targets(results):
     lines = []
     for cap in dict.fromkeys(r["capture"] for r in results["throughput"]):
@@ -923,37 +943,19 @@ def targets(results):
     # the throughput at each C) `serve` and the second nginx meet, for the
     # count after them.
     met = {"aalis": [], TWIN: []}
-    for mode in ("paced",):
+    for mode, (rule, cells_of, detail_of, other_build) in PROXY_RULES.items():
         for c in sorted({r["concurrency"] for r in prox}):
             get = {r["target"]: r for r in prox if r["mode"] == mode and r["concurrency"] == c}
             if "aalis" in get and "nginx" in get:
                 n = get["nginx"]
                 for who in ("aalis", TWIN):
                     if who in get:
-                        cells = paced_cells(get[who], n)
+                        cells = cells_of(get[who], n)
                         met[who] += cells
-                        lines.append(judged(who, c, f"paced C={c}: added latency ≤ nginx's", cells,
-                                            paced_detail(get[who], n)))
+                        lines.append(judged(who, c, f"{mode} C={c}: {rule}", cells, detail_of(get[who], n)))
                 for target, build in OTHER_BUILDS:
                     if target in get:
-                        f = get[target]
-                        lines.append(f"  (not a target) {build} at C={c}: "
-                                     f"p50 {f['added_p50']:+.0f}, p99 {f['added_p99']:+.0f} µs, "
-                                     f"CPU {fmt(f['cpu_us_per_event'])} µs per event")
-    for c in sorted({r["concurrency"] for r in prox}):
-        get = {r["target"]: r for r in prox if r["mode"] == "unpaced" and r["concurrency"] == c}
-        if "aalis" in get and "nginx" in get:
-            n = get["nginx"]
-            for who in ("aalis", TWIN):
-                if who in get:
-                    cells = unpaced_cells(get[who], n)
-                    met[who] += cells
-                    lines.append(judged(who, c, f"unpaced C={c}: throughput ≥ nginx's", cells,
-                                        unpaced_detail(get[who], n)))
-            for target, build in OTHER_BUILDS:
-                if target in get:
-                    x = get[target]["events_per_s"] / n["events_per_s"]
-                    lines.append(f"  (not a target) {build} at C={c}: {x:.2f}× nginx")
+                        lines.append(f"  (not a target) {build} at C={c}: {other_build(get[target], n)}")
     if met[TWIN]:
         lines.append(f"  (not a target) proxy cells met: `serve` {sum(met['aalis'])} of {len(met['aalis'])}; "
                      f"{TWIN_SAYS} {sum(met[TWIN])} of {len(met[TWIN])}, which is what the host alone "
