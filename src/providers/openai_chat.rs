@@ -331,18 +331,66 @@ pub(crate) fn error_message(error: &str) -> String {
 pub(crate) struct Spans {
     choices: Vec<ChoiceSpans>,
     calls: Vec<CallSpans>,
-    /// The last valid frame's shape…
-    template: Template,
-    /// … its spans, in its bytes…
-    learned_top: TopSpans,
-    learned_choices: Vec<ChoiceSpans>,
-    learned_calls: Vec<CallSpans>,
+    /// The last valid frame's shape, its spans in its bytes…
+    shape: Shape,
     /// … and the holes of the frame at hand.
     holes: Vec<Span>,
-    /// The learned shape, when it is the steady one of a streaming call.
+    /// Frames in a row that had neither the learned shape nor one of the
+    /// thread's ([`RECENT_SHAPES`]); from [`RECALL_GIVES_UP`] on, the
+    /// stream stops asking the thread's.
+    recall_misses: u8,
+}
+
+/// A valid frame's shape: its template, and the spans the decoder took
+/// from it as hole ranks.
+#[derive(Debug, Default)]
+struct Shape {
+    template: Template,
+    top: TopSpans,
+    choices: Vec<ChoiceSpans>,
+    calls: Vec<CallSpans>,
+    /// The shape, when it is the steady one of a streaming call.
     steady: Option<SteadyCall>,
-    /// The learned shape, when its frames hold text and nothing else.
+    /// The shape, when its frames hold text and nothing else.
     text_only: Option<TextOnly>,
+}
+
+impl Shape {
+    /// Becomes a copy of `other`, in the buffers this one already has.
+    fn copy_from(&mut self, other: &Shape) {
+        self.template.copy_from(&other.template);
+        self.top = other.top;
+        self.choices.clone_from(&other.choices);
+        self.calls.clone_from(&other.calls);
+        self.steady = other.steady;
+        self.text_only = other.text_only;
+    }
+}
+
+/// How many shapes a thread keeps for its streams ([`RECENT_SHAPES`]).
+const SHAPES_KEPT: usize = 8;
+
+/// The longest frame whose shape a thread keeps: a template holds its
+/// frame's bytes.
+const SHAPE_BYTES_KEPT: usize = 4096;
+
+/// Frames in a row without a known shape after which a stream stops
+/// looking in its thread's shapes.
+const RECALL_GIVES_UP: u8 = 8;
+
+thread_local! {
+    /// The shapes this thread learned last, the most recently used first.
+    /// Each stream learns its own, but most streams a thread serves have
+    /// the same few: the role chunk, text, a call's announcement, its
+    /// arguments, the finish. A frame whose shape is not the stream's
+    /// current one is matched against these before it is walked: a new
+    /// stream's first frames, and a stream that goes from text to a call,
+    /// are then matched rather than walked. Which shape a frame is matched
+    /// with changes nothing it decodes to: a match proves the frame's
+    /// structure whichever frame taught it (see [`Template`]).
+    /// BENCHMARKS.md, forty-second round.
+    static RECENT_SHAPES: std::cell::RefCell<Vec<Shape>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A learned shape whose frames hold text only: one choice with a delta,
@@ -473,8 +521,8 @@ impl Spans {
     /// the frame was walked. `probed`: `data` is the frame
     /// [`match_prefix`](Self::match_prefix) recognized last.
     fn scan(&mut self, data: &str, head: bool, probed: bool) -> Result<Scanned, Bail> {
-        if probed || self.template.matches(data, &mut self.holes) {
-            if let Some(call) = self.steady {
+        if probed || self.shape.template.matches(data, &mut self.holes) || self.recall(data) {
+            if let Some(call) = self.shape.steady {
                 return Ok(Scanned::Steady(call));
             }
             if let Ok(top) = self.moved_from_template(head) {
@@ -483,25 +531,76 @@ impl Spans {
         }
         self.choices.clear();
         self.calls.clear();
+        #[cfg(test)]
+        tests::WALKS.set(tests::WALKS.get() + 1);
         let mut c = Cursor::new(data, std::mem::take(&mut self.holes));
         let top = self.walk(&mut c);
         self.holes = c.into_holes();
         let top = top?;
         self.learn(data, &top);
+        self.remember();
         Ok(Scanned::Spans(top))
+    }
+
+    /// Whether `data` has one of the shapes this thread learned last
+    /// ([`RECENT_SHAPES`]); if so, that is the stream's shape now,
+    /// its template learned from `data`, and `holes` are `data`'s.
+    fn recall(&mut self, data: &str) -> bool {
+        if self.recall_misses >= RECALL_GIVES_UP {
+            return false;
+        }
+        let holes = &mut self.holes;
+        let shape = &mut self.shape;
+        let found = RECENT_SHAPES.with_borrow_mut(|shapes| {
+            let k = shapes
+                .iter()
+                .position(|known| known.template.matches(data, holes))?;
+            shape.copy_from(&shapes[k]);
+            shapes[..=k].rotate_right(1);
+            Some(())
+        });
+        if found.is_none() {
+            self.recall_misses += 1;
+            return false;
+        }
+        self.recall_misses = 0;
+        // The template now holds another stream's values (its id, its
+        // model, its text): learned again from this frame, the holes that
+        // keep their value from frame to frame are not scanned again. The
+        // same holes in the same order, so the ranks stay.
+        self.shape.template.learn(data, &self.holes);
+        true
+    }
+
+    /// Keeps the shape just learned among this thread's.
+    fn remember(&self) {
+        let template = &self.shape.template;
+        if !template.is_ready() || template.learned_bytes() > SHAPE_BYTES_KEPT {
+            return;
+        }
+        RECENT_SHAPES.with_borrow_mut(|shapes| {
+            if shapes.len() < SHAPES_KEPT {
+                shapes.push(Shape::default());
+            }
+            // The least recently used one's buffers take the copy.
+            shapes.rotate_right(1);
+            if let Some(first) = shapes.first_mut() {
+                first.copy_from(&self.shape);
+            }
+        });
     }
 
     /// See [`DecoderState::match_prefix`]: the holes it finds are the
     /// frame at hand's.
     pub(super) fn match_prefix(&mut self, text: &str) -> Option<usize> {
-        self.template.match_prefix(text, &mut self.holes)
+        self.shape.template.match_prefix(text, &mut self.holes)
     }
 
     /// What the frame [`match_prefix`](Self::match_prefix) just recognized
     /// holds, when its shape holds text and nothing else ([`TextOnly`]):
     /// the chunks [`decode`] would emit for it change only the phase.
     pub(super) fn probed_text(&self) -> Option<ProbedText> {
-        let shape = self.text_only?;
+        let shape = self.shape.text_only?;
         let holes = self.holes.as_slice();
         // `emit` takes the first of the two reasoning keys that has text.
         Some(ProbedText {
@@ -516,13 +615,13 @@ impl Spans {
     fn moved_from_template(&mut self, head: bool) -> Result<TopSpans, Bail> {
         let holes = self.holes.as_slice();
         let mut moved = |span| from_rank(holes, span);
-        let top = self.learned_top.map(&mut moved, head)?;
+        let top = self.shape.top.map(&mut moved, head)?;
         self.choices.clear();
-        for choice in &self.learned_choices {
+        for choice in &self.shape.choices {
             self.choices.push(choice.map(&mut moved)?);
         }
         self.calls.clear();
-        for call in &self.learned_calls {
+        for call in &self.shape.calls {
             self.calls.push(call.map(&mut moved)?);
         }
         Ok(top)
@@ -532,35 +631,29 @@ impl Spans {
     /// span the decoder took is a hole (a string or a number); otherwise
     /// the next frame is walked in full.
     fn learn(&mut self, data: &str, top: &TopSpans) {
-        self.template.learn(data, &self.holes);
-        let t = &self.template;
+        let shape = &mut self.shape;
+        shape.template.learn(data, &self.holes);
+        let t = &shape.template;
         let mut rank = |span| t.to_rank(span);
         let mut learn = || -> Result<(), Bail> {
-            self.learned_top = top.map(&mut rank, true)?;
-            self.learned_choices.clear();
+            shape.top = top.map(&mut rank, true)?;
+            shape.choices.clear();
             for choice in &self.choices {
-                self.learned_choices.push(choice.map(&mut rank)?);
+                shape.choices.push(choice.map(&mut rank)?);
             }
-            self.learned_calls.clear();
+            shape.calls.clear();
             for call in &self.calls {
-                self.learned_calls.push(call.map(&mut rank)?);
+                shape.calls.push(call.map(&mut rank)?);
             }
             Ok(())
         };
-        (self.steady, self.text_only) = match learn() {
-            Ok(()) => {
-                let (top, choices, calls) = (
-                    &self.learned_top,
-                    &self.learned_choices,
-                    &self.learned_calls,
-                );
-                (
-                    SteadyCall::of(top, choices, calls),
-                    TextOnly::of(top, choices, calls),
-                )
-            }
+        (shape.steady, shape.text_only) = match learn() {
+            Ok(()) => (
+                SteadyCall::of(&shape.top, &shape.choices, &shape.calls),
+                TextOnly::of(&shape.top, &shape.choices, &shape.calls),
+            ),
             Err(Bail) => {
-                self.template.forget();
+                shape.template.forget();
                 (None, None)
             }
         };
@@ -771,7 +864,7 @@ impl Spans {
                 .flatten()
                 .map(|span| span.of(data))
         };
-        let info = self.learned_top.info(head, raw);
+        let info = self.shape.top.info(head, raw);
         let arguments = match raw(Some(call.arguments)).and_then(JsonLiteral::string) {
             Some(fragment) => ArgumentsDelta::Append(ChunkText::Json(fragment)),
             None => ArgumentsDelta::Unchanged,
@@ -954,6 +1047,102 @@ fn scan_usage(c: &mut Cursor<'_>) -> Result<Option<UsageSpans>, Bail> {
 mod tests {
     use super::*;
     use std::borrow::Cow;
+    use std::cell::Cell;
+
+    thread_local! {
+        /// Frames this thread walked in full (see `Spans::scan`).
+        pub(super) static WALKS: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// A stream's frames of five shapes: the role chunk, text, a call's
+    /// announcement, its arguments, the finish; `id` and `n` change the
+    /// values (not the shapes) from one stream to the next.
+    fn stream_frames(id: &str, n: usize) -> Vec<String> {
+        let head = format!(
+            r#"{{"id":"{id}","object":"chat.completion.chunk","created":{},"model":"m","choices":[{{"index":0,"delta":"#,
+            1_700_000_000 + n
+        );
+        [
+            r#"{"role":"assistant","content":null},"finish_reason":null}]}"#.to_owned(),
+            format!(r#"{{"content":"text {n}"}},"finish_reason":null}}]}}"#),
+            format!(
+                r#"{{"tool_calls":[{{"index":0,"id":"call_{n}","type":"function","function":{{"name":"f{n}","arguments":""}}}}]}},"finish_reason":null}}]}}"#
+            ),
+            format!(
+                r#"{{"tool_calls":[{{"index":0,"function":{{"arguments":"{{\"k\":{n}"}}}}]}},"finish_reason":null}}]}}"#
+            ),
+            r#"{},"finish_reason":"tool_calls"}]}"#.to_owned(),
+        ]
+        .into_iter()
+        .map(|rest| format!("{head}{rest}"))
+        .collect()
+    }
+
+    /// Decodes `frames` as one stream, each frame twice in a row as a
+    /// stream's frames of one shape come, and checks every answer against
+    /// the serde path; returns how many frames were walked in full.
+    fn walks_of(frames: &[String]) -> usize {
+        let before = WALKS.get();
+        let mut state = DecoderState::default();
+        for frame in frames.iter().flat_map(|f| [f, f]) {
+            let mut fast = Vec::new();
+            let info = decode(frame, &mut state, &mut |c| fast.push(c)).expect("fast");
+            let mut slow = Vec::new();
+            let slow_info = decode_serde(frame, &mut |c| slow.push(c)).expect("serde");
+            assert_eq!((fast, info), (slow, slow_info), "{frame}");
+        }
+        WALKS.get() - before
+    }
+
+    /// A new stream's frames take the shapes another stream on the same
+    /// thread learned: matched, not walked, and decoded the same. Frames
+    /// of a shape the thread has not seen are still walked.
+    #[test]
+    fn a_new_stream_recalls_the_shapes_of_the_last() {
+        let first = stream_frames("chatcmpl-a", 1);
+        assert_eq!(walks_of(&first), 5, "each shape is new to the thread");
+        let second = stream_frames("chatcmpl-bcdefgh", 22);
+        assert_eq!(walks_of(&second), 0, "every shape is the thread's");
+        // From another thread's point of view they are all new.
+        let walks = std::thread::spawn(move || walks_of(&second))
+            .join()
+            .expect("thread");
+        assert_eq!(walks, 5);
+        // Another shape: a second choice.
+        let other = first[1].replace(r#"}]}"#, r#"},{"index":1,"delta":{}}]}"#);
+        assert_eq!(walks_of(&[other]), 1);
+    }
+
+    /// The thread keeps the few shapes used last, none of a frame too
+    /// long to keep, and a stream of ever new shapes stops looking.
+    #[test]
+    fn the_thread_keeps_a_few_short_shapes() {
+        let shapes: Vec<String> = (0..SHAPES_KEPT + 1)
+            .map(|k| {
+                format!(
+                    r#"{{"choices":[{{"index":0,"delta":{{"content":"x"}}{}}}]}}"#,
+                    ",\"a\":1".repeat(k)
+                )
+            })
+            .collect();
+        assert_eq!(walks_of(&shapes), SHAPES_KEPT + 1);
+        // The last SHAPES_KEPT are kept; the first was dropped.
+        assert_eq!(walks_of(&shapes[1..]), 0);
+        assert_eq!(walks_of(&shapes[..1]), 1);
+        // A long key is part of the shape (a long string would be a hole).
+        let long = format!(
+            r#"{{"choices":[{{"index":0,"delta":{{"content":"x"}}}}],"{}":1}}"#,
+            "k".repeat(SHAPE_BYTES_KEPT)
+        );
+        assert_eq!(walks_of(std::slice::from_ref(&long)), 1);
+        assert_eq!(walks_of(std::slice::from_ref(&long)), 1, "not kept");
+        let mut state = DecoderState::default();
+        for k in 0..RECALL_GIVES_UP as usize + 3 {
+            let novel = format!(r#"{{"choices":[],"k{k}":1}}"#);
+            decode(&novel, &mut state, &mut |_| {}).expect("decodes");
+        }
+        assert_eq!(state.spans.recall_misses, RECALL_GIVES_UP);
+    }
 
     fn chunks(data: &str) -> Vec<Chunk<'_>> {
         let mut out = Vec::new();

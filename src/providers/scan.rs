@@ -650,6 +650,24 @@ impl Template {
         self.ready = false;
     }
 
+    /// Whether a shape was learned (and not forgotten).
+    pub fn is_ready(&self) -> bool {
+        self.ready
+    }
+
+    /// The learned frame's length in bytes.
+    pub fn learned_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Becomes a copy of `other`, in the buffers this one already has.
+    pub fn copy_from(&mut self, other: &Template) {
+        self.bytes.clone_from(&other.bytes);
+        self.holes.clone_from(&other.holes);
+        self.ready = other.ready;
+        self.one_line = other.one_line;
+    }
+
     /// A span of the learned frame as the rank of its hole (kept as
     /// `start..start + 1`); a span that is not a hole gives up.
     pub fn to_rank(&self, span: Option<Span>) -> Result<Option<Span>, Bail> {
