@@ -307,7 +307,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok());
-        present.extend(named.collect::<Vec<_>>());
+        present.extend(named);
     }
     for name in &present {
         headers.remove(name);
