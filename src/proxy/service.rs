@@ -61,8 +61,8 @@ struct Shared {
     client: UpstreamClient,
     sessions: SessionRegistry,
     /// For generated session ids: `s-`, a per-process random part and a
-    /// dash, written once (a `format!` of it cost about 3,000 instructions
-    /// a stream, BENCHMARKS.md, forty-second round)…
+    /// dash, written once (a `format!` of the whole id cost about 1,800
+    /// instructions a stream, BENCHMARKS.md, forty-second round)…
     session_prefix: String,
     /// … and a counter.
     session_counter: AtomicU64,
