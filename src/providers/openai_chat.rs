@@ -358,12 +358,21 @@ struct Shape {
 impl Shape {
     /// Becomes a copy of `other`, in the buffers this one already has.
     fn copy_from(&mut self, other: &Shape) {
-        self.template.copy_from(&other.template);
-        self.top = other.top;
-        self.choices.clone_from(&other.choices);
-        self.calls.clone_from(&other.calls);
-        self.steady = other.steady;
-        self.text_only = other.text_only;
+        // Every field named, so that a new one is not forgotten here.
+        let Shape {
+            template,
+            top,
+            choices,
+            calls,
+            steady,
+            text_only,
+        } = other;
+        self.template.copy_from(template);
+        self.top = *top;
+        self.choices.clone_from(choices);
+        self.calls.clone_from(calls);
+        self.steady = *steady;
+        self.text_only = *text_only;
     }
 }
 

@@ -662,10 +662,17 @@ impl Template {
 
     /// Becomes a copy of `other`, in the buffers this one already has.
     pub fn copy_from(&mut self, other: &Template) {
-        self.bytes.clone_from(&other.bytes);
-        self.holes.clone_from(&other.holes);
-        self.ready = other.ready;
-        self.one_line = other.one_line;
+        // Every field named, so that a new one is not forgotten here.
+        let Template {
+            bytes,
+            holes,
+            ready,
+            one_line,
+        } = other;
+        self.bytes.clone_from(bytes);
+        self.holes.clone_from(holes);
+        self.ready = *ready;
+        self.one_line = *one_line;
     }
 
     /// A span of the learned frame as the rank of its hole (kept as
