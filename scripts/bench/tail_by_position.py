@@ -20,9 +20,15 @@ import sys
 EDGE = 10  # the driver's START_EVENTS: a paced stream's first 50 ms
 
 
-def p99(values):
+def p99_ns(values):
+    """The p99 of latencies in ns (the value at the 99th percentile's rank)."""
     values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * 0.99))] / 1000 if values else float("nan")
+    return values[min(len(values) - 1, int(len(values) * 0.99))] if values else float("nan")
+
+
+def p99(values):
+    """The same, in µs."""
+    return p99_ns(values) / 1000
 
 
 def group(position, events):
@@ -47,7 +53,7 @@ def main():
         if not rows:
             print(f"{os.path.basename(path)}: no events")
             continue
-        cut = sorted(r[3] for r in rows)[min(len(rows) - 1, int(len(rows) * 0.99))]
+        cut = p99_ns([r[3] for r in rows])
         top = {"first": 0, "rest": 0, "last": 0}
         parts = {"first": [], "rest": [], "last": []}
         for _, position, events, ns in rows:
