@@ -182,6 +182,25 @@ impl Conn {
         }
     }
 
+    /// Asks the kernel to acknowledge what the upstream sends from now on
+    /// one segment in two (or when its delayed-ACK timer fires, 40 ms or
+    /// more later) rather than each one (`TCP_QUICKACK` off: Linux's
+    /// delayed-ACK mode, as RFC 1122 allows). A response body flows one way
+    /// and a streaming one comes a small segment an event; by default each
+    /// read that emptied the socket after such a segment sent an ACK of its
+    /// own, which carried loopback TCP's whole send and receive path in this
+    /// proxy's CPU time: a sixth of it an event, paced (BENCHMARKS.md,
+    /// forty-third round). Nothing else changes: a segment out of order is
+    /// still acknowledged at once, and the upstream's loss probe waits past
+    /// the delayed ACK. The mode is not kept: the kernel leaves it when its
+    /// timer fires (a pause of the stream after an odd segment, or the end
+    /// of a response), so it is asked for again for every response. A
+    /// failure costs only the saving, and is not reported.
+    fn ack_in_pairs(&self) {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let _ = rustix::net::sockopt::set_tcp_quickack(&self.io, false);
+    }
+
     /// Whether it is open with nothing to read: one read is tried (with
     /// `cx`'s waker registered if it would wait). An upstream that closed
     /// it meanwhile makes the read find its end.
@@ -372,6 +391,9 @@ impl H1Pool {
 
     fn driven(self: &Arc<Self>, conn: Conn, answer: Answer) -> Response<DrivenBody> {
         let Answer { head, sending } = answer;
+        if head.framing != Framing::Empty {
+            conn.ack_in_pairs();
+        }
         let mut response = Response::new(DrivenBody {
             reader: match head.framing {
                 Framing::Empty => Reader::Done,
@@ -1007,6 +1029,43 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(10), get_ok(&pool, addr))
                 .await
                 .unwrap_or_else(|_| panic!("{round} response not read in time"));
+            assert_eq!(pool.idle_connections(), 1, "{round}: kept for reuse");
+        }
+    }
+
+    /// Every response's body is read in delayed-ACK mode (`TCP_QUICKACK`
+    /// off), also on a reused connection whose socket has left that mode,
+    /// as the kernel makes it do after its delayed-ACK timer fires. (The
+    /// ACKs themselves are counted by the benchmark, with `nstat`: a
+    /// socket's own count is not readable without `TCP_INFO`.)
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[tokio::test]
+    async fn every_response_body_is_read_acknowledging_in_pairs() {
+        use rustix::net::sockopt::{set_tcp_quickack, tcp_quickack};
+        let addr = upstream_script(|mut stream| async move {
+            for _ in 0..2 {
+                if !read_request_head(&mut stream).await {
+                    return;
+                }
+                let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                if stream.write_all(reply).await.is_err() {
+                    return;
+                }
+            }
+            let _ = stream.read(&mut [0u8; 1]).await;
+        })
+        .await;
+        let pool = H1Pool::new(Duration::from_secs(1));
+        for round in ["first", "second, on the same connection"] {
+            let response = pool.request(get(addr)).await.expect("response");
+            let io = &response.body().conn.as_ref().expect("a connection").io;
+            assert!(
+                !tcp_quickack(io).expect("getsockopt"),
+                "{round}: quick ACKs"
+            );
+            // As the kernel does when its delayed-ACK timer fires.
+            set_tcp_quickack(io, true).expect("setsockopt");
+            assert_eq!(&whole(response).await[..], b"ok");
             assert_eq!(pool.idle_connections(), 1, "{round}: kept for reuse");
         }
     }
