@@ -3,8 +3,11 @@
 # nginx, interleaved and rotated from one repetition to the next, for as
 # many repetitions as asked: an A/B of one cell with the power the suite's
 # five repetitions lack (BENCHMARKS.md, forty-first round). Each drive's
-# line gives its latencies, time to first byte, and the CPU time and minor
-# page faults of the target's processes over the drive; the summary gives
+# line gives its latencies, time to first byte, the CPU time and minor
+# page faults of the target's processes over the drive, and the TCP
+# segments sent on the host an event received (`nstat`'s TcpOutSegs, every
+# process's: the upstream's, the target's and the driver's; "-" without
+# nstat, from Debian's iproute2); the summary gives
 # the medians and, for each pair of targets, in how many repetitions the
 # first was below the second.
 #
@@ -84,6 +87,12 @@ cpu_ns() {
   done
   echo "$s"
 }
+# The host's TCP segments sent since the last call (nstat keeps the count
+# between calls), or nothing without nstat.
+segments() {
+  command -v nstat >/dev/null || return 0
+  nstat -z TcpOutSegs 2>/dev/null | awk '$1 == "TcpOutSegs" {print $2}'
+}
 faults() {
   local s=0 p
   for p in $(tree "$1"); do
@@ -99,7 +108,7 @@ drive() {
 for t in "${names[@]}"; do drive "${port[$t]}" 20 >/dev/null; done
 out="$work/drives.txt"
 : >"$out"
-echo "rep target p50_us p99_us p99_first10_us p99_rest_us ttfb_p50_us events_per_s cpu_ms faults" | tee -a "$out"
+echo "rep target p50_us p99_us p99_first10_us p99_rest_us ttfb_p50_us events_per_s cpu_ms faults segs_per_event" | tee -a "$out"
 k=${#names[@]}
 for rep in $(seq "$reps"); do
   for i in $(seq 0 $((k - 1))); do
@@ -109,17 +118,20 @@ for rep in $(seq "$reps"); do
     [ -n "${LATENCIES:-}" ] && lat=(--latencies-out "$LATENCIES/$t.$rep")
     c0=$(cpu_ns "${pid[$t]}")
     f0=$(faults "${pid[$t]}")
+    segments >/dev/null
     result=$(drive "${port[$t]}" "$events" "${lat[@]}")
     c1=$(cpu_ns "${pid[$t]}")
     f1=$(faults "${pid[$t]}")
-    python3 - "$rep" "$t" "$result" $(((c1 - c0) / 1000000)) $((f1 - f0)) <<'PY' | tee -a "$out"
+    s1=$(segments)
+    python3 - "$rep" "$t" "$result" $(((c1 - c0) / 1000000)) $((f1 - f0)) "${s1:--}" <<'PY' | tee -a "$out"
 import json, sys
-rep, target, result, cpu_ms, faults = sys.argv[1:]
+rep, target, result, cpu_ms, faults, segs = sys.argv[1:]
 r = json.loads(result)
 if r["errors"]:
     sys.exit(f"interleave: {target} rep {rep}: {r['errors']} failed streams ({r['first_error']})")
 print(rep, target, r["latency_us"]["p50"], r["latency_us"]["p99"], r["latency_start_us"]["p99"],
-      r["latency_steady_us"]["p99"], r["ttfb_us"]["p50"], round(r["events_per_s"]), cpu_ms, faults)
+      r["latency_steady_us"]["p99"], r["ttfb_us"]["p50"], round(r["events_per_s"]), cpu_ms, faults,
+      "-" if segs == "-" or not r["events"] else f"{int(segs) / r['events']:.3f}")
 PY
   done
 done
@@ -128,15 +140,16 @@ python3 - "$out" "${names[@]}" <<'PY'
 import itertools, statistics, sys
 rows = [line.split() for line in open(sys.argv[1])][1:]
 order = sys.argv[2:]
-cols = ["p50_us", "p99_us", "p99_first10_us", "p99_rest_us", "ttfb_p50_us", "events_per_s", "cpu_ms", "faults"]
+cols = ["p50_us", "p99_us", "p99_first10_us", "p99_rest_us", "ttfb_p50_us", "events_per_s", "cpu_ms", "faults",
+        "segs_per_event"]
 by = {name: {} for name in order}
 for rep, target, *values in rows:
-    by.setdefault(target, {})[rep] = [float(v) for v in values]
+    by.setdefault(target, {})[rep] = [float("nan") if v == "-" else float(v) for v in values]
 print(f"\nmedians of {len(next(iter(by.values())))} repetitions")
 print("target".ljust(10) + "".join(c.rjust(16) for c in cols))
 for target, reps in by.items():
-    print(target.ljust(10) + "".join(f"{statistics.median(v[i] for v in reps.values()):16,.0f}"
-                                      for i in range(len(cols))))
+    print(target.ljust(10) + "".join(f"{statistics.median(v[i] for v in reps.values()):16,.{3 if c == 'segs_per_event' else 0}f}"
+                                      for i, c in enumerate(cols)))
 print("\nrepetitions in which the first target was below the second")
 for a, b in itertools.combinations(by, 2):
     both = [r for r in by[a] if r in by[b]]
