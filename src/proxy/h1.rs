@@ -191,11 +191,14 @@ impl Conn {
     /// own, which carried loopback TCP's whole send and receive path in this
     /// proxy's CPU time: a sixth of it an event, paced (BENCHMARKS.md,
     /// forty-third round). Nothing else changes: a segment out of order is
-    /// still acknowledged at once, and the upstream's loss probe waits past
-    /// the delayed ACK. The mode is not kept: the kernel leaves it when its
-    /// timer fires (a pause of the stream after an odd segment, or the end
-    /// of a response), so it is asked for again for every response. A
-    /// failure costs only the saving, and is not reported.
+    /// still acknowledged at once, and with one segment unacknowledged the
+    /// upstream's loss probe waits 200 ms beyond twice the round trip. The
+    /// mode is not kept: the kernel leaves it when its timer fires (a pause
+    /// of the stream after an odd segment, or the end of a response), so it
+    /// is asked for again for every response, once its head is read (asked
+    /// for before, the head's ACK would wait through a model's wait for its
+    /// first token, and the mode would be gone by then). A failure costs
+    /// only the saving, and is not reported.
     fn ack_in_pairs(&self) {
         #[cfg(any(target_os = "linux", target_os = "android"))]
         let _ = rustix::net::sockopt::set_tcp_quickack(&self.io, false);
