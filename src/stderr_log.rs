@@ -14,6 +14,15 @@
 //! ([`StderrLog::report_dropped`]: `serve` checks every
 //! [`DROP_REPORT_INTERVAL`], and once more at exit).
 //!
+//! The writer does not wait on the queue after every line: once it has
+//! written what was queued, it looks again after [`LINGER`], and waits on
+//! the queue only when that look finds nothing. A line queued in between
+//! costs its sender no wake-up of the writer (a `futex` call, and a switch
+//! to the writer's thread on a CPU a worker needs): a burst of streams
+//! ending together wakes it once, not once a line (BENCHMARKS.md,
+//! forty-fourth round). A queue half full wakes it at once, so lingering
+//! drops no line that waking would have kept.
+//!
 //! `serve --progress=always` with a stderr that is not a terminal writes its
 //! plain lines through the same queue ([`StderrLog::line_writer`]), in order
 //! with the log lines.
@@ -29,7 +38,7 @@ use std::io::{self, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::thread;
+use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
 use tracing_subscriber::fmt::MakeWriter;
@@ -44,6 +53,11 @@ pub const QUEUE_BYTES: usize = 1 << 20;
 
 /// How often `serve` checks for dropped lines to report.
 pub const DROP_REPORT_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How long the writer, having written every queued line, waits before it
+/// looks at the queue again, rather than sleeping until a sender wakes it.
+/// A line waits at most this long more before it is written.
+pub const LINGER: Duration = Duration::from_millis(5);
 
 /// How long the end of the process waits for the queued lines to be
 /// written.
@@ -72,9 +86,14 @@ enum Message {
 #[derive(Clone)]
 pub struct StderrLog {
     queue: SyncSender<Message>,
+    /// The writer's thread, woken when the queue is half full.
+    writer: Thread,
     /// The bytes of the lines queued or being written, and their bound.
     queued_bytes: Arc<AtomicUsize>,
     max_bytes: usize,
+    /// The lines queued or being written, and their bound.
+    queued_lines: Arc<AtomicUsize>,
+    max_lines: usize,
     dropped: Arc<AtomicUsize>,
     /// How many of the dropped lines [`StderrLog::report_dropped`] told of.
     reported: Arc<AtomicUsize>,
@@ -82,22 +101,39 @@ pub struct StderrLog {
 
 impl StderrLog {
     /// A writer thread for `out` (stderr, or a test's writer) with a queue
-    /// of `lines` lines and `bytes` bytes.
+    /// of `lines` lines and `bytes` bytes, that lingers [`LINGER`].
     pub fn spawn<W: Write + Send + 'static>(
         out: W,
         lines: usize,
         bytes: usize,
     ) -> io::Result<StderrLog> {
+        StderrLog::spawn_lingering(out, lines, bytes, LINGER)
+    }
+
+    /// [`StderrLog::spawn`], with the writer lingering `linger` (tests).
+    fn spawn_lingering<W: Write + Send + 'static>(
+        out: W,
+        lines: usize,
+        bytes: usize,
+        linger: Duration,
+    ) -> io::Result<StderrLog> {
         let (queue, received) = mpsc::sync_channel(lines);
         let queued_bytes = Arc::new(AtomicUsize::new(0));
-        let written = Arc::clone(&queued_bytes);
-        thread::Builder::new()
+        let queued_lines = Arc::new(AtomicUsize::new(0));
+        let written = Queued {
+            bytes: Arc::clone(&queued_bytes),
+            lines: Arc::clone(&queued_lines),
+        };
+        let writer = thread::Builder::new()
             .name("aalis-log".to_owned())
-            .spawn(move || write_lines(out, received, &written))?;
+            .spawn(move || write_lines(out, received, &written, linger))?;
         Ok(StderrLog {
             queue,
+            writer: writer.thread().clone(),
             queued_bytes,
             max_bytes: bytes,
+            queued_lines,
+            max_lines: lines,
             dropped: Arc::new(AtomicUsize::new(0)),
             reported: Arc::new(AtomicUsize::new(0)),
         })
@@ -145,23 +181,33 @@ impl StderrLog {
     fn send(&self, line: Vec<u8>) {
         let len = line.len();
         // Its bytes are counted before it is queued, and only if they fit
-        // (or nothing else waits).
-        let fits = self
+        // (or nothing else waits); its line too, so that the writer never
+        // takes away what was not yet counted.
+        let bytes = self
             .queued_bytes
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |queued| {
                 (queued == 0 || queued + len <= self.max_bytes).then_some(queued + len)
             })
-            .is_ok();
-        let refused = if !fits {
-            Some(line)
-        } else {
-            match self.queue.try_send(Message::Line(line)) {
-                Ok(()) => None,
-                Err(TrySendError::Full(message) | TrySendError::Disconnected(message)) => {
-                    self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
-                    match message {
-                        Message::Line(line) => Some(line),
-                        Message::Flush(_) => Some(Vec::new()),
+            .map(|before| before + len);
+        let refused = match bytes {
+            Err(_) => Some(line),
+            Ok(bytes) => {
+                let lines = self.queued_lines.fetch_add(1, Ordering::Relaxed) + 1;
+                match self.queue.try_send(Message::Line(line)) {
+                    Ok(()) => {
+                        // A lingering writer is woken before the queue fills.
+                        if 2 * lines >= self.max_lines || 2 * bytes >= self.max_bytes {
+                            self.writer.unpark();
+                        }
+                        None
+                    }
+                    Err(TrySendError::Full(message) | TrySendError::Disconnected(message)) => {
+                        self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+                        self.queued_lines.fetch_sub(1, Ordering::Relaxed);
+                        match message {
+                            Message::Line(line) => Some(line),
+                            Message::Flush(_) => Some(Vec::new()),
+                        }
                     }
                 }
             }
@@ -182,7 +228,10 @@ impl StderrLog {
         let mut flush = Message::Flush(done);
         loop {
             match self.queue.try_send(flush) {
-                Ok(()) => break,
+                Ok(()) => {
+                    self.writer.unpark();
+                    break;
+                }
                 Err(TrySendError::Full(again)) if Instant::now() < deadline => {
                     flush = again;
                     thread::sleep(FLUSH_RETRY);
@@ -204,21 +253,48 @@ impl std::fmt::Debug for StderrLog {
     }
 }
 
+/// The counts of what is queued, shared by the senders and the writer.
+struct Queued {
+    bytes: Arc<AtomicUsize>,
+    lines: Arc<AtomicUsize>,
+}
+
 /// The writer thread: every line in order, each with one `write_all`,
-/// after which its bytes leave `queued_bytes`. A write error (stderr
+/// after which it leaves the counts of `queued`. A write error (stderr
 /// closed) leaves the lines unwritten, as an `eprintln!` that cannot write
 /// would, without stopping the queue.
-fn write_lines<W: Write>(mut out: W, received: Receiver<Message>, queued_bytes: &AtomicUsize) {
-    for message in received {
-        match message {
-            Message::Line(line) => {
-                let _ = out.write_all(&line);
-                queued_bytes.fetch_sub(line.len(), Ordering::Relaxed);
-            }
-            Message::Flush(done) => {
-                let _ = out.flush();
-                let _ = done.try_send(());
-            }
+///
+/// It waits on the queue (where a sender wakes it) only when a look
+/// `linger` after its last write found nothing; in between it is parked,
+/// and only a queue half full or a flush unparks it ([`StderrLog::send`]).
+fn write_lines<W: Write>(
+    mut out: W,
+    received: Receiver<Message>,
+    queued: &Queued,
+    linger: Duration,
+) {
+    while let Ok(first) = received.recv() {
+        let mut next = Some(first);
+        while let Some(message) = next {
+            write_one(&mut out, message, queued);
+            next = received.try_recv().ok().or_else(|| {
+                thread::park_timeout(linger);
+                received.try_recv().ok()
+            });
+        }
+    }
+}
+
+fn write_one<W: Write>(out: &mut W, message: Message, queued: &Queued) {
+    match message {
+        Message::Line(line) => {
+            let _ = out.write_all(&line);
+            queued.bytes.fetch_sub(line.len(), Ordering::Relaxed);
+            queued.lines.fetch_sub(1, Ordering::Relaxed);
+        }
+        Message::Flush(done) => {
+            let _ = out.flush();
+            let _ = done.try_send(());
         }
     }
 }
@@ -453,6 +529,77 @@ mod tests {
         t.open.send(()).expect("open");
         assert!(flushed(&t.log));
         assert_eq!(text(&t.got), "first\nqueued\n");
+    }
+
+    /// A log of `lines` lines whose writer takes everything at once and
+    /// lingers `linger`, and what it wrote.
+    fn lingering_log(lines: usize, linger: Duration) -> (StderrLog, Arc<Mutex<Vec<u8>>>) {
+        let (_, open) = mpsc::channel();
+        let (entered, _) = mpsc::channel();
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let writer = Stuck {
+            open,
+            opened: true,
+            entered,
+            got: Arc::clone(&got),
+        };
+        let log = StderrLog::spawn_lingering(writer, lines, QUEUE_BYTES, linger).expect("spawn");
+        (log, got)
+    }
+
+    /// Whether the writer has written `expected`, looking for 10 s at most.
+    fn written(got: &Mutex<Vec<u8>>, expected: &str) -> bool {
+        (0..2000).any(|_| {
+            thread::sleep(Duration::from_millis(5));
+            text(got) == expected
+        })
+    }
+
+    #[test]
+    fn a_line_queued_while_the_writer_lingers_is_written_when_it_looks_again() {
+        let (log, got) = lingering_log(16, Duration::from_millis(20));
+        line(&log, "line 0\n");
+        assert!(written(&got, "line 0\n"));
+        // Neither line wakes the writer (the queue is far from half full),
+        // and nothing else is sent: each goes at the writer's next look.
+        line(&log, "line 1\n");
+        assert!(written(&got, "line 0\nline 1\n"));
+        thread::sleep(Duration::from_millis(100));
+        line(&log, "line 2\n");
+        assert!(written(&got, "line 0\nline 1\nline 2\n"));
+    }
+
+    #[test]
+    fn a_queue_half_full_wakes_a_lingering_writer() {
+        let (log, got) = lingering_log(8, Duration::from_secs(3600));
+        line(&log, "line 0\n");
+        assert!(written(&got, "line 0\n"));
+        // The writer has looked at the empty queue and lingers: lines that
+        // leave the queue less than half full do not wake it.
+        thread::sleep(Duration::from_millis(300));
+        for i in 1..4 {
+            line(&log, &format!("line {i}\n"));
+        }
+        thread::sleep(Duration::from_millis(100));
+        assert_eq!(text(&got), "line 0\n");
+        // The fourth fills half of the eight: all four go now, not in an hour.
+        line(&log, "line 4\n");
+        assert!(written(&got, "line 0\nline 1\nline 2\nline 3\nline 4\n"));
+        assert_eq!(log.dropped_lines(), 0);
+    }
+
+    #[test]
+    fn a_flush_wakes_a_lingering_writer() {
+        let (log, got) = lingering_log(8, Duration::from_secs(3600));
+        line(&log, "line 0\n");
+        assert!(written(&got, "line 0\n"));
+        thread::sleep(Duration::from_millis(100));
+        line(&log, "line 1\n");
+        assert!(
+            log.flush(Duration::from_secs(10)),
+            "flushed, not an hour later"
+        );
+        assert_eq!(text(&got), "line 0\nline 1\n");
     }
 
     /// A `tracing` subscriber that logs to `log`, as `serve`'s does.
