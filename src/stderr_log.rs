@@ -41,7 +41,10 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
-use tracing_subscriber::fmt::MakeWriter;
+use tracing::field::{Field, Visit};
+use tracing_subscriber::field::{RecordFields, VisitOutput};
+use tracing_subscriber::fmt::format::{DefaultFields, DefaultVisitor, Writer};
+use tracing_subscriber::fmt::{FormatFields, MakeWriter};
 
 /// Lines the queue holds while the writer waits on stderr: a burst of
 /// streams ending at once, on a terminal that scrolls slowly, fits.
@@ -354,6 +357,7 @@ pub fn init(verbose: u8) -> Option<StderrLog> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let color = io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let builder = tracing_subscriber::fmt()
+        .fmt_fields(LogFields)
         .with_env_filter(filter)
         .with_ansi(color)
         .with_target(false);
@@ -366,6 +370,116 @@ pub fn init(verbose: u8) -> Option<StderrLog> {
             builder.with_writer(io::stderr).init();
             tracing::warn!("cannot start the log thread, logging on the workers: {err}");
             None
+        }
+    }
+}
+
+/// The fields of a log line, written as `tracing-subscriber`'s default
+/// ([`DefaultFields`]) writes them, for less: without colors, a plain
+/// field goes straight to the line as `name=value`, an integer through
+/// `itoa`, where the default paints its name and `=` with empty styles and
+/// formats every value through `core::fmt`. A request's line is written
+/// once a stream, and its fields cost about 12,000 instructions that way
+/// (BENCHMARKS.md, forty-fourth round). The message, `r#` and `log.`
+/// names, errors and anything with colors go to the default's visitor, so
+/// a line never differs from the default's (the tests compare them).
+#[derive(Debug, Default)]
+pub struct LogFields;
+
+impl<'w> FormatFields<'w> for LogFields {
+    fn format_fields<R: RecordFields>(&self, writer: Writer<'w>, fields: R) -> std::fmt::Result {
+        if writer.has_ansi_escapes() {
+            return DefaultFields::new().format_fields(writer, fields);
+        }
+        let mut visitor = PlainVisitor {
+            writer,
+            is_empty: true,
+            result: Ok(()),
+        };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+/// See [`LogFields`].
+struct PlainVisitor<'w> {
+    writer: Writer<'w>,
+    is_empty: bool,
+    result: std::fmt::Result,
+}
+
+impl PlainVisitor<'_> {
+    /// Writes the separator and `name=` of a plain field, or returns false
+    /// for a field the default's visitor must write.
+    fn plain(&mut self, field: &Field) -> bool {
+        let name = field.name();
+        if self.result.is_err()
+            || name == "message"
+            || name.starts_with("r#")
+            || name.starts_with("log.")
+        {
+            return false;
+        }
+        let sep = if std::mem::replace(&mut self.is_empty, false) {
+            ""
+        } else {
+            " "
+        };
+        self.result = self
+            .writer
+            .write_str(sep)
+            .and_then(|()| self.writer.write_str(name))
+            .and_then(|()| self.writer.write_char('='));
+        true
+    }
+
+    /// Lets the default's visitor write this field.
+    fn by_default(&mut self, record: impl FnOnce(&mut DefaultVisitor<'_>)) {
+        if self.result.is_err() {
+            return;
+        }
+        let mut visitor = DefaultVisitor::new(self.writer.by_ref(), self.is_empty);
+        record(&mut visitor);
+        self.result = visitor.finish();
+        self.is_empty = false;
+    }
+
+    fn integer(&mut self, field: &Field, value: impl itoa::Integer + std::fmt::Debug) {
+        if self.plain(field) {
+            let mut digits = itoa::Buffer::new();
+            self.result = self.writer.write_str(digits.format(value));
+        } else {
+            self.by_default(|visitor| visitor.record_debug(field, &value));
+        }
+    }
+}
+
+impl Visit for PlainVisitor<'_> {
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.integer(field, value);
+    }
+
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.integer(field, value);
+    }
+
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if self.plain(field) {
+            self.result = write!(self.writer, "{value:?}");
+        } else {
+            self.by_default(|visitor| visitor.record_str(field, value));
+        }
+    }
+
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        self.by_default(|visitor| visitor.record_error(field, value));
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if self.plain(field) {
+            self.result = write!(self.writer, "{value:?}");
+        } else {
+            self.by_default(|visitor| visitor.record_debug(field, value));
         }
     }
 }
@@ -600,6 +714,103 @@ mod tests {
             "flushed, not an hour later"
         );
         assert_eq!(text(&got), "line 0\nline 1\n");
+    }
+
+    /// A `MakeWriter` into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Buffer {
+        fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> MakeWriter<'a> for Buffer {
+        type Writer = Buffer;
+
+        fn make_writer(&'a self) -> Buffer {
+            self.clone()
+        }
+    }
+
+    /// Logs events of every kind of field, in spans with fields, once
+    /// through `tracing-subscriber`'s default fields and once through
+    /// [`LogFields`], with colors or without: the same lines.
+    fn lines_with(fields: bool, ansi: bool) -> String {
+        let out = Buffer::default();
+        let builder = tracing_subscriber::fmt()
+            .with_writer(out.clone())
+            .with_max_level(tracing::Level::TRACE)
+            .without_time()
+            .with_target(false)
+            .with_ansi(ansi);
+        let events = || {
+            let error = io::Error::other("upstream gone");
+            let span = tracing::info_span!("conn", peer = "127.0.0.1:9", n = 3_u64);
+            let _entered = span.enter();
+            tracing::info!(
+                method = %http::Method::POST,
+                path = %"/v1/chat/completions?q=\"é\"",
+                status = 200_u16,
+                session = %"s-1",
+                duration_ms = 12_u64,
+                bytes_in = 0_u64,
+                bytes_out = u64::MAX,
+                tool_calls = 2_usize,
+                outcome = "ok",
+                "request"
+            );
+            let inner = tracing::debug_span!("inner", r#type = "x");
+            inner.in_scope(|| {
+                tracing::warn!(
+                    delta = -7_i64,
+                    big = i64::MIN,
+                    flag = true,
+                    ratio = 0.5_f64,
+                    wide = 1_u128 << 100,
+                    quoted = "a \"b\"\n\u{1b}[31m",
+                    list = ?[1, 2],
+                    r#type = "t",
+                    err = &error as &(dyn std::error::Error + 'static),
+                    "{} log lines were dropped: {}",
+                    3,
+                    "stderr was not being read"
+                );
+            });
+            tracing::error!(only = 1_u64);
+            tracing::trace!("\u{1b}[2Jno fields");
+        };
+        if fields {
+            tracing::subscriber::with_default(builder.fmt_fields(LogFields).finish(), events);
+        } else {
+            tracing::subscriber::with_default(builder.finish(), events);
+        }
+        let got = String::from_utf8(out.0.lock().expect("lock").clone()).expect("utf-8");
+        got
+    }
+
+    #[test]
+    fn log_fields_write_what_the_default_writes() {
+        for ansi in [false, true] {
+            let ours = lines_with(true, ansi);
+            assert_eq!(ours, lines_with(false, ansi), "ansi: {ansi}");
+            assert_eq!(ours.lines().count(), 4, "{ours}");
+        }
+        let plain = lines_with(true, false);
+        assert!(
+            plain.contains(
+                " INFO conn{peer=\"127.0.0.1:9\" n=3}: request method=POST \
+                 path=/v1/chat/completions?q=\"é\" status=200 session=s-1 duration_ms=12 \
+                 bytes_in=0 bytes_out=18446744073709551615 tool_calls=2 outcome=\"ok\"\n"
+            ),
+            "{plain}"
+        );
     }
 
     /// A `tracing` subscriber that logs to `log`, as `serve`'s does.
