@@ -7,9 +7,14 @@
 # page faults of the target's processes over the drive, and the TCP
 # segments sent on the host an event received (`nstat`'s TcpOutSegs, every
 # process's: the upstream's, the target's and the driver's; "-" without
-# nstat, from Debian's iproute2); the summary gives
+# nstat, from Debian's iproute2), and the target's CPU time and context
+# switches for each stream of the drive (with EVENTS=3, a stream's set-up:
+# BENCHMARKS.md, forty-fourth round); the summary gives
 # the medians and, for each pair of targets, in how many repetitions the
 # first was below the second.
+#
+#   TARGETS="a=target/release/aalis-proxy b=target/release/aalis-proxy" ENV_b="RUST_LOG=warn" \
+#     C=256 EVENTS=3 scripts/bench/interleave.sh   # what a stream's set-up costs, log line or not
 #
 #   TARGETS="pgo=target/pgo/release/aalis-proxy plain=target/release/aalis-proxy" scripts/bench/interleave.sh
 #   TARGETS="a=target/release/aalis-proxy b=target/release/aalis-proxy" \
@@ -93,6 +98,17 @@ segments() {
   command -v nstat >/dev/null || return 0
   nstat -z TcpOutSegs 2>/dev/null | awk '$1 == "TcpOutSegs" {print $2}'
 }
+# The context switches (voluntary and not) of a process's threads and its
+# children's.
+switches() {
+  local s=0 p t
+  for p in $(tree "$1"); do
+    for t in /proc/"$p"/task/*/status; do
+      s=$((s + $(awk '/ctxt_switches/ {n += $2} END {print n + 0}' "$t" 2>/dev/null || echo 0)))
+    done
+  done
+  echo "$s"
+}
 faults() {
   local s=0 p
   for p in $(tree "$1"); do
@@ -108,7 +124,7 @@ drive() {
 for t in "${names[@]}"; do drive "${port[$t]}" 20 >/dev/null; done
 out="$work/drives.txt"
 : >"$out"
-echo "rep target p50_us p99_us p99_first10_us p99_rest_us ttfb_p50_us events_per_s cpu_ms faults segs_per_event" | tee -a "$out"
+echo "rep target p50_us p99_us p99_first10_us p99_rest_us ttfb_p50_us events_per_s cpu_ms faults segs_per_event cpu_us_stream switches_stream" | tee -a "$out"
 k=${#names[@]}
 for rep in $(seq "$reps"); do
   for i in $(seq 0 $((k - 1))); do
@@ -118,20 +134,23 @@ for rep in $(seq "$reps"); do
     [ -n "${LATENCIES:-}" ] && lat=(--latencies-out "$LATENCIES/$t.$rep")
     c0=$(cpu_ns "${pid[$t]}")
     f0=$(faults "${pid[$t]}")
+    x0=$(switches "${pid[$t]}")
     segments >/dev/null
     result=$(drive "${port[$t]}" "$events" "${lat[@]}")
     c1=$(cpu_ns "${pid[$t]}")
     f1=$(faults "${pid[$t]}")
+    x1=$(switches "${pid[$t]}")
     s1=$(segments)
-    python3 - "$rep" "$t" "$result" $(((c1 - c0) / 1000000)) $((f1 - f0)) "${s1:--}" <<'PY' | tee -a "$out"
+    python3 - "$rep" "$t" "$result" $((c1 - c0)) $((f1 - f0)) "${s1:--}" $((x1 - x0)) "$conc" <<'PY' | tee -a "$out"
 import json, sys
-rep, target, result, cpu_ms, faults, segs = sys.argv[1:]
+rep, target, result, cpu_ns, faults, segs, switches, conc = sys.argv[1:]
 r = json.loads(result)
 if r["errors"]:
     sys.exit(f"interleave: {target} rep {rep}: {r['errors']} failed streams ({r['first_error']})")
 print(rep, target, r["latency_us"]["p50"], r["latency_us"]["p99"], r["latency_start_us"]["p99"],
-      r["latency_steady_us"]["p99"], r["ttfb_us"]["p50"], round(r["events_per_s"]), cpu_ms, faults,
-      "-" if segs == "-" or not r["events"] else f"{int(segs) / r['events']:.3f}")
+      r["latency_steady_us"]["p99"], r["ttfb_us"]["p50"], round(r["events_per_s"]), int(cpu_ns) // 1000000, faults,
+      "-" if segs == "-" or not r["events"] else f"{int(segs) / r['events']:.3f}",
+      f"{int(cpu_ns) / 1000 / int(conc):.1f}", f"{int(switches) / int(conc):.2f}")
 PY
   done
 done
@@ -141,14 +160,15 @@ import itertools, statistics, sys
 rows = [line.split() for line in open(sys.argv[1])][1:]
 order = sys.argv[2:]
 cols = ["p50_us", "p99_us", "p99_first10_us", "p99_rest_us", "ttfb_p50_us", "events_per_s", "cpu_ms", "faults",
-        "segs_per_event"]
+        "segs_per_event", "cpu_us_stream", "switches_stream"]
+digits = {"segs_per_event": 3, "cpu_us_stream": 1, "switches_stream": 2}
 by = {name: {} for name in order}
 for rep, target, *values in rows:
     by.setdefault(target, {})[rep] = [float("nan") if v == "-" else float(v) for v in values]
 print(f"\nmedians of {len(next(iter(by.values())))} repetitions")
 print("target".ljust(10) + "".join(c.rjust(16) for c in cols))
 for target, reps in by.items():
-    print(target.ljust(10) + "".join(f"{statistics.median(v[i] for v in reps.values()):16,.{3 if c == 'segs_per_event' else 0}f}"
+    print(target.ljust(10) + "".join(f"{statistics.median(v[i] for v in reps.values()):16,.{digits.get(c, 0)}f}"
                                       for i, c in enumerate(cols)))
 print("\nrepetitions in which the first target was below the second")
 for a, b in itertools.combinations(by, 2):
