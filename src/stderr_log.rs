@@ -507,10 +507,15 @@ impl FormatTime for LogTime {
             return SystemTime.format_time(w);
         };
         SECOND.with_borrow_mut(|(second, text)| {
-            if *second != now.as_secs() && !learn_second(now.as_secs(), text) {
-                return SystemTime.format_time(w);
+            if *second != now.as_secs() {
+                // Kept only once learned whole: a text half written, or of
+                // another second, is never written for this one.
+                *second = u64::MAX;
+                if !learn_second(now.as_secs(), text) {
+                    return SystemTime.format_time(w);
+                }
+                *second = now.as_secs();
             }
-            *second = now.as_secs();
             write_time(w, text, now.subsec_micros())
         })
     }
