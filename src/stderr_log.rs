@@ -95,7 +95,7 @@ pub struct StderrLog {
     /// The bytes of the lines queued or being written, and their bound.
     queued_bytes: Arc<AtomicUsize>,
     max_bytes: usize,
-    /// The lines queued or being written, and their bound.
+    /// The lines queued (not yet taken by the writer), and their bound.
     queued_lines: Arc<AtomicUsize>,
     max_lines: usize,
     dropped: Arc<AtomicUsize>,
@@ -263,10 +263,12 @@ struct Queued {
     lines: Arc<AtomicUsize>,
 }
 
-/// The writer thread: every line in order, each with one `write_all`,
-/// after which it leaves the counts of `queued`. A write error (stderr
-/// closed) leaves the lines unwritten, as an `eprintln!` that cannot write
-/// would, without stopping the queue.
+/// The writer thread: every line in order. The lines it finds queued are
+/// written together, with one `write_all`, after which their bytes leave
+/// `queued` (a line leaves its count of lines when it is taken off the
+/// queue: the lines bound counts those waiting, the bytes bound those
+/// written too). A write error (stderr closed) leaves the lines unwritten,
+/// as an `eprintln!` that cannot write would, without stopping the queue.
 ///
 /// It waits on the queue (where a sender wakes it) only when a look
 /// `linger` after its last write found nothing; in between it is parked,
@@ -277,11 +279,23 @@ fn write_lines<W: Write>(
     queued: &Queued,
     linger: Duration,
 ) {
+    let mut batch = Vec::new();
     while let Ok(first) = received.recv() {
         let mut next = Some(first);
         while let Some(message) = next {
-            write_one(&mut out, message, queued);
+            match message {
+                Message::Line(line) => {
+                    queued.lines.fetch_sub(1, Ordering::Relaxed);
+                    batch.extend_from_slice(&line);
+                }
+                Message::Flush(done) => {
+                    write_batch(&mut out, &mut batch, queued);
+                    let _ = out.flush();
+                    let _ = done.try_send(());
+                }
+            }
             next = received.try_recv().ok().or_else(|| {
+                write_batch(&mut out, &mut batch, queued);
                 thread::park_timeout(linger);
                 received.try_recv().ok()
             });
@@ -289,16 +303,18 @@ fn write_lines<W: Write>(
     }
 }
 
-fn write_one<W: Write>(out: &mut W, message: Message, queued: &Queued) {
-    match message {
-        Message::Line(line) => {
-            let _ = out.write_all(&line);
-            queued.bytes.fetch_sub(line.len(), Ordering::Relaxed);
-            queued.lines.fetch_sub(1, Ordering::Relaxed);
-        }
-        Message::Flush(done) => {
-            let _ = out.flush();
-            let _ = done.try_send(());
+/// The most a batch's buffer keeps between writes: a burst of lines
+/// larger than this leaves no buffer of its size behind.
+const BATCH_KEEP: usize = 64 * 1024;
+
+/// Writes the lines taken so far, and forgets their bytes.
+fn write_batch<W: Write>(out: &mut W, batch: &mut Vec<u8>, queued: &Queued) {
+    if !batch.is_empty() {
+        let _ = out.write_all(batch);
+        queued.bytes.fetch_sub(batch.len(), Ordering::Relaxed);
+        batch.clear();
+        if batch.capacity() > BATCH_KEEP {
+            *batch = Vec::new();
         }
     }
 }
@@ -564,10 +580,13 @@ mod tests {
         opened: bool,
         entered: mpsc::Sender<()>,
         got: Arc<Mutex<Vec<u8>>>,
+        /// Its calls of `write`.
+        calls: Arc<AtomicUsize>,
     }
 
     impl Write for Stuck {
         fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
             if !self.opened {
                 let _ = self.entered.send(());
                 self.open
@@ -609,6 +628,7 @@ mod tests {
             opened: false,
             entered: entered_tx,
             got: Arc::clone(&got),
+            calls: Arc::new(AtomicUsize::new(0)),
         };
         let log = StderrLog::spawn(stuck, lines, bytes).expect("spawn");
         StuckLog {
@@ -715,17 +735,48 @@ mod tests {
     /// A log of `lines` lines whose writer takes everything at once and
     /// lingers `linger`, and what it wrote.
     fn lingering_log(lines: usize, linger: Duration) -> (StderrLog, Arc<Mutex<Vec<u8>>>) {
+        let (log, got, _) = counted_log(lines, linger);
+        (log, got)
+    }
+
+    /// [`lingering_log`], and the count of its writer's `write` calls.
+    fn counted_log(
+        lines: usize,
+        linger: Duration,
+    ) -> (StderrLog, Arc<Mutex<Vec<u8>>>, Arc<AtomicUsize>) {
         let (_, open) = mpsc::channel();
         let (entered, _) = mpsc::channel();
         let got = Arc::new(Mutex::new(Vec::new()));
+        let calls = Arc::new(AtomicUsize::new(0));
         let writer = Stuck {
             open,
             opened: true,
             entered,
             got: Arc::clone(&got),
+            calls: Arc::clone(&calls),
         };
         let log = StderrLog::spawn_lingering(writer, lines, QUEUE_BYTES, linger).expect("spawn");
-        (log, got)
+        (log, got, calls)
+    }
+
+    #[test]
+    fn the_lines_found_queued_are_written_with_one_call() {
+        let (log, got, calls) = counted_log(64, Duration::from_secs(3600));
+        line(&log, "line 0\n");
+        assert!(written(&got, "line 0\n"));
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+        // Queued while the writer lingers, then all taken at its flush.
+        thread::sleep(Duration::from_millis(100));
+        for i in 1..11 {
+            line(&log, &format!("line {i}\n"));
+        }
+        assert!(log.flush(Duration::from_secs(10)));
+        let expected: String = (0..11).map(|i| format!("line {i}\n")).collect();
+        assert_eq!(text(&got), expected);
+        assert_eq!(calls.load(Ordering::Relaxed), 2, "ten lines, one write");
+        // Written, they are counted no more.
+        assert_eq!(log.queued_bytes.load(Ordering::Relaxed), 0);
+        assert_eq!(log.queued_lines.load(Ordering::Relaxed), 0);
     }
 
     /// Whether the writer has written `expected`, looking for 10 s at most.
