@@ -21,7 +21,8 @@
 //! to the writer's thread on a CPU a worker needs): a burst of streams
 //! ending together wakes it once, not once a line (BENCHMARKS.md,
 //! forty-fourth round). A queue half full wakes it at once, so lingering
-//! drops no line that waking would have kept.
+//! drops no line that waking would have kept. The lines it finds queued
+//! go out together, with one write.
 //!
 //! `serve --progress=always` with a stderr that is not a terminal writes its
 //! plain lines through the same queue ([`StderrLog::line_writer`]), in order
