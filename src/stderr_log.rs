@@ -288,6 +288,11 @@ fn write_lines<W: Write>(
                 Message::Line(line) => {
                     queued.lines.fetch_sub(1, Ordering::Relaxed);
                     batch.extend_from_slice(&line);
+                    // Lines that keep coming are written as they fill
+                    // a batch, not held until they stop.
+                    if batch.len() >= BATCH_BYTES {
+                        write_batch(&mut out, &mut batch, queued);
+                    }
                 }
                 Message::Flush(done) => {
                     write_batch(&mut out, &mut batch, queued);
@@ -304,9 +309,14 @@ fn write_lines<W: Write>(
     }
 }
 
-/// The most a batch's buffer keeps between writes: a burst of lines
-/// larger than this leaves no buffer of its size behind.
-const BATCH_KEEP: usize = 64 * 1024;
+/// A batch is written once it holds this many bytes, whatever is still
+/// queued: lines that keep coming (`-vv`) never wait for a lull, and never
+/// fill the queue's bytes while stderr takes them.
+const BATCH_BYTES: usize = 64 * 1024;
+
+/// The most a batch's buffer keeps between writes: a batch that grew with
+/// one long line leaves no buffer of its size behind.
+const BATCH_KEEP: usize = 2 * BATCH_BYTES;
 
 /// Writes the lines taken so far, and forgets their bytes.
 fn write_batch<W: Write>(out: &mut W, batch: &mut Vec<u8>, queued: &Queued) {
@@ -873,6 +883,26 @@ mod tests {
                 .expect("to memory");
             assert_eq!(got, text);
         }
+    }
+
+    #[test]
+    fn lines_that_keep_coming_are_written_a_batch_at_a_time() {
+        let (log, got, calls) = counted_log(1024, Duration::from_secs(3600));
+        line(&log, "line 0\n");
+        assert!(written(&got, "line 0\n"));
+        thread::sleep(Duration::from_millis(100));
+        // Forty lines of 2 KiB queued while the writer lingers (less than
+        // half the queue: none wakes it), all taken at the flush: the
+        // first 32 fill a batch and go, then the other 8.
+        let long: Vec<String> = (0..40)
+            .map(|i| format!("{i:04} {}\n", "x".repeat(2048 - 6)))
+            .collect();
+        for text in &long {
+            line(&log, text);
+        }
+        assert!(log.flush(Duration::from_secs(10)));
+        assert_eq!(text(&got), format!("line 0\n{}", long.concat()));
+        assert_eq!(calls.load(Ordering::Relaxed), 3);
     }
 
     /// A `MakeWriter` into a shared buffer.
