@@ -533,24 +533,21 @@ impl FormatTime for LogTime {
         let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) else {
             return SystemTime.format_time(w);
         };
-        SECOND.with_borrow_mut(|(second, text)| {
-            if *second != now.as_secs() {
-                // Kept only once learned whole: a text half written, or of
-                // another second, is never written for this one.
-                *second = u64::MAX;
-                if !learn_second(now.as_secs(), text) {
-                    return SystemTime.format_time(w);
-                }
-                *second = now.as_secs();
+        SECOND.with_borrow_mut(|kept| {
+            if kept.0 != now.as_secs() && !learn_second(now.as_secs(), kept) {
+                return SystemTime.format_time(w);
             }
-            write_time(w, text, now.subsec_micros())
+            write_time(w, &kept.1, now.subsec_micros())
         })
     }
 }
 
-/// Sets `text` to [`SystemTime`]'s text of second `wanted` up to its `.`;
-/// false if the clock is no longer in that second (or the text has no `.`).
-fn learn_second(wanted: u64, text: &mut String) -> bool {
+/// Keeps second `wanted` and [`SystemTime`]'s text of it up to its `.`;
+/// false, with nothing kept, if the clock is no longer in that second (or
+/// the text has no `.`): a text half written, or of another second, is
+/// never kept as this one's, even for a clock stepped back.
+fn learn_second(wanted: u64, (second, text): &mut (u64, String)) -> bool {
+    *second = u64::MAX;
     text.clear();
     if SystemTime.format_time(&mut Writer::new(text)).is_err() {
         return false;
@@ -562,6 +559,7 @@ fn learn_second(wanted: u64, text: &mut String) -> bool {
     match text.find('.') {
         Some(dot) if after == Some(wanted) => {
             text.truncate(dot);
+            *second = wanted;
             true
         }
         _ => false,
@@ -591,13 +589,10 @@ mod tests {
         opened: bool,
         entered: mpsc::Sender<()>,
         got: Arc<Mutex<Vec<u8>>>,
-        /// Its calls of `write`.
-        calls: Arc<AtomicUsize>,
     }
 
     impl Write for Stuck {
         fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
-            self.calls.fetch_add(1, Ordering::Relaxed);
             if !self.opened {
                 let _ = self.entered.send(());
                 self.open
@@ -639,7 +634,6 @@ mod tests {
             opened: false,
             entered: entered_tx,
             got: Arc::clone(&got),
-            calls: Arc::new(AtomicUsize::new(0)),
         };
         let log = StderrLog::spawn(stuck, lines, bytes).expect("spawn");
         StuckLog {
@@ -755,19 +749,10 @@ mod tests {
         lines: usize,
         linger: Duration,
     ) -> (StderrLog, Arc<Mutex<Vec<u8>>>, Arc<AtomicUsize>) {
-        let (_, open) = mpsc::channel();
-        let (entered, _) = mpsc::channel();
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let calls = Arc::new(AtomicUsize::new(0));
-        let writer = Stuck {
-            open,
-            opened: true,
-            entered,
-            got: Arc::clone(&got),
-            calls: Arc::clone(&calls),
-        };
-        let log = StderrLog::spawn_lingering(writer, lines, QUEUE_BYTES, linger).expect("spawn");
-        (log, got, calls)
+        let out = Buffer::default();
+        let log =
+            StderrLog::spawn_lingering(out.clone(), lines, QUEUE_BYTES, linger).expect("spawn");
+        (log, out.got, out.calls)
     }
 
     #[test]
@@ -905,13 +890,17 @@ mod tests {
         assert_eq!(calls.load(Ordering::Relaxed), 3);
     }
 
-    /// A `MakeWriter` into a shared buffer.
+    /// A `MakeWriter` into a shared buffer, that counts its `write`s.
     #[derive(Clone, Default)]
-    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    struct Buffer {
+        got: Arc<Mutex<Vec<u8>>>,
+        calls: Arc<AtomicUsize>,
+    }
 
     impl Write for Buffer {
         fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
-            self.0.lock().expect("lock").extend_from_slice(bytes);
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            self.got.lock().expect("lock").extend_from_slice(bytes);
             Ok(bytes.len())
         }
 
@@ -980,8 +969,7 @@ mod tests {
         } else {
             tracing::subscriber::with_default(builder.finish(), events);
         }
-        let bytes = out.0.lock().expect("lock").clone();
-        String::from_utf8(bytes).expect("utf-8")
+        text(&out.got)
     }
 
     #[test]
