@@ -11,14 +11,18 @@
 //! wake-up and passes it on to the task's. Once a poll found nothing, the
 //! gate answers `Pending` at once until that waker was woken — or until
 //! it is polled with another task's waker, which the socket does not know
-//! yet. [`GatedRead`] puts a gate on the read side of a client's stream.
+//! yet. [`GatedRead`] puts a gate on the read side of a client's stream,
+//! and holds the bytes of its first read ([`GatedRead::read_first`]) for
+//! the server to read again.
 
 use std::io;
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
+use bytes::{Buf, Bytes};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Whether a socket can have anything new for a poll, without polling it
@@ -104,6 +108,10 @@ impl Gate {
     }
 }
 
+/// The most a connection's first read takes ([`GatedRead::read_first`]):
+/// a request head with its headers, and a small body.
+pub(crate) const FIRST_READ_BYTES: usize = 4096;
+
 /// A stream whose reads pass through a [`Gate`]; writes go straight to it.
 ///
 /// `serve` wraps each client connection in one. While a response streams,
@@ -113,6 +121,9 @@ impl Gate {
 pub(crate) struct GatedRead<T> {
     io: T,
     gate: Gate,
+    /// Bytes read from `io` that the next reads return before `io`'s own:
+    /// what [`GatedRead::read_first`] took.
+    unread: Bytes,
 }
 
 impl<T> GatedRead<T> {
@@ -120,7 +131,48 @@ impl<T> GatedRead<T> {
         GatedRead {
             io,
             gate: Gate::new(),
+            unread: Bytes::new(),
         }
+    }
+
+    /// What was read and not yet read again.
+    pub(crate) fn unread(&self) -> &[u8] {
+        &self.unread
+    }
+}
+
+impl<T: AsyncRead + Unpin> GatedRead<T> {
+    /// Reads once what has arrived (up to [`FIRST_READ_BYTES`]), to look
+    /// at it before anyone reads it, and keeps it for the reads that follow
+    /// ([`GatedRead::unread`]). While what came is a strict beginning of
+    /// `until` (and the peer has not closed), it reads on, so that the
+    /// caller can tell whether the stream starts with `until`.
+    ///
+    /// `serve` looks for HTTP/2's preface this way. hyper-util's server
+    /// read the first 24 bytes alone for it, and hyper then read the rest
+    /// of the request: two reads where one does (BENCHMARKS.md,
+    /// forty-fifth round). The read lands on the stack and only what came
+    /// is kept, in an allocation of its size.
+    pub(crate) async fn read_first(&mut self, until: &[u8]) -> io::Result<()> {
+        let mut first = Vec::new();
+        loop {
+            let before = first.len();
+            std::future::poll_fn(|cx| {
+                let mut space = [MaybeUninit::<u8>::uninit(); FIRST_READ_BYTES];
+                let mut buf = ReadBuf::uninit(&mut space);
+                let polled = Pin::new(&mut *self).poll_read(cx, &mut buf);
+                if let Poll::Ready(Ok(())) = polled {
+                    first.extend_from_slice(buf.filled());
+                }
+                polled
+            })
+            .await?;
+            if first.len() == before || first.len() >= until.len() || !until.starts_with(&first) {
+                break;
+            }
+        }
+        self.unread = Bytes::from(first);
+        Ok(())
     }
 }
 
@@ -131,6 +183,16 @@ impl<T: AsyncRead + Unpin> AsyncRead for GatedRead<T> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if !this.unread.is_empty() {
+            let n = this.unread.len().min(buf.remaining());
+            buf.put_slice(&this.unread[..n]);
+            this.unread.advance(n);
+            if this.unread.is_empty() {
+                // Its buffer goes now, not with the connection.
+                this.unread = Bytes::new();
+            }
+            return Poll::Ready(Ok(()));
+        }
         if this.gate.closed(cx) {
             return Poll::Pending;
         }
@@ -285,5 +347,92 @@ mod tests {
             Poll::Ready(Ok(0)) => {}
             other => panic!("after the close: {other:?}"),
         }
+    }
+
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+    /// The socket's reads through `gated`, counted by `Counted`.
+    fn counted(io: TcpStream) -> (GatedRead<Counted>, Arc<AtomicUsize>) {
+        let polls = Arc::new(AtomicUsize::new(0));
+        let gated = GatedRead::new(Counted {
+            io,
+            polls: Arc::clone(&polls),
+        });
+        (gated, polls)
+    }
+
+    /// Everything `gated` gives until the peer closes.
+    async fn rest(gated: &mut GatedRead<Counted>) -> Vec<u8> {
+        let mut all = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(gated, &mut all)
+            .await
+            .expect("read");
+        all
+    }
+
+    /// A request that has arrived is taken with one read, and given again
+    /// whole, before what comes after it, to the reads that follow.
+    #[tokio::test]
+    async fn the_first_read_takes_what_has_arrived_and_gives_it_again() {
+        let (mut peer, io) = pair().await;
+        let request =
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\n{}";
+        peer.write_all(request).await.expect("write");
+        // Let it arrive: the test is about one read taking all of it.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (mut gated, polls) = counted(io);
+        gated.read_first(PREFACE).await.expect("first read");
+        assert_eq!(gated.unread(), request);
+        assert_eq!(polls.load(Ordering::Relaxed), 1, "one read");
+
+        peer.write_all(b"after").await.expect("write");
+        drop(peer);
+        let mut expected = request.to_vec();
+        expected.extend_from_slice(b"after");
+        assert_eq!(rest(&mut gated).await, expected);
+        assert!(gated.unread().is_empty());
+    }
+
+    /// A first read that is a strict beginning of the preface reads on
+    /// until the preface is whole; one that leaves it stops there.
+    #[tokio::test]
+    async fn the_first_read_reads_on_only_while_it_may_be_the_preface() {
+        let (mut peer, io) = pair().await;
+        let (mut gated, polls) = counted(io);
+        let (head, tail) = PREFACE.split_at(5);
+        peer.write_all(head).await.expect("write");
+        let writer = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            peer.write_all(tail).await.expect("write");
+            peer.write_all(b"frames").await.expect("write");
+            peer
+        });
+        gated.read_first(PREFACE).await.expect("first read");
+        assert!(gated.unread().starts_with(PREFACE), "{:?}", gated.unread());
+        assert!(polls.load(Ordering::Relaxed) >= 2, "read on");
+        drop(writer.await.expect("writer"));
+
+        let (mut peer, io) = pair().await;
+        let (mut gated, polls) = counted(io);
+        peer.write_all(b"PRX").await.expect("write");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        gated.read_first(PREFACE).await.expect("first read");
+        assert_eq!(gated.unread(), b"PRX");
+        assert_eq!(
+            polls.load(Ordering::Relaxed),
+            1,
+            "stopped at the difference"
+        );
+    }
+
+    /// A peer that closes before sending anything leaves nothing unread.
+    #[tokio::test]
+    async fn a_first_read_at_the_end_keeps_nothing() {
+        let (peer, io) = pair().await;
+        drop(peer);
+        let (mut gated, _) = counted(io);
+        gated.read_first(PREFACE).await.expect("first read");
+        assert!(gated.unread().is_empty());
+        assert!(rest(&mut gated).await.is_empty());
     }
 }

@@ -34,9 +34,9 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::{self, Handle};
@@ -61,12 +61,12 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let mut http1 = http1::Builder::new();
     // hyper queues a response's frames up to its buffer size before it
     // stops polling the body. Its default (about 400 KiB) let each slow
     // client hold that much of coalesced output; 64 KiB keeps a slow
     // stream's memory near one coalesced write.
-    builder.http1().max_buf_size(CONN_BUF_BYTES);
+    http1.max_buf_size(CONN_BUF_BYTES);
     // Each frame copied into hyper's write buffer, written with one
     // `write`, rather than queued for a `writev` with its chunk-size line
     // and CRLF as pieces of their own: hyper's queue (a `VecDeque`, its
@@ -78,7 +78,7 @@ pub async fn serve<H, F>(
     // twice `CONN_BUF_BYTES` (hyper buffers another frame, of up to 64 KiB,
     // while it holds less than `max_buf_size`); our pieces go back to
     // their `OutBuf` as soon as they are copied.
-    builder.http1().writev(false);
+    http1.writev(false);
     let listener = match listener.into_std() {
         Ok(listener) => listener,
         Err(err) => {
@@ -91,7 +91,8 @@ pub async fn serve<H, F>(
     let loads = Arc::new(Loads::new(workers.len().max(1)));
     let shared = Arc::new(Shared {
         handler,
-        builder,
+        http1,
+        http2: http2::Builder::new(TokioExecutor::new()),
         graceful: graceful.clone(),
         loads,
     });
@@ -148,7 +149,8 @@ enum Phase {
 /// What every accept loop shares.
 struct Shared<H> {
     handler: H,
-    builder: auto::Builder<TokioExecutor>,
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
     graceful: Drain,
     loads: Arc<Loads>,
 }
@@ -298,18 +300,10 @@ async fn accept_loop<H, F>(
                 };
                 let _ = stream.set_nodelay(true);
                 let open = shared.loads.open(me);
-                let handler = shared.handler.clone();
-                let service = service_fn(move |req| {
-                    let response = handler(req, peer);
-                    async move { Ok::<_, Infallible>(response.await) }
-                });
-                let conn = shared
-                    .builder
-                    .serve_connection(TokioIo::new(GatedRead::new(stream)), service)
-                    .into_owned();
                 let watcher = shared.graceful.watcher();
+                let shared = Arc::clone(&shared);
                 connections.spawn(async move {
-                    if let Err(err) = watcher.watch(conn).await {
+                    if let Err(err) = serve_connection(stream, peer, &shared, watcher).await {
                         tracing::debug!(%peer, "connection ended: {err}");
                     }
                     drop(open);
@@ -343,6 +337,47 @@ async fn accept_loop<H, F>(
             }
         }
     }
+}
+
+/// The HTTP/2 client preface (RFC 9113, section 3.4): a connection that
+/// starts with it speaks HTTP/2 without TLS ("prior knowledge", h2c).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Serves one connection: HTTP/2 if it starts with the preface, HTTP/1.1
+/// otherwise, as hyper-util's `auto` server decides. Unlike that server,
+/// the first read takes what has arrived, not the preface's 24 bytes
+/// alone, and hyper reads it again from [`GatedRead`]: one system call a
+/// connection fewer.
+async fn serve_connection<H, F>(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: &Shared<H>,
+    mut watcher: DrainWatcher,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let mut io = GatedRead::new(stream);
+    tokio::select! {
+        read = io.read_first(H2_PREFACE) => read?,
+        // A connection that has sent nothing when the server drains is
+        // closed, as hyper closes an idle one.
+        () = watcher.draining() => return Ok(()),
+    }
+    let handler = shared.handler.clone();
+    let service = service_fn(move |req| {
+        let response = handler(req, peer);
+        async move { Ok::<_, Infallible>(response.await) }
+    });
+    if io.unread().starts_with(H2_PREFACE) {
+        let conn = shared.http2.serve_connection(TokioIo::new(io), service);
+        watcher.watch(conn).await?;
+    } else {
+        let conn = shared.http1.serve_connection(TokioIo::new(io), service);
+        watcher.watch(conn).await?;
+    }
+    Ok(())
 }
 
 /// The next connection from `listener`, accepted once loop `me` is among
@@ -420,6 +455,15 @@ impl Drain {
 }
 
 impl DrainWatcher {
+    /// Resolves once the drain has started.
+    async fn draining(&mut self) {
+        if self.started.load(Ordering::Acquire) {
+            return;
+        }
+        // Err: the server is gone, which drains nothing more.
+        let _ = self.rx.changed().await;
+    }
+
     /// Runs `conn`, shut down gracefully once the drain starts; the
     /// receiver is held until `conn` is done, so that the drain waits
     /// for it.
