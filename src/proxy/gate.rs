@@ -12,8 +12,9 @@
 //! gate answers `Pending` at once until that waker was woken — or until
 //! it is polled with another task's waker, which the socket does not know
 //! yet. [`GatedRead`] puts a gate on the read side of a client's stream,
-//! and holds the bytes of its first read ([`GatedRead::read_first`]) for
-//! the server to read again.
+//! holds the bytes of its first read ([`GatedRead::read_first`]) for the
+//! server to read again, and leaves the write side's end to the socket's
+//! close.
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -226,8 +227,14 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for GatedRead<T> {
         Pin::new(&mut self.get_mut().io).poll_flush(cx)
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    /// Does nothing: the socket's close sends the same FIN. hyper shuts a
+    /// client's connection down only as the last thing before it lets go
+    /// of it (its HTTP/1.1 dispatcher once the connection is done, h2
+    /// after its GOAWAY), and `serve` then drops the socket, which closes
+    /// it: `shutdown` followed by `close` was one system call a stream
+    /// more than `close` alone (BENCHMARKS.md, forty-fifth round).
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -434,5 +441,36 @@ mod tests {
         gated.read_first(PREFACE).await.expect("first read");
         assert!(gated.unread().is_empty());
         assert!(rest(&mut gated).await.is_empty());
+    }
+
+    /// A shutdown leaves the socket open; dropping it sends the FIN, and
+    /// the peer reads everything written before it, then the end.
+    #[tokio::test]
+    async fn the_write_side_ends_when_the_socket_closes() {
+        let (mut peer, io) = pair().await;
+        let mut gated = GatedRead::new(io);
+        tokio::io::AsyncWriteExt::write_all(&mut gated, b"bye")
+            .await
+            .expect("write");
+        tokio::io::AsyncWriteExt::shutdown(&mut gated)
+            .await
+            .expect("shutdown");
+        let mut got = [0u8; 8];
+        let n = tokio::io::AsyncReadExt::read(&mut peer, &mut got)
+            .await
+            .expect("read");
+        assert_eq!(&got[..n], b"bye");
+        let early = tokio::time::timeout(
+            Duration::from_millis(100),
+            tokio::io::AsyncReadExt::read(&mut peer, &mut got),
+        )
+        .await;
+        assert!(early.is_err(), "the end came before the close: {early:?}");
+        drop(gated);
+        let mut rest = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut peer, &mut rest)
+            .await
+            .expect("read to the end");
+        assert!(rest.is_empty());
     }
 }
