@@ -86,6 +86,12 @@ pub async fn serve<H, F>(
             return;
         }
     };
+    // Events are written as they come, never held for Nagle's algorithm.
+    // Set on the listening socket, the option is each accepted
+    // connection's from its start (Linux copies the listener's options
+    // into it), which spares a `setsockopt` a connection; `accept_loop`
+    // checks its first connection and sets it on each if not.
+    let _ = rustix::net::sockopt::set_tcp_nodelay(&listener, true);
     let graceful = Drain::new();
     let (phase, phase_rx) = watch::channel(Phase::Accepting);
     let loads = Arc::new(Loads::new(workers.len().max(1)));
@@ -281,6 +287,9 @@ async fn accept_loop<H, F>(
     // The connection tasks, so that what outlives the grace period can be
     // stopped (the drain only asks them to finish).
     let mut connections = JoinSet::new();
+    // Whether accepted connections come with TCP_NODELAY (see `serve`):
+    // asked of the first one.
+    let mut nodelay_inherited = None;
     while *phase.borrow_and_update() == Phase::Accepting {
         tokio::select! {
             accepted = accept_when_even(&listener, &shared.loads, me) => {
@@ -298,7 +307,9 @@ async fn accept_loop<H, F>(
                         continue;
                     }
                 };
-                let _ = stream.set_nodelay(true);
+                if !*nodelay_inherited.get_or_insert_with(|| stream.nodelay().unwrap_or(false)) {
+                    let _ = stream.set_nodelay(true);
+                }
                 let open = shared.loads.open(me);
                 let watcher = shared.graceful.watcher();
                 let shared = Arc::clone(&shared);
@@ -674,6 +685,21 @@ mod tests {
             .expect("the server stops")
             .expect("without a panic");
         drop(workers);
+    }
+
+    /// What `serve` relies on to spare each connection its `setsockopt`:
+    /// a connection accepted from a listening socket with TCP_NODELAY has
+    /// it from its start. (Where it would not, `accept_loop` sets it on
+    /// each connection.)
+    #[tokio::test]
+    async fn a_connection_takes_tcp_nodelay_from_its_listening_socket() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        rustix::net::sockopt::set_tcp_nodelay(&listener, true).expect("set");
+        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (accepted, _) = accepted.expect("accept");
+        assert!(accepted.nodelay().expect("nodelay"));
+        drop(client);
     }
 
     /// A listener and the counts of `loops` accept loops.
