@@ -1994,8 +1994,9 @@ async fn shutdown_lets_open_streams_finish_and_refuses_new_connections() {
 /// Keep-alive connections with nothing in flight are closed as soon as the
 /// shutdown starts, on both worker threads: each connection's task sleeps
 /// (its last poll was long before), so only the shutdown signal itself,
-/// which each connection registered for once, can wake it. The accept
-/// loop returns well within `shutdown_grace` (5 s).
+/// which each connection registered for once, can wake it. So are
+/// connections that have sent nothing yet (their first read waits). The
+/// accept loop returns well within `shutdown_grace` (5 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_idle_keep_alive_connections_at_once() {
     use tokio::io::AsyncReadExt;
@@ -2045,6 +2046,9 @@ async fn shutdown_closes_idle_keep_alive_connections_at_once() {
             String::from_utf8_lossy(&got)
         );
         idle.push(conn);
+    }
+    for _ in 0..4 {
+        idle.push(TcpStream::connect(proxy.addr).await.expect("connect"));
     }
     // Long enough for every connection's task to be parked.
     tokio::time::sleep(Duration::from_millis(200)).await;
