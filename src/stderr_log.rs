@@ -738,14 +738,8 @@ mod tests {
     }
 
     /// A log of `lines` lines whose writer takes everything at once and
-    /// lingers `linger`, and what it wrote.
-    fn lingering_log(lines: usize, linger: Duration) -> (StderrLog, Arc<Mutex<Vec<u8>>>) {
-        let (log, got, _) = counted_log(lines, linger);
-        (log, got)
-    }
-
-    /// [`lingering_log`], and the count of its writer's `write` calls.
-    fn counted_log(
+    /// lingers `linger`, what it wrote, and the count of its `write` calls.
+    fn lingering_log(
         lines: usize,
         linger: Duration,
     ) -> (StderrLog, Arc<Mutex<Vec<u8>>>, Arc<AtomicUsize>) {
@@ -757,7 +751,7 @@ mod tests {
 
     #[test]
     fn the_lines_found_queued_are_written_with_one_call() {
-        let (log, got, calls) = counted_log(64, Duration::from_secs(3600));
+        let (log, got, calls) = lingering_log(64, Duration::from_secs(3600));
         line(&log, "line 0\n");
         assert!(written(&got, "line 0\n"));
         assert_eq!(calls.load(Ordering::Relaxed), 1);
@@ -785,7 +779,7 @@ mod tests {
 
     #[test]
     fn a_line_queued_while_the_writer_lingers_is_written_when_it_looks_again() {
-        let (log, got) = lingering_log(16, Duration::from_millis(20));
+        let (log, got, _) = lingering_log(16, Duration::from_millis(20));
         line(&log, "line 0\n");
         assert!(written(&got, "line 0\n"));
         // Neither line wakes the writer (the queue is far from half full),
@@ -799,7 +793,7 @@ mod tests {
 
     #[test]
     fn a_queue_half_full_wakes_a_lingering_writer() {
-        let (log, got) = lingering_log(8, Duration::from_secs(3600));
+        let (log, got, _) = lingering_log(8, Duration::from_secs(3600));
         line(&log, "line 0\n");
         assert!(written(&got, "line 0\n"));
         // The writer has looked at the empty queue and lingers: lines that
@@ -818,7 +812,7 @@ mod tests {
 
     #[test]
     fn a_flush_wakes_a_lingering_writer() {
-        let (log, got) = lingering_log(8, Duration::from_secs(3600));
+        let (log, got, _) = lingering_log(8, Duration::from_secs(3600));
         line(&log, "line 0\n");
         assert!(written(&got, "line 0\n"));
         thread::sleep(Duration::from_millis(100));
@@ -872,7 +866,7 @@ mod tests {
 
     #[test]
     fn lines_that_keep_coming_are_written_a_batch_at_a_time() {
-        let (log, got, calls) = counted_log(1024, Duration::from_secs(3600));
+        let (log, got, calls) = lingering_log(1024, Duration::from_secs(3600));
         line(&log, "line 0\n");
         assert!(written(&got, "line 0\n"));
         thread::sleep(Duration::from_millis(100));

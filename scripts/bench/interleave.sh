@@ -83,15 +83,14 @@ fi
 # its children (nginx's workers).
 # shellcheck disable=SC2046 # pgrep prints one pid a line
 tree() { echo "$1" $(pgrep -P "$1" || true); }
-cpu_ns() {
-  local s=0 p t
-  for p in $(tree "$1"); do
-    for t in /proc/"$p"/task/*/schedstat; do
-      s=$((s + $(cut -d' ' -f1 "$t" 2>/dev/null || echo 0)))
-    done
-  done
-  echo "$s"
+# The sum over the threads of a process and its children of what awk
+# program $3 counts in each thread's /proc file $2.
+task_sum() {
+  local p
+  for p in $(tree "$1"); do cat /proc/"$p"/task/*/"$2" 2>/dev/null || true; done |
+    awk "$3"' END {printf "%.0f\n", s}'
 }
+cpu_ns() { task_sum "$1" schedstat '{s += $1}'; }
 # The host's TCP segments sent since the last call (nstat keeps the count
 # between calls), or nothing without nstat.
 segments() {
@@ -100,15 +99,7 @@ segments() {
 }
 # The context switches (voluntary and not) of a process's threads and its
 # children's.
-switches() {
-  local s=0 p t
-  for p in $(tree "$1"); do
-    for t in /proc/"$p"/task/*/status; do
-      s=$((s + $(awk '/ctxt_switches/ {n += $2} END {print n + 0}' "$t" 2>/dev/null || echo 0)))
-    done
-  done
-  echo "$s"
-}
+switches() { task_sum "$1" status '/ctxt_switches/ {s += $2}'; }
 faults() {
   local s=0 p
   for p in $(tree "$1"); do

@@ -137,17 +137,18 @@ impl<T> GatedRead<T> {
     }
 
     /// What was read and not yet read again.
-    pub(crate) fn unread(&self) -> &[u8] {
+    #[cfg(test)]
+    fn unread(&self) -> &[u8] {
         &self.unread
     }
 }
 
 impl<T: AsyncRead + Unpin> GatedRead<T> {
     /// Reads once what has arrived (up to [`FIRST_READ_BYTES`]), to look
-    /// at it before anyone reads it, and keeps it for the reads that follow
-    /// ([`GatedRead::unread`]). While what came is a strict beginning of
-    /// `until` (and the peer has not closed), it reads on, so that the
-    /// caller can tell whether the stream starts with `until`.
+    /// at it before anyone reads it, and keeps it for the reads that
+    /// follow; says whether the stream starts with `until`. While what
+    /// came is a strict beginning of `until` (and the peer has not
+    /// closed), it reads on, to tell.
     ///
     /// `serve` looks for HTTP/2's preface this way. hyper-util's server
     /// read the first 24 bytes alone for it, and hyper then read the rest
@@ -156,7 +157,7 @@ impl<T: AsyncRead + Unpin> GatedRead<T> {
     /// 16 KiB for its second read, and a connection keeps that buffer
     /// while it lives: an idle stream held 11 KiB more. The read lands on
     /// the stack and only what came is kept, in an allocation of its size.
-    pub(crate) async fn read_first(&mut self, until: &[u8]) -> io::Result<()> {
+    pub(crate) async fn read_first(&mut self, until: &[u8]) -> io::Result<bool> {
         let mut first = Vec::new();
         loop {
             let before = first.len();
@@ -174,8 +175,9 @@ impl<T: AsyncRead + Unpin> GatedRead<T> {
                 break;
             }
         }
+        let starts = first.starts_with(until);
         self.unread = Bytes::from(first);
-        Ok(())
+        Ok(starts)
     }
 }
 
@@ -358,7 +360,7 @@ mod tests {
         }
     }
 
-    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    use crate::proxy::server::H2_PREFACE as PREFACE;
 
     /// The socket's reads through `gated`, counted by `Counted`.
     fn counted(io: TcpStream) -> (GatedRead<Counted>, Arc<AtomicUsize>) {

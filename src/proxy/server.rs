@@ -352,7 +352,7 @@ async fn accept_loop<H, F>(
 
 /// The HTTP/2 client preface (RFC 9113, section 3.4): a connection that
 /// starts with it speaks HTTP/2 without TLS ("prior knowledge", h2c).
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+pub(super) const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Serves one connection: HTTP/2 if it starts with the preface, HTTP/1.1
 /// otherwise, as hyper-util's `auto` server decides. Unlike that server,
@@ -370,18 +370,18 @@ where
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut io = GatedRead::new(stream);
-    tokio::select! {
+    let h2 = tokio::select! {
         read = io.read_first(H2_PREFACE) => read?,
         // A connection that has sent nothing when the server drains is
         // closed, as hyper closes an idle one.
         () = watcher.draining() => return Ok(()),
-    }
+    };
     let handler = shared.handler.clone();
     let service = service_fn(move |req| {
         let response = handler(req, peer);
         async move { Ok::<_, Infallible>(response.await) }
     });
-    if io.unread().starts_with(H2_PREFACE) {
+    if h2 {
         let conn = shared.http2.serve_connection(TokioIo::new(io), service);
         watcher.watch(conn).await?;
     } else {
