@@ -158,8 +158,10 @@ impl Proxy {
         }
         let started = Instant::now();
         let method = req.method().clone();
-        let path = log_safe(req.uri().path());
-        match self.forward(req, started).await {
+        // Taken by `forward` for the stream's log line once a response
+        // came; a failure's line below writes it.
+        let mut path = log_safe(req.uri().path());
+        match self.forward(req, started, &mut path).await {
             Ok(response) => response,
             Err((fault, message, session_id)) => {
                 match fault {
@@ -204,6 +206,7 @@ impl Proxy {
         &self,
         req: Request<Incoming>,
         started: Instant,
+        path: &mut String,
     ) -> Result<Response<ProxyBody>, (Fault, String, Option<String>)> {
         let config = &self.shared.config;
         // Phase 1: our headers.
@@ -220,7 +223,6 @@ impl Proxy {
         // Phase 2: the upstream request.
         let (mut parts, body) = req.into_parts();
         let method = parts.method.clone();
-        let path = log_safe(parts.uri.path());
         parts.uri = config.upstream.uri_for(&parts.uri).map_err(|e| {
             fail(
                 Fault::BadRequest,
@@ -281,7 +283,7 @@ impl Proxy {
         strip_hop_by_hop(&mut parts.headers);
         let log = RequestLog {
             method,
-            path,
+            path: std::mem::take(path),
             status: parts.status,
             session_id: session_id.clone(),
             started,

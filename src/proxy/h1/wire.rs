@@ -85,11 +85,14 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
         .code
         .and_then(|code| StatusCode::from_u16(code).ok())
         .ok_or_else(|| WireError::Head("no status code".to_owned()))?;
+    // The values are slices of one copy of the head: two allocations for
+    // all of them (the copy, and the count that shares it), not one each.
+    let head = Bytes::copy_from_slice(buf.get(..len).unwrap_or_default());
     let mut headers = HeaderMap::with_capacity(response.headers.len());
     for field in response.headers.iter() {
         let name = HeaderName::from_bytes(field.name.as_bytes())
             .map_err(|_| WireError::Head(format!("invalid header name {:?}", field.name)))?;
-        let value = HeaderValue::from_bytes(field.value)
+        let value = HeaderValue::from_maybe_shared(shared_slice(&head, buf, field.value))
             .map_err(|_| WireError::Head(format!("invalid value of header {:?}", field.name)))?;
         headers.append(name, value);
     }
@@ -108,6 +111,16 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
             keep_alive,
         },
     )))
+}
+
+/// `part`, a slice of `buf`, as the same bytes of `head`, a copy of
+/// `buf`'s start (a copy of its own if it lies beyond).
+fn shared_slice(head: &Bytes, buf: &[u8], part: &[u8]) -> Bytes {
+    let start = (part.as_ptr() as usize).wrapping_sub(buf.as_ptr() as usize);
+    match start.checked_add(part.len()) {
+        Some(end) if end <= head.len() => head.slice(start..end),
+        _ => Bytes::copy_from_slice(part),
+    }
 }
 
 /// Whether `bytes` hold the blank line that ends a head (CRLF CRLF, or a

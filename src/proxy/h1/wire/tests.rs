@@ -240,6 +240,36 @@ fn a_response_head_is_parsed_with_its_length_and_headers_as_sent() {
 }
 
 #[test]
+fn a_heads_values_share_one_copy_of_it() {
+    let text = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
+        Empty:\r\nX-Request-Id: req-1\r\nCache-Control: no-cache\r\n\r\n";
+    let (_, head) = head(text, &Method::POST).expect("valid").expect("complete");
+    let at = |name: &str| {
+        let value = head.headers.get(name).expect("present").as_bytes();
+        (value, value.as_ptr() as usize)
+    };
+    let (kind, kind_at) = at("content-type");
+    let (id, id_at) = at("x-request-id");
+    let (cache, cache_at) = at("cache-control");
+    assert_eq!(
+        (kind, id, cache),
+        (&b"text/event-stream"[..], &b"req-1"[..], &b"no-cache"[..])
+    );
+    assert_eq!(at("empty").0, b"");
+    // Where the values lie from each other is where they lay in the head:
+    // they are slices of one buffer, not a copy each.
+    let offset = |part: &str| text.find(part).expect("in the head");
+    assert_eq!(
+        id_at - kind_at,
+        offset("req-1") - offset("text/event-stream")
+    );
+    assert_eq!(
+        cache_at - kind_at,
+        offset("no-cache") - offset("text/event-stream")
+    );
+}
+
+#[test]
 fn the_body_framing_follows_rfc_9112() {
     use Framing::{Chunked, Close, Empty, Length};
     let ok = "HTTP/1.1 200 OK\r\n";
