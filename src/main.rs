@@ -26,8 +26,10 @@ use std::sync::Arc;
 /// jemalloc instead of the system allocator: under steady traffic its
 /// resident memory reaches its working set within a minute and stays there,
 /// where glibc's per-thread arenas kept touching new pages for minutes
-/// (BENCHMARKS.md, "Ninth round"; issue 6's soak).
-#[cfg(not(target_env = "msvc"))]
+/// (BENCHMARKS.md, "Ninth round"; issue 6's soak). A build made with
+/// `--cfg aalis_system_alloc` keeps the system's, for valgrind's dhat to
+/// count allocations (scripts/bench/dhat_serve.sh); never a build for use.
+#[cfg(not(any(target_env = "msvc", aalis_system_alloc)))]
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
