@@ -281,11 +281,13 @@ impl Proxy {
         // Phase 4: the response.
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        let session_header = HeaderValue::from_str(&session_id).ok();
+        // The log line keeps the id; what follows reads it there.
         let log = RequestLog {
             method,
             path: std::mem::take(path),
             status: parts.status,
-            session_id: session_id.clone(),
+            session_id,
             started,
         };
         let body = match stream_framing(&parts.headers) {
@@ -300,13 +302,14 @@ impl Proxy {
                     HeaderName::from_static("x-accel-buffering"),
                     HeaderValue::from_static("no"),
                 );
-                let stream = self.shared.sessions.begin_stream(&session_id);
+                let stream = self.shared.sessions.begin_stream(&log.session_id);
                 // Increments are collected while someone listens to the
                 // session; the body looks again before each read.
                 let annotator = Annotator::new(AnnotatorConfig {
                     output: OutputFormat::Sse,
                     inject,
-                    session_id: Some(session_id.clone()),
+                    // Only `--format messages` writes it.
+                    session_id: None,
                     framing: Some(framing),
                     max_event_bytes: config.max_event_bytes,
                     collect_events: stream.listened(),
@@ -314,7 +317,7 @@ impl Proxy {
                 let recording = self.shared.recorder.as_ref().and_then(|recorder| {
                     let request = request_copy.clone().unwrap_or_default();
                     recorder
-                        .start(&session_id, framing, request)
+                        .start(&log.session_id, framing, request)
                         .map_err(|err| tracing::warn!("cannot record this stream: {err}"))
                         .ok()
                 });
@@ -334,7 +337,7 @@ impl Proxy {
                     .boxed()
             }
         };
-        if let Ok(value) = HeaderValue::from_str(&session_id) {
+        if let Some(value) = session_header {
             parts.headers.insert(SESSION_HEADER, value);
         }
         Ok(Response::from_parts(parts, body))
