@@ -44,7 +44,7 @@ use std::cell::Cell;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
@@ -348,6 +348,11 @@ pub struct H1Pool {
     /// The sweeper task runs (started with the first idle connection,
     /// inside the runtime; it ends with the pool).
     sweeping: AtomicBool,
+    /// The `Host` value of the first authority asked for, kept: `serve`
+    /// asks for one only, and each request then shares it rather than
+    /// building it (two allocations a request; BENCHMARKS.md, forty-sixth
+    /// round).
+    host: OnceLock<(Authority, HeaderValue)>,
 }
 
 impl H1Pool {
@@ -359,6 +364,7 @@ impl H1Pool {
             connector,
             idle: (0..SHARDS).map(|_| Mutex::new(Vec::new())).collect(),
             sweeping: AtomicBool::new(false),
+            host: OnceLock::new(),
         })
     }
 
@@ -372,7 +378,7 @@ impl H1Pool {
         if let Some(authority) = uri.authority() {
             req.headers_mut()
                 .entry(header::HOST)
-                .or_insert_with(|| host_value(authority));
+                .or_insert_with(|| self.host_value(authority));
         }
         *req.uri_mut() = origin_form(&uri);
         if let Some(mut conn) = self.checkout() {
@@ -389,6 +395,18 @@ impl H1Pool {
             Ok(answer) => Ok(self.driven(conn, answer)),
             Err(Retry::Again(_)) => Err(H1Error::Refused),
             Err(Retry::No(err)) => Err(err),
+        }
+    }
+
+    /// `Host` for `authority`: the kept one when it is the first asked for.
+    fn host_value(&self, authority: &Authority) -> HeaderValue {
+        let (kept, value) = self
+            .host
+            .get_or_init(|| (authority.clone(), host_value(authority)));
+        if kept.as_str() == authority.as_str() {
+            value.clone()
+        } else {
+            host_value(authority)
         }
     }
 
@@ -930,6 +948,28 @@ mod tests {
             let authority: Authority = authority.parse().expect("authority");
             assert_eq!(host_value(&authority), host, "{authority}");
         }
+    }
+
+    /// The pool keeps the first authority's `Host` and shares it; any
+    /// other authority (or the same in other letters) gets its own.
+    #[test]
+    fn the_pool_keeps_its_first_hosts_value() {
+        let pool = H1Pool::new(Duration::from_secs(1));
+        let first: Authority = "127.0.0.1:8080".parse().expect("authority");
+        let other: Authority = "Example.com:80".parse().expect("authority");
+        let upper: Authority = "EXAMPLE.com".parse().expect("authority");
+        let a = pool.host_value(&first);
+        let b = pool.host_value(&first);
+        assert_eq!(a, "127.0.0.1:8080");
+        assert_eq!(b, "127.0.0.1:8080");
+        assert_eq!(
+            a.as_bytes().as_ptr(),
+            b.as_bytes().as_ptr(),
+            "shared, not built again"
+        );
+        assert_eq!(pool.host_value(&other), "Example.com");
+        assert_eq!(pool.host_value(&upper), "EXAMPLE.com");
+        assert_eq!(pool.host_value(&first), "127.0.0.1:8080");
     }
 
     /// Reads up to the end of a request head (a test's requests have no

@@ -385,13 +385,14 @@ fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
         return None;
     }
     let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
-    let essence = content_type.split(';').next()?.trim().to_ascii_lowercase();
-    match essence.as_str() {
-        "text/event-stream" => Some(Framing::Sse),
-        "application/x-ndjson" | "application/ndjson" | "application/jsonl" => {
-            Some(Framing::Ndjson)
-        }
-        _ => None,
+    let essence = content_type.split(';').next()?.trim();
+    let is = |name: &str| essence.eq_ignore_ascii_case(name);
+    if is("text/event-stream") {
+        Some(Framing::Sse)
+    } else if is("application/x-ndjson") || is("application/ndjson") || is("application/jsonl") {
+        Some(Framing::Ndjson)
+    } else {
+        None
     }
 }
 
@@ -548,7 +549,25 @@ mod tests {
             Some(Framing::Ndjson)
         );
         assert_eq!(
+            stream_framing(&headers(&[(
+                "content-type",
+                " Text/Event-Stream ;charset=UTF-8"
+            )])),
+            Some(Framing::Sse)
+        );
+        for ndjson in ["Application/NDJSON", "application/jsonl; x=1"] {
+            assert_eq!(
+                stream_framing(&headers(&[("content-type", ndjson)])),
+                Some(Framing::Ndjson),
+                "{ndjson}"
+            );
+        }
+        assert_eq!(
             stream_framing(&headers(&[("content-type", "application/json")])),
+            None
+        );
+        assert_eq!(
+            stream_framing(&headers(&[("content-type", "text/event-streams")])),
             None
         );
         assert_eq!(

@@ -281,8 +281,10 @@ pub fn build_client(
     ))
 }
 
-/// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
+/// and `Upgrade` (the proxy does not tunnel). At most 16: a set of them is
+/// a `u16` ([`strip_hop_by_hop`]).
+const HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -291,6 +293,7 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::TE,
     header::TRAILER,
     header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
 /// Removes hop-by-hop headers, including those `Connection` names, and
@@ -300,21 +303,36 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // the ones present, then remove those. Removing all nine by name hashed
     // each, about 1,200 instructions a message, twice a stream
     // (BENCHMARKS.md, forty-second round).
-    let is_hop = |name: &&HeaderName| *name == header::UPGRADE || HOP_BY_HOP.contains(name);
-    let mut present: Vec<HeaderName> = headers.keys().filter(is_hop).cloned().collect();
-    if present.is_empty() {
+    // The set found is a bit per name of `HOP_BY_HOP`, not a list: no
+    // allocation for a message with `Transfer-Encoding` (every chunked
+    // one), BENCHMARKS.md, forty-sixth round.
+    let mut present = 0u16;
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
         return;
     }
-    if present.contains(&header::CONNECTION) {
-        let named = headers
+    // Bit 0 is `Connection`, whose values name more of them.
+    let named: Vec<HeaderName> = if present & 1 != 0 {
+        headers
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok());
-        present.extend(named);
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
     }
-    for name in &present {
+    for name in &named {
         headers.remove(name);
     }
 }
@@ -415,6 +433,31 @@ mod tests {
         let mut left: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
         left.sort_unstable();
         assert_eq!(left, vec!["authorization", "content-type"]);
+    }
+
+    #[test]
+    fn each_hop_by_hop_header_goes_with_its_repeats() {
+        for name in [
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "proxy-authenticate",
+            "proxy-authorization",
+            "te",
+            "trailer",
+            "transfer-encoding",
+            "upgrade",
+        ] {
+            let mut headers = header_map(&[
+                ("content-type", "text/event-stream"),
+                (name, "a"),
+                ("x-kept", "1"),
+                (name, "b"),
+            ]);
+            strip_hop_by_hop(&mut headers);
+            let left: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
+            assert_eq!(left, ["content-type", "x-kept"], "{name}");
+        }
     }
 
     /// A message without hop-by-hop headers keeps every header, values
