@@ -40,9 +40,10 @@ bin=target/system-alloc/release/aalis-proxy
 # shellcheck source=scripts/bench/proxy_setup.sh
 . scripts/bench/proxy_setup.sh
 
-# One run of serve under dhat with $1 drives; its file is $work/dhat.$1.json.
+# One run of serve under dhat with $1 drives; its file is $work/dhat.$1.json,
+# and the streams that ended well are added up in $work/ok.$1.
 run() {
-  local drives=$1 port pid
+  local drives=$1 port pid ok=0 n
   port=$(free_port)
   valgrind --tool=dhat --dhat-out-file="$work/dhat.$drives.json" \
     "$bin" serve --upstream "http://127.0.0.1:$up_port" --listen "127.0.0.1:$port" \
@@ -51,18 +52,28 @@ run() {
   pids+=("$pid")
   wait_port "$port" 60
   for _ in $(seq "$drives"); do
-    timeout 300 "$loadgen" drive --target "127.0.0.1:$port" --concurrency "$conc" --events "$events" \
-      --delay-us "$delay_us" --timeout-seconds 240 >/dev/null
+    # A stream that fails would make the counts a stream wrong: none may.
+    n=$(timeout 300 "$loadgen" drive --target "127.0.0.1:$port" --concurrency "$conc" --events "$events" \
+      --delay-us "$delay_us" --timeout-seconds 240 |
+      python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["ok"] if d["errors"] == 0 else -1)')
+    [ "$n" -ge 0 ] || { echo "dhat_serve: a drive had failed streams (see $work/serve.$drives.log)" >&2; exit 1; }
+    ok=$((ok + n))
   done
+  echo "$ok" >"$work/ok.$drives"
   # serve shuts down gracefully on SIGINT; dhat then writes its file.
   kill -INT "$pid"
-  timeout 60 tail --pid="$pid" -f /dev/null || true
+  for _ in $(seq 240); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "dhat_serve: serve under dhat did not exit within 2 minutes of SIGINT" >&2
+    exit 1
+  fi
   [ -s "$work/dhat.$drives.json" ] || { echo "dhat_serve: no dhat file for $drives drives" >&2; exit 1; }
 }
 run "$lo"
 run "$hi"
 
-python3 - "$work/dhat.$lo.json" "$work/dhat.$hi.json" $(((hi - lo) * conc)) "${TOP:-25}" "${DEPTH:-4}" <<'PY'
+streams=$(($(cat "$work/ok.$hi") - $(cat "$work/ok.$lo")))
+python3 - "$work/dhat.$lo.json" "$work/dhat.$hi.json" "$streams" "${TOP:-25}" "${DEPTH:-4}" <<'PY'
 import json, re, sys
 
 lo_path, hi_path, streams, top, depth = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -70,7 +81,8 @@ lo_path, hi_path, streams, top, depth = sys.argv[1], sys.argv[2], int(sys.argv[3
 
 def sites(path):
     """{call chain: [blocks, bytes]}: each chain its first `depth` frames
-    that are not the standard library's, the allocator's or valgrind's."""
+    that have a source line (valgrind's and the C allocator's have none)
+    outside Rust's standard library."""
     data = json.load(open(path))
     frames = data["ftbl"]
     out = {}
@@ -81,7 +93,7 @@ def sites(path):
             if not m:
                 continue
             where = m.group(1)
-            if where.startswith("library/"):
+            if where.startswith("library/") or "/rustc/" in where:
                 continue
             if "/registry/src/" in where:
                 where = re.sub(r".*/registry/src/[^/]*/", "", where)  # a crate's: hyper-1.12.0/src/...

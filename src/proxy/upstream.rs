@@ -215,8 +215,10 @@ impl Upstream {
         let path_and_query = match request.path_and_query() {
             // The request's own path and query, shared rather than copied
             // (hyper's request head holds them; three allocations a
-            // stream fewer, BENCHMARKS.md, forty-sixth round).
-            Some(kept) if has_prefix => kept.clone(),
+            // stream fewer, BENCHMARKS.md, forty-sixth round). Not an
+            // absolute-form target with an empty path (`http://h?q`),
+            // whose path is then `/` but whose text lacks it.
+            Some(kept) if has_prefix && kept.as_str().starts_with('/') => kept.clone(),
             _ => {
                 let mut joined = format!("{prefix}{path}");
                 if let Some(query) = request.query() {
@@ -284,7 +286,7 @@ pub fn build_client(
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
 /// and `Upgrade` (the proxy does not tunnel). At most 16: a set of them is
 /// a `u16` ([`strip_hop_by_hop`]).
-const HOP_BY_HOP: [HeaderName; 9] = [
+const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -295,6 +297,8 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];
+const HOPS: usize = 9;
+const _: () = assert!(HOPS <= 16);
 
 /// Removes hop-by-hop headers, including those `Connection` names, and
 /// `Upgrade` (the proxy does not tunnel).
@@ -302,21 +306,29 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them, or only `Transfer-Encoding`: find
     // the ones present, then remove those. Removing all nine by name hashed
     // each, about 1,200 instructions a message, twice a stream
-    // (BENCHMARKS.md, forty-second round).
-    // The set found is a bit per name of `HOP_BY_HOP`, not a list: no
-    // allocation for a message with `Transfer-Encoding` (every chunked
-    // one), BENCHMARKS.md, forty-sixth round.
-    let mut present = 0u16;
+    // (BENCHMARKS.md, forty-second round). What was found is kept on the
+    // stack, not in a list, which every chunked message allocated
+    // (forty-sixth round), and removed in the order it came:
+    // `HeaderMap::remove` moves the last entry into the hole, so the order
+    // of the removals decides the order of the headers that stay.
+    let mut seen = 0u16;
+    let mut found = [0u8; HOPS];
+    let mut count = 0;
     for name in headers.keys() {
-        if let Some(i) = HOP_BY_HOP.iter().position(|hop| hop == name) {
-            present |= 1 << i;
+        if let Some(i) = HOP_BY_HOP.iter().position(|hop| hop == name)
+            && seen & (1 << i) == 0
+            && let Some(slot) = found.get_mut(count)
+        {
+            seen |= 1 << i;
+            *slot = i as u8;
+            count += 1;
         }
     }
-    if present == 0 {
+    if count == 0 {
         return;
     }
     // Bit 0 is `Connection`, whose values name more of them.
-    let named: Vec<HeaderName> = if present & 1 != 0 {
+    let named: Vec<HeaderName> = if seen & 1 != 0 {
         headers
             .get_all(header::CONNECTION)
             .iter()
@@ -327,8 +339,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     } else {
         Vec::new()
     };
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << i) != 0 {
+    for &i in found.get(..count).unwrap_or_default() {
+        if let Some(name) = HOP_BY_HOP.get(usize::from(i)) {
             headers.remove(name);
         }
     }
@@ -372,6 +384,8 @@ mod tests {
             "https://h/v1/chat?stream=1&x=%20"
         );
         assert_eq!(map("http://h:1", "/a?"), "http://h:1/a?");
+        assert_eq!(map("http://h:1", "http://e?q"), "http://h:1/?q");
+        assert_eq!(map("http://h:1", "http://e"), "http://h:1/");
         assert_eq!(
             map("http://h:1", "http://elsewhere:2/v1/x?q#frag"),
             "http://h:1/v1/x?q"
@@ -457,6 +471,71 @@ mod tests {
             strip_hop_by_hop(&mut headers);
             let left: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
             assert_eq!(left, ["content-type", "x-kept"], "{name}");
+        }
+    }
+
+    /// The headers that stay keep the order they had when the names found
+    /// were collected into a list and removed in the order they came.
+    #[test]
+    fn the_headers_that_stay_keep_their_order() {
+        fn as_before(headers: &mut HeaderMap) {
+            let mut present: Vec<HeaderName> = headers
+                .keys()
+                .filter(|name| HOP_BY_HOP.contains(name))
+                .cloned()
+                .collect();
+            if present.contains(&header::CONNECTION) {
+                let named: Vec<HeaderName> = headers
+                    .get_all(header::CONNECTION)
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .flat_map(|v| v.split(','))
+                    .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+                    .collect();
+                present.extend(named);
+            }
+            for name in &present {
+                headers.remove(name);
+            }
+        }
+        let cases: [&[(&'static str, &str)]; 4] = [
+            &[
+                ("transfer-encoding", "chunked"),
+                ("connection", "x-hop"),
+                ("x-a", "1"),
+                ("x-b", "2"),
+                ("x-hop", "3"),
+                ("content-type", "text/event-stream"),
+            ],
+            &[
+                ("x-a", "1"),
+                ("upgrade", "h2c"),
+                ("x-b", "2"),
+                ("te", "trailers"),
+                ("x-c", "3"),
+                ("keep-alive", "timeout=5"),
+                ("x-d", "4"),
+            ],
+            &[
+                ("te", "trailers"),
+                ("x-a", "1"),
+                ("trailer", "x-t"),
+                ("x-b", "2"),
+                ("transfer-encoding", "chunked"),
+                ("x-c", "3"),
+            ],
+            &[("x-a", "1"), ("x-b", "2"), ("transfer-encoding", "chunked")],
+        ];
+        for pairs in cases {
+            let (mut now, mut before) = (header_map(pairs), header_map(pairs));
+            strip_hop_by_hop(&mut now);
+            as_before(&mut before);
+            let order = |h: &HeaderMap| {
+                h.iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(order(&now), order(&before), "{pairs:?}");
         }
     }
 
