@@ -284,8 +284,7 @@ pub fn build_client(
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
-/// and `Upgrade` (the proxy does not tunnel). At most 16: a set of them is
-/// a `u16` ([`strip_hop_by_hop`]).
+/// and `Upgrade` (the proxy does not tunnel).
 const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -298,7 +297,6 @@ const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::UPGRADE,
 ];
 const HOPS: usize = 9;
-const _: () = assert!(HOPS <= 16);
 
 /// Removes hop-by-hop headers, including those `Connection` names, and
 /// `Upgrade` (the proxy does not tunnel).
@@ -311,24 +309,23 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // (forty-sixth round), and removed in the order it came:
     // `HeaderMap::remove` moves the last entry into the hole, so the order
     // of the removals decides the order of the headers that stay.
-    let mut seen = 0u16;
-    let mut found = [0u8; HOPS];
+    // Each name once (`keys` gives each once), as its place in the table.
+    let mut found = [0usize; HOPS];
     let mut count = 0;
     for name in headers.keys() {
         if let Some(i) = HOP_BY_HOP.iter().position(|hop| hop == name)
-            && seen & (1 << i) == 0
             && let Some(slot) = found.get_mut(count)
         {
-            seen |= 1 << i;
-            *slot = i as u8;
+            *slot = i;
             count += 1;
         }
     }
-    if count == 0 {
+    let found = found.get(..count).unwrap_or_default();
+    if found.is_empty() {
         return;
     }
-    // Bit 0 is `Connection`, whose values name more of them.
-    let named: Vec<HeaderName> = if seen & 1 != 0 {
+    // Place 0 is `Connection`, whose values name more of them.
+    let named: Vec<HeaderName> = if found.contains(&0) {
         headers
             .get_all(header::CONNECTION)
             .iter()
@@ -339,8 +336,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     } else {
         Vec::new()
     };
-    for &i in found.get(..count).unwrap_or_default() {
-        if let Some(name) = HOP_BY_HOP.get(usize::from(i)) {
+    for &i in found {
+        if let Some(name) = HOP_BY_HOP.get(i) {
             headers.remove(name);
         }
     }
