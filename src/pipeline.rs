@@ -30,7 +30,7 @@ use crate::framing::ndjson::{NdjsonDecoder, NdjsonLine, NdjsonScan};
 use crate::framing::sse::{DEFAULT_MAX_EVENT_BYTES, SseBlock, SseBlockKind, SseDecoder, SseScan};
 use crate::framing::window::{self, Probe};
 use crate::progress::{Applied, Now, ProgressEntry, StreamPhase, ToolCallTracker};
-use crate::providers::{self, DecoderState, FrameError, FrameInfo, ProbedText, Provider};
+use crate::providers::{self, DecoderState, FrameError, FrameInfo, Provider};
 
 /// How many undecodable frames are reported one by one before the rest are
 /// only counted.
@@ -295,7 +295,7 @@ struct StreamState {
     /// [`AnnotatorConfig::collect_events`].
     collect_events: bool,
     /// Nothing reads the text of a frame (SSE output, no event log): a
-    /// recognized frame of text only goes to [`StreamState::text_frame`].
+    /// recognized frame of text only goes to [`StreamState::pass_text`].
     /// Kept rather than derived from `output` and `collect_events` on each
     /// frame: one test instead of two on every probed frame, which every
     /// call delta pays (BENCHMARKS.md, thirty-fourth round).
@@ -420,7 +420,7 @@ impl Annotator {
     /// Turns collecting the increments on or off from the next input on
     /// ([`AnnotatorConfig::collect_events`]). The proxy collects only
     /// while someone listens to the stream's session: a frame of text
-    /// nobody reads then goes the quick way (`StreamState::text_frame`),
+    /// nobody reads then goes the quick way (`StreamState::pass_text`),
     /// as in `annotate`. The output and the tracker are the same either way.
     #[inline]
     pub fn collect_events(&mut self, on: bool) {
@@ -540,6 +540,10 @@ impl<O> Probe for FrameHandler<'_, O> {
     fn payload_len(&mut self, text: &str) -> Option<usize> {
         self.state.decoder_state.match_prefix(self.provider, text)
     }
+
+    fn pass(&mut self) -> bool {
+        self.state.pass_text(self.provider)
+    }
 }
 
 impl<O: Sink> window::Frames<SseScan> for FrameHandler<'_, O> {
@@ -606,8 +610,18 @@ impl StreamState {
         }
     }
 
-    /// One NDJSON line (or a piece of an oversized one).
+    /// One NDJSON line (or a piece of an oversized one, or a run of lines
+    /// already taken by [`pass_text`](Self::pass_text)).
     fn ndjson_line(&mut self, line: NdjsonLine<'_>, now: Now, out: &mut impl Sink) {
+        if line.passed > 0 {
+            // What `handle` does with each, but the text: it was applied
+            // as each line was recognized.
+            self.batch.clear();
+            self.frames += line.passed;
+            self.probed_frames += line.passed;
+            out.forward(line.raw);
+            return;
+        }
         if let Some(piece) = line.oversized {
             let at = Location {
                 unit: "NDJSON line",
@@ -678,13 +692,8 @@ impl StreamState {
         self.batch.clear();
         self.frames += 1;
         self.probed_frames += u64::from(frame.probed);
-        if frame.probed
-            && self.text_unread
-            && !self.ended
-            && frame.data.is_some()
-            && let Some(text) = self.decoder_state.probed_text(provider)
-        {
-            self.text_frame(text, frame, out);
+        if frame.probed && frame.data.is_some() && self.pass_text(provider) {
+            out.forward(frame.raw);
             return;
         }
         // For this frame only: a frame left undecoded leaves it set, and
@@ -731,20 +740,29 @@ impl StreamState {
         }
     }
 
-    /// A recognized frame of text and nothing else ([`ProbedText`]), when
-    /// nothing reads its text: what [`handle`](Self::handle) does with it
-    /// (its chunks applied in the decoder's order, reasoning first; the
-    /// frame forwarded, as [`inject::write_frame`] forwards a frame without
-    /// progress), without decoding it into chunks. Nearly every frame of a
-    /// chat is one.
-    fn text_frame(&mut self, text: ProbedText, frame: &RawFrame<'_>, out: &mut impl Sink) {
+    /// The frame the decoder just recognized, when it holds text and
+    /// nothing else ([`ProbedText`](providers::ProbedText)) and nothing
+    /// reads that text: applies it as [`handle`](Self::handle) would (its
+    /// chunks in the decoder's order, reasoning first), without decoding
+    /// it into chunks, and says so; the caller then only forwards it, as
+    /// [`inject::write_frame`] forwards a frame without progress. Nearly
+    /// every frame of a chat is one. The framer asks too
+    /// ([`Probe::pass`]): NDJSON lines it takes go out as runs
+    /// (BENCHMARKS.md, forty-seventh round).
+    fn pass_text(&mut self, provider: Provider) -> bool {
+        if !self.text_unread || self.ended {
+            return false;
+        }
+        let Some(text) = self.decoder_state.probed_text(provider) else {
+            return false;
+        };
         if text.reasoning {
             self.tracker.text(StreamPhase::Reasoning);
         }
         if text.content {
             self.tracker.text(StreamPhase::Answering);
         }
-        out.forward(frame.raw);
+        true
     }
 
     /// Reports, once, that frames came after the end of the stream.

@@ -325,26 +325,48 @@ fn openai_data() -> impl Strategy<Value = String> {
     ]
 }
 
-/// The tracker's phase and change count after each piece, and the output.
-fn traced(config: &AnnotatorConfig, pieces: &[String]) -> (Vec<(StreamPhase, u64)>, Vec<u8>) {
+/// After each piece: the tracker's phase and change count, and the frames
+/// handled so far. And the output, and the warnings as they read.
+type Traced = (Vec<(StreamPhase, u64, u64)>, Vec<u8>, Vec<String>);
+
+fn traced(config: &AnnotatorConfig, pieces: &[String]) -> Traced {
     let mut annotator = Annotator::new(config.clone());
     let mut out = Vec::new();
     let mut trace = Vec::new();
+    let state = |a: &Annotator| {
+        let (phase, changes) = tracker_state(a);
+        (phase, changes, a.frames())
+    };
     for piece in pieces {
         annotator.push(piece.as_bytes(), NOW_MS, &mut out);
-        trace.push(tracker_state(&annotator));
+        trace.push(state(&annotator));
     }
     annotator.finish(NOW_MS, &mut out);
-    trace.push(tracker_state(&annotator));
-    (trace, out)
+    trace.push(state(&annotator));
+    let warnings = annotator
+        .take_warnings()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    (trace, out, warnings)
+}
+
+/// Consecutive frames joined into pieces of `per_piece` frames each.
+fn grouped(frames: &[String], per_piece: usize) -> Vec<String> {
+    frames
+        .chunks(per_piece)
+        .map(|group| group.concat())
+        .collect()
 }
 
 /// A recognized frame of text is handled without its chunks
-/// (`StreamState::text_frame`) only when nothing reads them: fed one frame
-/// a piece (so that every frame the template knows is recognized), the
-/// tracker goes through the same states, frame by frame, as when the
-/// proxy's event log reads every chunk (which takes the decoder's path),
-/// and the output is the same.
+/// (`StreamState::pass_text`) only when nothing reads them: fed one frame
+/// a piece (so that every frame the template knows is recognized), or a
+/// few frames a piece (so that NDJSON lines of text go out in runs), the
+/// tracker goes through the same states, piece by piece, as when the
+/// proxy's event log reads every chunk (which takes the decoder's path);
+/// the frames are counted the same, and the output and the warnings
+/// (which say where, by line and byte) are the same.
 fn check_text_frames(pieces: &[String]) -> Result<(), TestCaseError> {
     for inject in [InjectMode::None, InjectMode::Field, InjectMode::Comment] {
         let quick = AnnotatorConfig {
@@ -429,18 +451,24 @@ proptest! {
     fn ollama_text_lines_without_chunks_change_what_chunks_change(
         lines in proptest::collection::vec(ollama_line(), 1..30),
         crlf in any::<bool>(),
+        per_piece in 1usize..8,
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
-        check_text_frames(&lines.iter().map(|l| format!("{l}{eol}")).collect::<Vec<_>>())?;
+        let lines: Vec<String> = lines.iter().map(|l| format!("{l}{eol}")).collect();
+        check_text_frames(&lines)?;
+        check_text_frames(&grouped(&lines, per_piece))?;
     }
 
     #[test]
     fn openai_text_events_without_chunks_change_what_chunks_change(
         data in proptest::collection::vec(openai_data(), 1..30),
         crlf in any::<bool>(),
+        per_piece in 1usize..8,
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
-        check_text_frames(&data.iter().map(|d| format!("data: {d}{eol}{eol}")).collect::<Vec<_>>())?;
+        let events: Vec<String> = data.iter().map(|d| format!("data: {d}{eol}{eol}")).collect();
+        check_text_frames(&events)?;
+        check_text_frames(&grouped(&events, per_piece))?;
     }
 }
 

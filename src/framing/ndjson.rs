@@ -36,6 +36,11 @@ pub struct NdjsonLine<'a> {
     /// Framed by a [`Probe`] that recognized `text`: the decoder that did
     /// holds its holes.
     pub probed: bool,
+    /// When not 0: `raw` is a run of this many whole lines, each one
+    /// recognized and then taken by the probe ([`Probe::pass`]), so that
+    /// they only have to be passed on. `content` is `raw`, `text` is
+    /// `None`, `number` is the last line's and `offset` the first's.
+    pub passed: u64,
 }
 
 /// Which piece of an oversized line this is.
@@ -190,35 +195,53 @@ impl NdjsonScan {
         // A line whose content the probe recognizes, then LF or CRLF, is
         // the line the search below would find (a recognized payload holds
         // no line break). Not the stream's first line, which may start
-        // with a BOM.
-        if self.scan == start
-            && self.oversized.is_none()
-            && self.base_offset + start as u64 > 0
-            && let Some(text) = window.text_from(start)
-            && let Some(len) = probe.payload_len(text)
-            && len > 0
-            && let Some(ending) = match buf.get(start + len) {
-                Some(b'\n') => Some(1),
-                Some(b'\r') if buf.get(start + len + 1) == Some(&b'\n') => Some(2),
-                _ => None,
+        // with a BOM. The lines the probe then takes ([`Probe::pass`]) go
+        // out together, as one run, ended by the first line it does not
+        // take (recognized again at the next call).
+        if self.scan == start && self.oversized.is_none() && self.base_offset + start as u64 > 0 {
+            let mut end = start;
+            let mut passed = 0;
+            while let Some((text, len)) = self.recognized(window, end, probe) {
+                if probe.pass() {
+                    end += len;
+                    passed += 1;
+                    self.lines += 1;
+                    continue;
+                }
+                if passed == 0 {
+                    self.start = start + len;
+                    self.scan = start + len;
+                    self.lines += 1;
+                    return Some(NdjsonLine {
+                        raw: &buf[start..start + len],
+                        content: text.as_bytes(),
+                        content_start: 0,
+                        number: self.lines,
+                        offset: self.base_offset + start as u64,
+                        oversized: None,
+                        text: Some(text),
+                        probed: true,
+                        passed: 0,
+                    });
+                }
+                break;
             }
-            // As the search measures it: up to the LF.
-            && len + ending - 1 <= self.max_line_bytes
-        {
-            let end = start + len + ending;
-            self.start = end;
-            self.scan = end;
-            self.lines += 1;
-            return Some(NdjsonLine {
-                raw: &buf[start..end],
-                content: &buf[start..start + len],
-                content_start: 0,
-                number: self.lines,
-                offset: self.base_offset + start as u64,
-                oversized: None,
-                text: text.get(..len),
-                probed: true,
-            });
+            if passed > 0 {
+                self.start = end;
+                self.scan = end;
+                let raw = &buf[start..end];
+                return Some(NdjsonLine {
+                    raw,
+                    content: raw,
+                    content_start: 0,
+                    number: self.lines,
+                    offset: self.base_offset + start as u64,
+                    oversized: None,
+                    text: None,
+                    probed: true,
+                    passed,
+                });
+            }
         }
         let newline = memchr(b'\n', &buf[self.scan..]).map(|i| self.scan + i + 1);
         // Too long, whether it is complete or still arriving: the same line
@@ -247,6 +270,7 @@ impl NdjsonScan {
                 oversized: Some(OversizedPiece { first, last }),
                 text: None,
                 probed: false,
+                passed: 0,
             });
         }
         let end = match newline {
@@ -281,7 +305,33 @@ impl NdjsonScan {
             oversized: None,
             text,
             probed: false,
+            passed: 0,
         })
+    }
+
+    /// The line at `at` when the probe recognizes its content and LF or
+    /// CRLF follows within the limit: its content as text, and its length
+    /// with the line break.
+    #[inline(always)]
+    fn recognized<'a>(
+        &self,
+        window: Window<'a>,
+        at: usize,
+        probe: &mut impl Probe,
+    ) -> Option<(&'a str, usize)> {
+        let buf = window.bytes;
+        let text = window.text_from(at)?;
+        let len = probe.payload_len(text)?;
+        let ending = match buf.get(at + len) {
+            Some(b'\n') => 1,
+            Some(b'\r') if buf.get(at + len + 1) == Some(&b'\n') => 2,
+            _ => return None,
+        };
+        // As the search measures it: up to the LF.
+        if len == 0 || len + ending - 1 > self.max_line_bytes {
+            return None;
+        }
+        Some((text.get(..len)?, len + ending))
     }
 }
 
@@ -345,6 +395,10 @@ mod tests {
     struct Recognizes {
         payload: &'static str,
         lines: Vec<Handed>,
+        /// Takes the lines it recognizes ([`Probe::pass`]) while this is
+        /// above 0, one less each time; the runs it was handed.
+        passes: usize,
+        runs: Vec<(String, u64, u64, u64)>,
     }
 
     impl Recognizes {
@@ -358,10 +412,24 @@ mod tests {
         fn payload_len(&mut self, text: &str) -> Option<usize> {
             text.starts_with(self.payload).then_some(self.payload.len())
         }
+
+        fn pass(&mut self) -> bool {
+            self.passes = self.passes.saturating_sub(1);
+            self.passes > 0
+        }
     }
 
     impl Frames<NdjsonScan> for Recognizes {
         fn frame(&mut self, line: NdjsonLine<'_>) {
+            if line.passed > 0 {
+                self.runs.push((
+                    String::from_utf8_lossy(line.raw).into_owned(),
+                    line.passed,
+                    line.number,
+                    line.offset,
+                ));
+                return;
+            }
             self.lines.push((
                 String::from_utf8_lossy(line.raw).into_owned(),
                 String::from_utf8_lossy(line.content).into_owned(),
@@ -374,9 +442,20 @@ mod tests {
     }
 
     fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
+        probed_passing(payload, max, input, 0)
+    }
+
+    fn probed_passing(
+        payload: &'static str,
+        max: usize,
+        input: &[u8],
+        passes: usize,
+    ) -> Recognizes {
         let mut frames = Recognizes {
             payload,
             lines: Vec::new(),
+            passes,
+            runs: Vec::new(),
         };
         let mut decoder = NdjsonDecoder::with_max_line_bytes(max);
         decoder.feed_probing(input, &mut frames);
@@ -411,5 +490,54 @@ mod tests {
             probed("{\"a\":1}", 7, input).which(),
             [false, true, false, false, true]
         );
+    }
+
+    /// Lines the probe takes go out together, as a run that holds their
+    /// bytes, counts them, and bears the last one's number and the first
+    /// one's offset; the first line it does not take ends the run and is
+    /// handed out alone next, recognized again. Numbers and offsets after a
+    /// run are those of the lines handed out one by one.
+    #[test]
+    fn lines_the_probe_takes_go_out_as_one_run() {
+        let input: &[u8] =
+            b"{\"a\":1}\n{\"a\":1}\n{\"a\":1}\r\n{\"a\":1}\n{\"a\":1}\nnot\n{\"a\":1}\n";
+        // Takes the 2nd to 4th lines (the 1st is never recognized: a BOM
+        // may start it), and no line after them.
+        let run = probed_passing("{\"a\":1}", 1 << 20, input, 4);
+        assert_eq!(
+            run.runs,
+            [("{\"a\":1}\n{\"a\":1}\r\n{\"a\":1}\n".to_string(), 3, 4, 8)]
+        );
+        let alone = probed("{\"a\":1}", 1 << 20, input);
+        let numbered = |r: &Recognizes| -> Vec<(String, u64, u64, bool)> {
+            r.lines
+                .iter()
+                .map(|l| (l.0.clone(), l.2, l.3, l.5))
+                .collect()
+        };
+        assert_eq!(
+            numbered(&run),
+            [
+                ("{\"a\":1}\n".to_string(), 1, 0, false),
+                ("{\"a\":1}\n".to_string(), 5, 33, true),
+                ("not\n".to_string(), 6, 41, false),
+                ("{\"a\":1}\n".to_string(), 7, 45, true),
+            ]
+        );
+        // The same lines, numbers and offsets as when none is taken.
+        let all = numbered(&alone);
+        assert_eq!(all.len(), 7);
+        assert_eq!(
+            [&all[0], &all[4], &all[5], &all[6]],
+            [
+                &numbered(&run)[0],
+                &numbered(&run)[1],
+                &numbered(&run)[2],
+                &numbered(&run)[3]
+            ]
+        );
+        let joined: String = all[1..4].iter().map(|l| l.0.as_str()).collect();
+        assert_eq!(joined, run.runs[0].0);
+        assert_eq!((all[1].2, all[3].1), (8, 4));
     }
 }

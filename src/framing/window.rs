@@ -90,6 +90,15 @@ pub trait Probe {
     fn payload_len(&mut self, _text: &str) -> Option<usize> {
         None
     }
+
+    /// Asked right after [`payload_len`](Self::payload_len) recognized a
+    /// payload: whether the decoder took that frame itself, so that the
+    /// frame only has to be passed on. A cutter that asks hands such
+    /// frames out together, as one run of bytes (NDJSON's
+    /// `NdjsonLine::passed`). By default nothing is taken.
+    fn pass(&mut self) -> bool {
+        false
+    }
 }
 
 /// A caller with nothing to say: every frame is searched for.
