@@ -588,6 +588,7 @@ impl StreamState {
                 };
                 self.handle(Provider::OpenAiChat, &frame, now, out);
             }
+            SseBlockKind::Passed { events } => self.passed(events, block.raw, out),
             SseBlockKind::NoData => self.forward(block.raw, out),
             SseBlockKind::LineEndTail => self.line_end_tail(block.raw, out),
             SseBlockKind::Oversized { number, first, .. } => {
@@ -611,15 +612,10 @@ impl StreamState {
     }
 
     /// One NDJSON line (or a piece of an oversized one, or a run of lines
-    /// already taken by [`pass_text`](Self::pass_text)).
+    /// [`pass_text`](Self::pass_text) took).
     fn ndjson_line(&mut self, line: NdjsonLine<'_>, now: Now, out: &mut impl Sink) {
         if line.passed > 0 {
-            // What `handle` does with each, but the text: it was applied
-            // as each line was recognized.
-            self.batch.clear();
-            self.frames += line.passed;
-            self.probed_frames += line.passed;
-            out.forward(line.raw);
+            self.passed(line.passed, line.raw, out);
             return;
         }
         if let Some(piece) = line.oversized {
@@ -653,6 +649,16 @@ impl StreamState {
             },
         };
         self.handle(Provider::OllamaChat, &frame, now, out);
+    }
+
+    /// A run of `count` frames that [`pass_text`](Self::pass_text) took
+    /// as the framer recognized them: what [`handle`](Self::handle) does
+    /// with each, but the text, which was applied then.
+    fn passed(&mut self, count: u64, raw: &[u8], out: &mut impl Sink) {
+        self.batch.clear();
+        self.frames += count;
+        self.probed_frames += count;
+        out.forward(raw);
     }
 
     /// Forwards bytes that carry no chunk (comments, blank lines).
@@ -747,8 +753,9 @@ impl StreamState {
     /// it into chunks, and says so; the caller then only forwards it, as
     /// [`inject::write_frame`] forwards a frame without progress. Nearly
     /// every frame of a chat is one. The framer asks too
-    /// ([`Probe::pass`]): NDJSON lines it takes go out as runs
+    /// ([`Probe::pass`]): the frames it takes go out as runs
     /// (BENCHMARKS.md, forty-seventh round).
+    #[inline]
     fn pass_text(&mut self, provider: Provider) -> bool {
         if !self.text_unread || self.ended {
             return false;

@@ -190,6 +190,7 @@ fn split_crlf_counts_toward_the_event_size() {
                     SseBlockKind::NoData => "no data",
                     SseBlockKind::LineEndTail => "tail",
                     SseBlockKind::Unterminated { .. } => "unterminated",
+                    SseBlockKind::Passed { .. } => "passed",
                 });
             }
         };

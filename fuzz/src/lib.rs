@@ -266,6 +266,9 @@ fn run_sse_decoder(max_event_bytes: usize, pieces: &[&[u8]]) -> SseRun {
                     }
                     oversized_open = (!last).then_some(number);
                 }
+                SseBlockKind::Passed { .. } => {
+                    panic!("next_block asks no probe: no event is passed")
+                }
             }
         }
     };

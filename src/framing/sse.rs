@@ -87,6 +87,13 @@ pub enum SseBlockKind<'a> {
         first: bool,
         last: bool,
     },
+    /// Events the probe took ([`Probe::pass`]), one after the other:
+    /// `raw` holds all of them, `events` says how many. Each was a `data`
+    /// line whose value the probe recognized (after any comment lines) and
+    /// its blank line, handed out only to be passed on; the decoder counted
+    /// them (a later event's number counts them too). Only a caller whose
+    /// probe takes events gets these.
+    Passed { events: u64 },
 }
 
 /// Where the scan of an oversized event is.
@@ -333,14 +340,39 @@ impl SseScan {
     ) -> Option<SseBlock<'a>> {
         let buf = window.bytes;
         self.reset_event();
+        // The events the probe recognizes and then takes ([`Probe::pass`])
+        // go out together, as one run, ended by the first event it does
+        // not take (recognized again at the next call).
         if self.scan == self.start
             && self.started
             && !self.tail_pending
             && !self.skip_lf
             && self.oversized.is_none()
-            && let Some((value, ending)) = self.probed_value(window, probe)
         {
-            return Some(self.probed_event(window, value, ending));
+            let start = self.start;
+            let mut passed = 0;
+            while let Some((value, ending)) = self.probed_value(window, probe) {
+                if probe.pass() {
+                    let end = value.end + 2 * ending.as_bytes().len();
+                    self.events += 1;
+                    self.scan = end;
+                    self.searched = end;
+                    self.start = end;
+                    passed += 1;
+                    continue;
+                }
+                if passed == 0 {
+                    return Some(self.probed_event(window, value, ending));
+                }
+                break;
+            }
+            if passed > 0 {
+                return Some(SseBlock {
+                    raw: &buf[start..self.start],
+                    offset: self.base_offset + start as u64,
+                    kind: SseBlockKind::Passed { events: passed },
+                });
+            }
         }
         if !self.started {
             let n = buf.len().min(BOM.len());

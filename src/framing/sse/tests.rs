@@ -38,6 +38,7 @@ fn feed(pieces: &[&[u8]]) -> Vec<Seen> {
                 SseBlockKind::Unterminated { has_data, .. } => Seen::Unterminated(raw, has_data),
                 SseBlockKind::LineEndTail => Seen::Tail(raw),
                 SseBlockKind::Oversized { .. } => panic!("no test here is oversized: {raw:?}"),
+                SseBlockKind::Passed { .. } => panic!("no probe here takes events: {raw:?}"),
             });
         }
     };
@@ -272,11 +273,21 @@ struct Recognizes {
     payload: &'static str,
     blocks: Vec<Handed>,
     other: Vec<String>,
+    /// Takes the events it recognizes ([`Probe::pass`]) while this is
+    /// above 0, one less each time; the runs it was handed: raw, events,
+    /// offset.
+    passes: usize,
+    runs: Vec<(String, u64, u64)>,
 }
 
 impl Probe for Recognizes {
     fn payload_len(&mut self, text: &str) -> Option<usize> {
         text.starts_with(self.payload).then_some(self.payload.len())
+    }
+
+    fn pass(&mut self) -> bool {
+        self.passes = self.passes.saturating_sub(1);
+        self.passes > 0
     }
 }
 
@@ -293,16 +304,23 @@ impl Frames<SseScan> for Recognizes {
                 e.line_ending,
                 e.probed,
             )),
+            SseBlockKind::Passed { events } => self.runs.push((raw, events, block.offset)),
             _ => self.other.push(raw),
         }
     }
 }
 
 fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
+    probed_passing(payload, max, input, 0)
+}
+
+fn probed_passing(payload: &'static str, max: usize, input: &[u8], passes: usize) -> Recognizes {
     let mut frames = Recognizes {
         payload,
         blocks: Vec::new(),
         other: Vec::new(),
+        passes,
+        runs: Vec::new(),
     };
     let mut decoder = SseDecoder::with_max_event_bytes(max);
     decoder.feed_probing(input, &mut frames);
@@ -406,4 +424,43 @@ fn comment_lines_before_the_data_line_do_not_stop_the_probe() {
     let input = b"data: {}\n\n: t\ndata: {\"a\":1}\n\n";
     assert_eq!(probed("{\"a\":1}", 17, input).blocks.len(), 1);
     assert_eq!(probed("{\"a\":1}", 18, input).which(), [false, true]);
+}
+
+/// Events the probe takes go out together, as a run that holds their
+/// bytes (comment lines included) and counts them; the first event it does
+/// not take ends the run and is handed out alone next, recognized again.
+/// Event numbers after a run count the events in it, and the other blocks
+/// are those handed out when nothing is taken.
+#[test]
+fn events_the_probe_takes_go_out_as_one_run() {
+    let input: &[u8] = b"data: {}\n\n\
+        data: {\"a\":1}\n\n\
+        : t=1\ndata: {\"a\":1}\r\n\r\n\
+        data: {\"a\":1}\n\n\
+        data: {\"a\":1}\n\n\
+        event: x\ndata: {\"a\":1}\n\n\
+        data: {\"a\":1}\n\n";
+    // Takes the 2nd to 4th events, and no event after them.
+    let run = probed_passing("{\"a\":1}", 1 << 20, input, 4);
+    assert_eq!(
+        run.runs,
+        [(
+            "data: {\"a\":1}\n\n: t=1\ndata: {\"a\":1}\r\n\r\ndata: {\"a\":1}\n\n".to_string(),
+            3,
+            10
+        )]
+    );
+    let alone = probed("{\"a\":1}", 1 << 20, input);
+    assert_eq!(alone.blocks.len(), 7);
+    assert!(run.other.is_empty() && alone.other.is_empty());
+    let kept = |r: &Recognizes, i: usize| (r.blocks[i].0.clone(), r.blocks[i].1, r.blocks[i].6);
+    // The 1st, then the 5th to 7th: numbered as when none is taken; the
+    // one with an event type is searched for.
+    assert_eq!(run.blocks.len(), 4);
+    for (i, j) in [(0, 0), (1, 4), (2, 5), (3, 6)] {
+        assert_eq!(kept(&run, i), kept(&alone, j));
+    }
+    assert_eq!(run.which(), [false, true, false, true]);
+    let joined: String = alone.blocks[1..4].iter().map(|b| b.0.as_str()).collect();
+    assert_eq!(joined, run.runs[0].0);
 }
