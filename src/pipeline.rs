@@ -698,10 +698,6 @@ impl StreamState {
         self.batch.clear();
         self.frames += 1;
         self.probed_frames += u64::from(frame.probed);
-        if frame.probed && frame.data.is_some() && self.pass_text(provider) {
-            out.forward(frame.raw);
-            return;
-        }
         // For this frame only: a frame left undecoded leaves it set, and
         // the next frame's sets it again.
         self.decoder_state.probed = frame.probed;
@@ -750,11 +746,12 @@ impl StreamState {
     /// nothing else ([`ProbedText`](providers::ProbedText)) and nothing
     /// reads that text: applies it as [`handle`](Self::handle) would (its
     /// chunks in the decoder's order, reasoning first), without decoding
-    /// it into chunks, and says so; the caller then only forwards it, as
-    /// [`inject::write_frame`] forwards a frame without progress. Nearly
-    /// every frame of a chat is one. The framer asks too
-    /// ([`Probe::pass`]): the frames it takes go out as runs
-    /// (BENCHMARKS.md, forty-seventh round).
+    /// it into chunks, and says so; the frame then only has to be
+    /// forwarded, as [`inject::write_frame`] forwards a frame without
+    /// progress. Nearly every frame of a chat is one. The framer asks
+    /// this of every frame it recognizes ([`Probe::pass`]) and hands the
+    /// frames taken out as runs ([`passed`](Self::passed)); a frame not
+    /// taken comes to `handle` (BENCHMARKS.md, forty-seventh round).
     #[inline]
     fn pass_text(&mut self, provider: Provider) -> bool {
         if !self.text_unread || self.ended {

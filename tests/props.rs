@@ -326,8 +326,9 @@ fn openai_data() -> impl Strategy<Value = String> {
 }
 
 /// After each piece: the tracker's phase and change count, and the frames
-/// handled so far. And the output, and the warnings as they read.
-type Traced = (Vec<(StreamPhase, u64, u64)>, Vec<u8>, Vec<String>);
+/// handled and recognized so far. And the output, and the warnings as they
+/// read.
+type Traced = (Vec<(StreamPhase, u64, u64, u64)>, Vec<u8>, Vec<String>);
 
 fn traced(config: &AnnotatorConfig, pieces: &[String]) -> Traced {
     let mut annotator = Annotator::new(config.clone());
@@ -335,7 +336,7 @@ fn traced(config: &AnnotatorConfig, pieces: &[String]) -> Traced {
     let mut trace = Vec::new();
     let state = |a: &Annotator| {
         let (phase, changes) = tracker_state(a);
-        (phase, changes, a.frames())
+        (phase, changes, a.frames(), a.probed_frames())
     };
     for piece in pieces {
         annotator.push(piece.as_bytes(), NOW_MS, &mut out);
@@ -359,14 +360,43 @@ fn grouped(frames: &[String], per_piece: usize) -> Vec<String> {
         .collect()
 }
 
+/// The frames joined, then cut where `cuts` say (anywhere, frames
+/// included; at the character boundary at or before each).
+fn cut_anywhere(frames: &[String], cuts: &[prop::sample::Index]) -> Vec<String> {
+    let all = frames.concat();
+    let mut at: Vec<usize> = cuts
+        .iter()
+        .map(|i| {
+            let mut at = i.index(all.len() + 1);
+            while !all.is_char_boundary(at) {
+                at -= 1;
+            }
+            at
+        })
+        .collect();
+    at.push(all.len());
+    at.sort_unstable();
+    at.dedup();
+    let mut from = 0;
+    at.into_iter()
+        .map(|to| {
+            let piece = all[from..to].to_string();
+            from = to;
+            piece
+        })
+        .collect()
+}
+
 /// A recognized frame of text is handled without its chunks
 /// (`StreamState::pass_text`) only when nothing reads them: fed one frame
-/// a piece (so that every frame the template knows is recognized), or a
-/// few frames a piece (so that NDJSON lines of text go out in runs), the
-/// tracker goes through the same states, piece by piece, as when the
-/// proxy's event log reads every chunk (which takes the decoder's path);
-/// the frames are counted the same, and the output and the warnings
-/// (which say where, by line and byte) are the same.
+/// a piece (so that every frame the template knows is recognized), a few
+/// frames a piece (so that frames of text go out in runs), or cut
+/// anywhere (so that runs end where a piece ends, and go on after a frame
+/// carried over), the tracker goes through the same states, piece by
+/// piece, as when the proxy's event log reads every chunk (which takes
+/// the decoder's path); the frames are counted and recognized the same,
+/// and the output and the warnings (which say where, by line or event
+/// and byte) are the same.
 fn check_text_frames(pieces: &[String]) -> Result<(), TestCaseError> {
     for inject in [InjectMode::None, InjectMode::Field, InjectMode::Comment] {
         let quick = AnnotatorConfig {
@@ -452,11 +482,13 @@ proptest! {
         lines in proptest::collection::vec(ollama_line(), 1..30),
         crlf in any::<bool>(),
         per_piece in 1usize..8,
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..6),
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
         let lines: Vec<String> = lines.iter().map(|l| format!("{l}{eol}")).collect();
         check_text_frames(&lines)?;
         check_text_frames(&grouped(&lines, per_piece))?;
+        check_text_frames(&cut_anywhere(&lines, &cuts))?;
     }
 
     #[test]
@@ -464,11 +496,13 @@ proptest! {
         data in proptest::collection::vec(openai_data(), 1..30),
         crlf in any::<bool>(),
         per_piece in 1usize..8,
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..6),
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
         let events: Vec<String> = data.iter().map(|d| format!("data: {d}{eol}{eol}")).collect();
         check_text_frames(&events)?;
         check_text_frames(&grouped(&events, per_piece))?;
+        check_text_frames(&cut_anywhere(&events, &cuts))?;
     }
 }
 

@@ -38,7 +38,7 @@ pub struct NdjsonLine<'a> {
     pub probed: bool,
     /// When not 0: `raw` is a run of this many whole lines, each one
     /// recognized and then taken by the probe ([`Probe::pass`]), so that
-    /// they only have to be passed on. `content` is `raw`, `text` is
+    /// they only have to be passed on. `content` is empty, `text` is
     /// `None`, `number` is the last line's and `offset` the first's.
     pub passed: u64,
 }
@@ -197,23 +197,24 @@ impl NdjsonScan {
         // no line break). Not the stream's first line, which may start
         // with a BOM. The lines the probe then takes ([`Probe::pass`]) go
         // out together, as one run, ended by the first line it does not
-        // take (recognized again at the next call).
+        // take (recognized and asked about again at the next call), one it
+        // does not recognize (searched for), or the window's end.
         if self.scan == start && self.oversized.is_none() && self.base_offset + start as u64 > 0 {
             let mut end = start;
             let mut passed = 0;
-            while let Some((text, len)) = self.recognized(window, end, probe) {
+            while let Some((text, line_len)) = self.recognized(window, end, probe) {
                 if probe.pass() {
-                    end += len;
+                    end += line_len;
                     passed += 1;
                     self.lines += 1;
                     continue;
                 }
                 if passed == 0 {
-                    self.start = start + len;
-                    self.scan = start + len;
+                    self.start = start + line_len;
+                    self.scan = start + line_len;
                     self.lines += 1;
                     return Some(NdjsonLine {
-                        raw: &buf[start..start + len],
+                        raw: &buf[start..start + line_len],
                         content: text.as_bytes(),
                         content_start: 0,
                         number: self.lines,
@@ -229,10 +230,9 @@ impl NdjsonScan {
             if passed > 0 {
                 self.start = end;
                 self.scan = end;
-                let raw = &buf[start..end];
                 return Some(NdjsonLine {
-                    raw,
-                    content: raw,
+                    raw: &buf[start..end],
+                    content: &buf[end..end],
                     content_start: 0,
                     number: self.lines,
                     offset: self.base_offset + start as u64,
@@ -522,6 +522,28 @@ mod tests {
                 ("{\"a\":1}\n".to_string(), 5, 33, true),
                 ("not\n".to_string(), 6, 41, false),
                 ("{\"a\":1}\n".to_string(), 7, 45, true),
+            ]
+        );
+        // A line it does not recognize ends a run too, and is searched
+        // for; the window's end ends the last.
+        let all_taken = probed_passing("{\"a\":1}", 1 << 20, input, 100);
+        assert_eq!(
+            all_taken.runs,
+            [
+                (
+                    "{\"a\":1}\n{\"a\":1}\r\n{\"a\":1}\n{\"a\":1}\n".to_string(),
+                    4,
+                    5,
+                    8
+                ),
+                ("{\"a\":1}\n".to_string(), 1, 7, 45)
+            ]
+        );
+        assert_eq!(
+            numbered(&all_taken),
+            [
+                ("{\"a\":1}\n".to_string(), 1, 0, false),
+                ("not\n".to_string(), 6, 41, false)
             ]
         );
         // The same lines, numbers and offsets as when none is taken.

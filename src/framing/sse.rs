@@ -342,7 +342,8 @@ impl SseScan {
         self.reset_event();
         // The events the probe recognizes and then takes ([`Probe::pass`])
         // go out together, as one run, ended by the first event it does
-        // not take (recognized again at the next call).
+        // not take (recognized and asked about again at the next call),
+        // one it does not recognize (searched for), or the window's end.
         if self.scan == self.start
             && self.started
             && !self.tail_pending
