@@ -652,10 +652,10 @@ impl StreamState {
     }
 
     /// A run of `count` frames that [`pass_text`](Self::pass_text) took
-    /// as the framer recognized them: what [`handle`](Self::handle) does
-    /// with each, but the text, which was applied then.
+    /// as the framer recognized them, which applied their text: counted
+    /// and forwarded. (`batch` is `handle`'s, cleared as each frame there
+    /// starts: nothing here reads or leaves it.)
     fn passed(&mut self, count: u64, raw: &[u8], out: &mut impl Sink) {
-        self.batch.clear();
         self.frames += count;
         self.probed_frames += count;
         out.forward(raw);
