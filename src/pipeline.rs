@@ -294,18 +294,40 @@ struct StreamState {
     events: EventLog,
     /// [`AnnotatorConfig::collect_events`].
     collect_events: bool,
-    /// Nothing reads the text of a frame (SSE output, no event log): a
-    /// recognized frame of text only goes to [`StreamState::pass_text`].
-    /// Kept rather than derived from `output` and `collect_events` on each
-    /// frame: one test instead of two on every probed frame, which every
-    /// call delta pays (BENCHMARKS.md, thirty-fourth round).
-    text_unread: bool,
+    /// What a recognized frame's chunks feed besides the tracker:
+    /// [`Unread::Text`] when nothing reads the text of a frame, and
+    /// [`Unread::TextAndProgress`] when nothing reads the progress of a
+    /// tool call delta either. Frames whose chunks nothing else reads are
+    /// applied to the tracker by [`StreamState::pass`] as the framer
+    /// recognizes them. Kept rather than derived from `output`, `inject`
+    /// and `collect_events` on each frame: one test instead of several on
+    /// every probed frame (BENCHMARKS.md, thirty-fourth round).
+    unread: Unread,
 }
 
-/// [`StreamState::text_unread`]: SSE output (whose text frames are
-/// forwarded as they are) and no event log.
-fn text_unread(output: OutputFormat, collect_events: bool) -> bool {
-    output == OutputFormat::Sse && !collect_events
+/// [`StreamState::unread`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unread {
+    /// Something reads every chunk: a line format writes them, or the
+    /// event log records them.
+    Nothing,
+    /// SSE output, whose frames of text are forwarded as they are, and no
+    /// event log.
+    Text,
+    /// And no injection (`--inject none`): no progress is rendered.
+    TextAndProgress,
+}
+
+impl Unread {
+    fn of(output: OutputFormat, inject: InjectMode, collect_events: bool) -> Unread {
+        if output != OutputFormat::Sse || collect_events {
+            Unread::Nothing
+        } else if inject == InjectMode::None {
+            Unread::TextAndProgress
+        } else {
+            Unread::Text
+        }
+    }
 }
 
 impl Annotator {
@@ -345,7 +367,7 @@ impl Annotator {
                 probed_frames: 0,
                 events: EventLog::default(),
                 collect_events: config.collect_events,
-                text_unread: text_unread(config.output, config.collect_events),
+                unread: Unread::of(config.output, config.inject, config.collect_events),
             },
         };
         if let Some(framing) = config.framing {
@@ -419,14 +441,14 @@ impl Annotator {
 
     /// Turns collecting the increments on or off from the next input on
     /// ([`AnnotatorConfig::collect_events`]). The proxy collects only
-    /// while someone listens to the stream's session: a frame of text
-    /// nobody reads then goes the quick way (`StreamState::pass_text`),
+    /// while someone listens to the stream's session: a frame nobody
+    /// reads the chunks of then goes the quick way (`StreamState::pass`),
     /// as in `annotate`. The output and the tracker are the same either way.
     #[inline]
     pub fn collect_events(&mut self, on: bool) {
         let state = &mut self.state;
         state.collect_events = on;
-        state.text_unread = text_unread(state.output, on);
+        state.unread = Unread::of(state.output, state.inject, on);
     }
 
     /// Some input since the increments were last taken or emptied was
@@ -541,8 +563,8 @@ impl<O> Probe for FrameHandler<'_, O> {
         self.state.decoder_state.match_prefix(self.provider, text)
     }
 
-    fn pass(&mut self) -> bool {
-        self.state.pass_text(self.provider)
+    fn pass(&mut self, text: &str) -> bool {
+        self.state.pass(self.provider, text, self.now)
     }
 }
 
@@ -612,7 +634,7 @@ impl StreamState {
     }
 
     /// One NDJSON line (or a piece of an oversized one, or a run of lines
-    /// [`pass_text`](Self::pass_text) took).
+    /// [`pass`](Self::pass) took).
     fn ndjson_line(&mut self, line: NdjsonLine<'_>, now: Now, out: &mut impl Sink) {
         if line.passed > 0 {
             self.passed(line.passed, line.raw, out);
@@ -651,7 +673,7 @@ impl StreamState {
         self.handle(Provider::OllamaChat, &frame, now, out);
     }
 
-    /// A run of `count` frames that [`pass_text`](Self::pass_text) took
+    /// A run of `count` frames that [`pass`](Self::pass) took
     /// as the framer recognized them, which applied their text: counted
     /// and forwarded. (`batch` is `handle`'s, cleared as each frame there
     /// starts: nothing here reads or leaves it.)
@@ -742,30 +764,53 @@ impl StreamState {
         }
     }
 
-    /// The frame the decoder just recognized, when it holds text and
-    /// nothing else ([`ProbedText`](providers::ProbedText)) and nothing
-    /// reads that text: applies it as [`handle`](Self::handle) would (its
-    /// chunks in the decoder's order, reasoning first), without decoding
-    /// it into chunks, and says so; the frame then only has to be
-    /// forwarded, as [`inject::write_frame`] forwards a frame without
-    /// progress. Nearly every frame of a chat is one. The framer asks
-    /// this of every frame it recognizes ([`Probe::pass`]) and hands the
-    /// frames taken out as runs ([`passed`](Self::passed)); a frame not
-    /// taken comes to `handle` (BENCHMARKS.md, forty-seventh round).
+    /// The frame the decoder just recognized at the start of `text`, when nothing
+    /// but the tracker reads its chunks ([`unread`](Self::unread)):
+    /// applies it as [`handle`](Self::handle) would, without decoding it
+    /// into chunks, and says so; the frame then only has to be forwarded,
+    /// as [`inject::write_frame`] forwards a frame without progress. Two
+    /// kinds of frame are taken:
+    ///
+    /// - text and nothing else ([`ProbedText`](providers::ProbedText)),
+    ///   whose chunks change only the phase (reasoning first, as the
+    ///   decoder emits them). Nearly every frame of a chat is one;
+    /// - one tool call's arguments and nothing else (the decoder's
+    ///   steady shape), when no progress is rendered either
+    ///   (`--inject none`): its one delta goes to the tracker. Nearly
+    ///   every frame of a tool call is one.
+    ///
+    /// The framer asks this of every frame it recognizes
+    /// ([`Probe::pass`]) and hands the frames taken out as runs
+    /// ([`passed`](Self::passed)); a frame not taken comes to `handle`
+    /// (BENCHMARKS.md, forty-seventh and forty-eighth rounds). A no
+    /// changes nothing.
     #[inline]
-    fn pass_text(&mut self, provider: Provider) -> bool {
-        if !self.text_unread || self.ended {
+    fn pass(&mut self, provider: Provider, text: &str, now: Now) -> bool {
+        if self.unread == Unread::Nothing || self.ended {
             return false;
         }
-        let Some(text) = self.decoder_state.probed_text(provider) else {
+        if let Some(probed) = self.decoder_state.probed_text(provider) {
+            if probed.reasoning {
+                self.tracker.text(StreamPhase::Reasoning);
+            }
+            if probed.content {
+                self.tracker.text(StreamPhase::Answering);
+            }
+            return true;
+        }
+        self.unread == Unread::TextAndProgress && self.pass_call(provider, text, now)
+    }
+
+    /// [`pass`](Self::pass) for a frame of one tool call's arguments. Out
+    /// of line, so that `pass` stays small enough to be inlined into the
+    /// framing loop of a stream of text (inlined, the tracker's code made
+    /// it a call, and the Ollama capture's instructions 5 % more).
+    #[inline(never)]
+    fn pass_call(&mut self, provider: Provider, text: &str, now: Now) -> bool {
+        let Some(delta) = self.decoder_state.probed_call(provider, text) else {
             return false;
         };
-        if text.reasoning {
-            self.tracker.text(StreamPhase::Reasoning);
-        }
-        if text.content {
-            self.tracker.text(StreamPhase::Answering);
-        }
+        self.tracker.apply(&Chunk::ToolCallDelta(delta), now);
         true
     }
 

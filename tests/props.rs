@@ -21,7 +21,7 @@ use aalis_proxy::framing::ndjson::NdjsonDecoder;
 use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
 use aalis_proxy::js::utf16_len;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
-use aalis_proxy::progress::StreamPhase;
+use aalis_proxy::progress::{StreamPhase, ToolCall};
 use common::*;
 use fuzz_checks::javascript_accepts;
 use proptest::prelude::*;
@@ -316,6 +316,12 @@ fn openai_data() -> impl Strategy<Value = String> {
         1 => Just(delta(json!({"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
                                                "function": {"name": "f", "arguments": ""}}]}))),
         2 => fragment().prop_map(move |f| delta(json!({"tool_calls": [{"index": 0, "function": {"arguments": f}}]}))),
+        // A second call, streamed in turns with the first; and deltas
+        // with no index, which go to the call touched last.
+        1 => Just(delta(json!({"tool_calls": [{"index": 1, "id": "call_1", "type": "function",
+                                               "function": {"name": "g", "arguments": ""}}]}))),
+        1 => fragment().prop_map(move |f| delta(json!({"tool_calls": [{"index": 1, "function": {"arguments": f}}]}))),
+        1 => fragment().prop_map(move |f| delta(json!({"tool_calls": [{"function": {"arguments": f}}]}))),
         1 => Just(r#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#.to_string()),
         1 => Just(r#"{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}"#.to_string()),
         1 => Just(r#"{"id":"c","choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#.to_string()),
@@ -325,10 +331,11 @@ fn openai_data() -> impl Strategy<Value = String> {
     ]
 }
 
-/// After each piece: the tracker's phase and change count, and the frames
-/// handled and recognized so far. And the output, and the warnings as they
-/// read.
-type Traced = (Vec<(StreamPhase, u64, u64, u64)>, Vec<u8>, Vec<String>);
+/// After each piece: the tracker's phase, change count and calls (their
+/// names and character counts among them), and the frames handled and
+/// recognized so far. And the output, and the warnings as they read.
+type Traced = (Vec<TracedState>, Vec<u8>, Vec<String>);
+type TracedState = (StreamPhase, u64, Vec<(i64, Vec<ToolCall>)>, u64, u64);
 
 fn traced(config: &AnnotatorConfig, pieces: &[String]) -> Traced {
     let mut annotator = Annotator::new(config.clone());
@@ -336,7 +343,12 @@ fn traced(config: &AnnotatorConfig, pieces: &[String]) -> Traced {
     let mut trace = Vec::new();
     let state = |a: &Annotator| {
         let (phase, changes) = tracker_state(a);
-        (phase, changes, a.frames(), a.probed_frames())
+        let calls = a
+            .tracker()
+            .calls()
+            .map(|(choice, calls)| (choice, calls.to_vec()))
+            .collect();
+        (phase, changes, calls, a.frames(), a.probed_frames())
     };
     for piece in pieces {
         annotator.push(piece.as_bytes(), NOW_MS, &mut out);
@@ -387,8 +399,9 @@ fn cut_anywhere(frames: &[String], cuts: &[prop::sample::Index]) -> Vec<String> 
         .collect()
 }
 
-/// A recognized frame of text is handled without its chunks
-/// (`StreamState::pass_text`) only when nothing reads them: fed one frame
+/// A recognized frame of text, or of one tool call's arguments, is
+/// handled without its chunks (`StreamState::pass`) only when nothing but
+/// the tracker reads them (for a call: no progress injected): fed one frame
 /// a piece (so that every frame the template knows is recognized), a few
 /// frames a piece (so that frames of text go out in runs), or cut
 /// anywhere (so that runs end where a piece ends, and go on after a frame
@@ -397,7 +410,7 @@ fn cut_anywhere(frames: &[String], cuts: &[prop::sample::Index]) -> Vec<String> 
 /// the decoder's path); the frames are counted and recognized the same,
 /// and the output and the warnings (which say where, by line or event
 /// and byte) are the same.
-fn check_text_frames(pieces: &[String]) -> Result<(), TestCaseError> {
+fn check_frames_taken(pieces: &[String]) -> Result<(), TestCaseError> {
     for inject in [InjectMode::None, InjectMode::Field, InjectMode::Comment] {
         let quick = AnnotatorConfig {
             inject,
@@ -478,7 +491,7 @@ proptest! {
     }
 
     #[test]
-    fn ollama_text_lines_without_chunks_change_what_chunks_change(
+    fn ollama_lines_taken_without_chunks_change_what_chunks_change(
         lines in proptest::collection::vec(ollama_line(), 1..30),
         crlf in any::<bool>(),
         per_piece in 1usize..8,
@@ -486,13 +499,13 @@ proptest! {
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
         let lines: Vec<String> = lines.iter().map(|l| format!("{l}{eol}")).collect();
-        check_text_frames(&lines)?;
-        check_text_frames(&grouped(&lines, per_piece))?;
-        check_text_frames(&cut_anywhere(&lines, &cuts))?;
+        check_frames_taken(&lines)?;
+        check_frames_taken(&grouped(&lines, per_piece))?;
+        check_frames_taken(&cut_anywhere(&lines, &cuts))?;
     }
 
     #[test]
-    fn openai_text_events_without_chunks_change_what_chunks_change(
+    fn openai_events_taken_without_chunks_change_what_chunks_change(
         data in proptest::collection::vec(openai_data(), 1..30),
         crlf in any::<bool>(),
         per_piece in 1usize..8,
@@ -500,9 +513,9 @@ proptest! {
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
         let events: Vec<String> = data.iter().map(|d| format!("data: {d}{eol}{eol}")).collect();
-        check_text_frames(&events)?;
-        check_text_frames(&grouped(&events, per_piece))?;
-        check_text_frames(&cut_anywhere(&events, &cuts))?;
+        check_frames_taken(&events)?;
+        check_frames_taken(&grouped(&events, per_piece))?;
+        check_frames_taken(&cut_anywhere(&events, &cuts))?;
     }
 }
 

@@ -203,7 +203,7 @@ impl NdjsonScan {
             let mut end = start;
             let mut passed = 0;
             while let Some((text, line_len)) = self.recognized(window, end, probe) {
-                if probe.pass() {
+                if probe.pass(text) {
                     end += line_len;
                     passed += 1;
                     self.lines += 1;
@@ -413,7 +413,8 @@ mod tests {
             text.starts_with(self.payload).then_some(self.payload.len())
         }
 
-        fn pass(&mut self) -> bool {
+        fn pass(&mut self, text: &str) -> bool {
+            assert!(text.starts_with(self.payload), "the text recognized");
             self.passes = self.passes.saturating_sub(1);
             self.passes > 0
         }

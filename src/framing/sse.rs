@@ -352,8 +352,8 @@ impl SseScan {
         {
             let start = self.start;
             let mut passed = 0;
-            while let Some((value, ending)) = self.probed_value(window, probe) {
-                if probe.pass() {
+            while let Some((value, ending, text)) = self.probed_value(window, probe) {
+                if probe.pass(text) {
                     let end = value.end + 2 * ending.as_bytes().len();
                     self.events += 1;
                     self.scan = end;
@@ -469,14 +469,15 @@ impl SseScan {
     /// its payload lies when the event is one `data` line whose value
     /// `probe` recognizes (after any comment lines, ended by LF or CRLF),
     /// then a blank line, both ended by LF or both by CRLF, and it is not
-    /// oversized. [`probed_event`](Self::probed_event) then hands it out:
-    /// the block the line-by-line scan would, without its searches.
+    /// oversized; and the text the probe was asked of, from the value on.
+    /// [`probed_event`](Self::probed_event) then hands it out: the block
+    /// the line-by-line scan would, without its searches.
     #[inline(always)]
-    fn probed_value(
+    fn probed_value<'w>(
         &self,
-        window: Window<'_>,
+        window: Window<'w>,
         probe: &mut impl Probe,
-    ) -> Option<(Range<usize>, LineEnding)> {
+    ) -> Option<(Range<usize>, LineEnding, &'w str)> {
         let bytes = window.bytes;
         let mut line = self.start;
         // `data:` is looked at first, so an event without comments pays
@@ -493,7 +494,8 @@ impl SseScan {
         }
         // The field's name, and the one space after it the value drops.
         let value = line + 5 + usize::from(bytes.get(line + 5) == Some(&b' '));
-        let len = probe.payload_len(window.text_from(value)?)?;
+        let text = window.text_from(value)?;
+        let len = probe.payload_len(text)?;
         let end = value + len;
         let after = bytes.get(end..)?;
         let ending = if after.starts_with(b"\n\n") {
@@ -505,7 +507,7 @@ impl SseScan {
         };
         // As the scan measures it: up to the end of the `data` line.
         let fits = end + ending.as_bytes().len() - self.start <= self.max_event_bytes;
-        (len > 0 && fits).then_some((value..end, ending))
+        (len > 0 && fits).then_some((value..end, ending, text))
     }
 
     /// Hands out the event whose `data` value

@@ -20,7 +20,7 @@ use serde::de::{self, Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 
-use crate::chunk::{ArgumentsDelta, Chunk, ChunkText, JsonLiteral};
+use crate::chunk::{ArgumentsDelta, Chunk, ChunkText, JsonLiteral, ToolCallDelta};
 
 /// The wire format of a stream's frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -211,6 +211,24 @@ impl DecoderState {
         match provider {
             Provider::OpenAiChat => self.spans.probed_text(),
             Provider::OllamaChat => self.lines.probed_text(),
+        }
+    }
+
+    /// For the frame [`match_prefix`](Self::match_prefix) just recognized
+    /// at the start of `data` (the text it was asked of): its one tool
+    /// call delta, when it holds that and nothing
+    /// else (an OpenAI-style frame of the steady shape, which
+    /// [`decode`] would decode into that one [`Chunk::ToolCallDelta`]);
+    /// `None` when it may hold more. Ollama's lines carry whole calls,
+    /// never such a frame.
+    pub(crate) fn probed_call<'a>(
+        &self,
+        provider: Provider,
+        data: &'a str,
+    ) -> Option<ToolCallDelta<'a>> {
+        match provider {
+            Provider::OpenAiChat => self.spans.probed_call(data),
+            Provider::OllamaChat => None,
         }
     }
 }

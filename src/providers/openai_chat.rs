@@ -874,18 +874,41 @@ impl Spans {
                 .map(|span| span.of(data))
         };
         let info = self.shape.top.info(head, raw);
+        emit(Chunk::ToolCallDelta(self.steady_delta(data, call)));
+        info
+    }
+
+    /// The delta of a frame of the steady shape `call`, whose holes are
+    /// in place.
+    #[inline(always)]
+    fn steady_delta<'a>(&self, data: &'a str, call: SteadyCall) -> ToolCallDelta<'a> {
+        let holes = self.holes.as_slice();
+        let raw = |rank: Option<Span>| {
+            from_rank(holes, rank)
+                .ok()
+                .flatten()
+                .map(|span| span.of(data))
+        };
         let arguments = match raw(Some(call.arguments)).and_then(JsonLiteral::string) {
             Some(fragment) => ArgumentsDelta::Append(ChunkText::Json(fragment)),
             None => ArgumentsDelta::Unchanged,
         };
-        emit(Chunk::ToolCallDelta(ToolCallDelta {
+        ToolCallDelta {
             choice: raw_i64(raw(call.choice_index)).unwrap_or(0),
             index: raw_i64(raw(call.call_index)),
             id: None,
             name: None,
             arguments,
-        }));
-        info
+        }
+    }
+
+    /// The delta the frame [`match_prefix`](Self::match_prefix) just
+    /// recognized at the start of `data` holds, when its shape is the
+    /// steady one
+    /// ([`SteadyCall`]): the one chunk [`decode`] would emit for it.
+    pub(super) fn probed_call<'a>(&self, data: &'a str) -> Option<ToolCallDelta<'a>> {
+        let call = self.shape.steady?;
+        Some(self.steady_delta(data, call))
     }
 
     /// The chunks of a scanned frame, in the serde path's order.

@@ -285,7 +285,8 @@ impl Probe for Recognizes {
         text.starts_with(self.payload).then_some(self.payload.len())
     }
 
-    fn pass(&mut self) -> bool {
+    fn pass(&mut self, text: &str) -> bool {
+        assert!(text.starts_with(self.payload), "the text recognized");
         self.passes = self.passes.saturating_sub(1);
         self.passes > 0
     }
