@@ -294,15 +294,21 @@ struct StreamState {
     events: EventLog,
     /// [`AnnotatorConfig::collect_events`].
     collect_events: bool,
-    /// What a recognized frame's chunks feed besides the tracker:
-    /// [`Unread::Text`] when nothing reads the text of a frame, and
-    /// [`Unread::TextAndProgress`] when nothing reads the progress of a
-    /// tool call delta either. Frames whose chunks nothing else reads are
-    /// applied to the tracker by [`StreamState::pass`] as the framer
+    /// What only the tracker reads of a recognized frame's chunks:
+    /// nothing, the text ([`Unread::Text`]), or the text and a tool call
+    /// delta's progress ([`Unread::TextAndProgress`]). Frames of that kind
+    /// are applied to the tracker by [`StreamState::pass`] as the framer
     /// recognizes them. Kept rather than derived from `output`, `inject`
     /// and `collect_events` on each frame: one test instead of several on
-    /// every probed frame (BENCHMARKS.md, thirty-fourth round).
+    /// every probed frame (BENCHMARKS.md, thirty-fourth round). Made again
+    /// whenever one of them changes.
     unread: Unread,
+}
+
+/// [`StreamState::render_progress`]: a line format writes progress, and
+/// every inject mode but `none` injects it.
+fn renders_progress(output: OutputFormat, inject: InjectMode) -> bool {
+    output != OutputFormat::Sse || inject != InjectMode::None
 }
 
 /// [`StreamState::unread`].
@@ -314,7 +320,7 @@ enum Unread {
     /// SSE output, whose frames of text are forwarded as they are, and no
     /// event log.
     Text,
-    /// And no injection (`--inject none`): no progress is rendered.
+    /// And no progress rendered (`--inject none`).
     TextAndProgress,
 }
 
@@ -322,7 +328,7 @@ impl Unread {
     fn of(output: OutputFormat, inject: InjectMode, collect_events: bool) -> Unread {
         if output != OutputFormat::Sse || collect_events {
             Unread::Nothing
-        } else if inject == InjectMode::None {
+        } else if !renders_progress(output, inject) {
             Unread::TextAndProgress
         } else {
             Unread::Text
@@ -353,8 +359,7 @@ impl Annotator {
                 // others need counts, not the arguments text.
                 tracker: ToolCallTracker::new(config.output == OutputFormat::Ndjson),
                 batch: ProgressBatch::default(),
-                render_progress: config.output != OutputFormat::Sse
-                    || config.inject != InjectMode::None,
+                render_progress: renders_progress(config.output, config.inject),
                 lines: LineEncoder::new(format),
                 after: String::new(),
                 deferred: String::new(),
@@ -522,6 +527,7 @@ impl Annotator {
                         .warnings
                         .push(Warning::InjectModeNotForNdjson { mode });
                     state.inject = InjectMode::Field;
+                    state.unread = Unread::of(state.output, state.inject, state.collect_events);
                 }
                 Framer::Ndjson(NdjsonDecoder::with_max_line_bytes(self.max_event_bytes))
             }
@@ -764,8 +770,8 @@ impl StreamState {
         }
     }
 
-    /// The frame the decoder just recognized at the start of `text`, when nothing
-    /// but the tracker reads its chunks ([`unread`](Self::unread)):
+    /// The frame the decoder just recognized at the start of `text`, when
+    /// nothing but the tracker reads its chunks ([`unread`](Self::unread)):
     /// applies it as [`handle`](Self::handle) would, without decoding it
     /// into chunks, and says so; the frame then only has to be forwarded,
     /// as [`inject::write_frame`] forwards a frame without progress. Two
@@ -803,8 +809,9 @@ impl StreamState {
 
     /// [`pass`](Self::pass) for a frame of one tool call's arguments. Out
     /// of line, so that `pass` stays small enough to be inlined into the
-    /// framing loop of a stream of text (inlined, the tracker's code made
-    /// it a call, and the Ollama capture's instructions 5 % more).
+    /// framing loop of a stream of text (with the tracker's code inlined
+    /// in it, `pass` was a call, and the Ollama and text-heavy captures
+    /// took 5 % more instructions: BENCHMARKS.md, forty-eighth round).
     #[inline(never)]
     fn pass_call(&mut self, provider: Provider, text: &str, now: Now) -> bool {
         let Some(delta) = self.decoder_state.probed_call(provider, text) else {

@@ -348,3 +348,71 @@ fn frames_of_a_steady_stream_are_found_by_the_decoders_template() {
         }
     }
 }
+
+/// Frames whose chunks nothing but the tracker reads go out of the framer
+/// in runs, many frames a write (`StreamState::pass`): frames of text
+/// whenever the output is SSE and no event log records the chunks, frames
+/// of one call's arguments only when no progress is injected either. The
+/// first frame of each shape teaches the decoder's template, and goes out
+/// alone; the frames after it, recognized, go out together.
+#[test]
+fn frames_only_the_tracker_reads_go_out_in_runs() {
+    use aalis_proxy::encode::Sink;
+    use aalis_proxy::pipeline::Annotator;
+    /// How many events each forwarded piece holds.
+    struct Events(Vec<usize>);
+    impl Sink for Events {
+        fn forward(&mut self, bytes: &[u8]) {
+            let events = bytes.windows(6).filter(|w| w == b"data: ").count();
+            self.0.push(events);
+        }
+        fn insert(&mut self, _: &[u8]) {}
+    }
+    let chunk = |delta: &str| {
+        format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\
+             \"choices\":[{{\"index\":0,\"delta\":{delta}}}]}}\n\n"
+        )
+    };
+    let mut input = chunk(
+        r#"{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"f","arguments":""}}]}"#,
+    );
+    for i in 0..40 {
+        let arguments = &"abcdefghijkl"[..3 + i % 10];
+        input.push_str(&chunk(&format!(
+            r#"{{"tool_calls":[{{"index":0,"function":{{"arguments":"{arguments}"}}}}]}}"#
+        )));
+    }
+    for i in 0..20 {
+        input.push_str(&chunk(&format!(r#"{{"content":"word{i} "}}"#)));
+    }
+    input.push_str("data: [DONE]\n\n");
+
+    // Inject mode, event log, and the events of each run, in order: 39
+    // deltas after the one that taught the template, then 19 frames of
+    // text.
+    for (inject, collect_events, runs) in [
+        (InjectMode::None, false, vec![39, 19]),
+        (InjectMode::Field, false, vec![19]),
+        (InjectMode::Comment, false, vec![19]),
+        (InjectMode::None, true, vec![]),
+        (InjectMode::Field, true, vec![]),
+    ] {
+        let mut annotator = Annotator::new(AnnotatorConfig {
+            inject,
+            collect_events,
+            ..AnnotatorConfig::default()
+        });
+        let mut events = Events(Vec::new());
+        annotator.push(input.as_bytes(), 0, &mut events);
+        annotator.finish(0, &mut events);
+        assert_eq!(
+            events.0.iter().sum::<usize>(),
+            62,
+            "{inject:?}: every event forwarded"
+        );
+        let found: Vec<usize> = events.0.into_iter().filter(|&n| n > 1).collect();
+        assert_eq!(found, runs, "{inject:?}, event log {collect_events}");
+        assert_eq!(annotator.frames(), 62);
+    }
+}

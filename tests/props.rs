@@ -21,7 +21,7 @@ use aalis_proxy::framing::ndjson::NdjsonDecoder;
 use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
 use aalis_proxy::js::utf16_len;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
-use aalis_proxy::progress::{StreamPhase, ToolCall};
+use aalis_proxy::progress::{ProgressEntry, StreamPhase, ToolCall};
 use common::*;
 use fuzz_checks::javascript_accepts;
 use proptest::prelude::*;
@@ -331,30 +331,80 @@ fn openai_data() -> impl Strategy<Value = String> {
     ]
 }
 
-/// After each piece: the tracker's phase, change count and calls (their
-/// names and character counts among them), and the frames handled and
+/// The `data` of a tool call announced, then streamed in 1 to 19 deltas
+/// of one shape (the decoder's steady shape, so that runs of them form):
+/// of choice 0 or 1, call 0 to 2, every delta with the call's index or
+/// none with it.
+fn call_block() -> impl Strategy<Value = Vec<String>> {
+    (
+        0i64..2,
+        0i64..3,
+        any::<bool>(),
+        proptest::collection::vec(fragment(), 1..20),
+    )
+        .prop_map(|(choice, index, indexed, fragments)| {
+            let chunk = |delta: Value| {
+                json!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                       "choices": [{"index": choice, "delta": delta, "finish_reason": null}]})
+                .to_string()
+            };
+            let announce = json!({"tool_calls": [{"index": index, "id": format!("call_{index}"),
+                "type": "function", "function": {"name": format!("f{index}"), "arguments": ""}}]});
+            let mut data = vec![chunk(announce)];
+            data.extend(fragments.into_iter().map(|f| {
+                let call = if indexed {
+                    json!({"index": index, "function": {"arguments": f}})
+                } else {
+                    json!({"function": {"arguments": f}})
+                };
+                chunk(json!({ "tool_calls": [call] }))
+            }));
+            data
+        })
+}
+
+/// After each piece: the tracker's phase and change count, its calls
+/// (their names, states and character counts among them) and the calls in
+/// progress (with the time each started), and the frames handled and
 /// recognized so far. And the output, and the warnings as they read.
 type Traced = (Vec<TracedState>, Vec<u8>, Vec<String>);
-type TracedState = (StreamPhase, u64, Vec<(i64, Vec<ToolCall>)>, u64, u64);
+type TracedState = (CallsState, u64, u64);
+type CallsState = (
+    StreamPhase,
+    u64,
+    Vec<(i64, Vec<ToolCall>)>,
+    Vec<ProgressEntry>,
+);
+
+/// The tracker's phase, change count, calls and calls in progress.
+fn calls_state(a: &Annotator) -> CallsState {
+    let (phase, changes) = tracker_state(a);
+    let calls = a
+        .tracker()
+        .calls()
+        .map(|(choice, calls)| (choice, calls.to_vec()))
+        .collect();
+    let mut in_progress = Vec::new();
+    a.tracker().snapshot_into(&mut in_progress);
+    (phase, changes, calls, in_progress)
+}
+
+/// The clock as piece `i` is read: a second later than the piece before,
+/// so that a call's start says which piece started it.
+fn now_at(i: usize) -> u64 {
+    NOW_MS + 1000 * i as u64
+}
 
 fn traced(config: &AnnotatorConfig, pieces: &[String]) -> Traced {
     let mut annotator = Annotator::new(config.clone());
     let mut out = Vec::new();
     let mut trace = Vec::new();
-    let state = |a: &Annotator| {
-        let (phase, changes) = tracker_state(a);
-        let calls = a
-            .tracker()
-            .calls()
-            .map(|(choice, calls)| (choice, calls.to_vec()))
-            .collect();
-        (phase, changes, calls, a.frames(), a.probed_frames())
-    };
-    for piece in pieces {
-        annotator.push(piece.as_bytes(), NOW_MS, &mut out);
+    let state = |a: &Annotator| (calls_state(a), a.frames(), a.probed_frames());
+    for (i, piece) in pieces.iter().enumerate() {
+        annotator.push(piece.as_bytes(), now_at(i), &mut out);
         trace.push(state(&annotator));
     }
-    annotator.finish(NOW_MS, &mut out);
+    annotator.finish(now_at(pieces.len()), &mut out);
     trace.push(state(&annotator));
     let warnings = annotator
         .take_warnings()
@@ -403,7 +453,8 @@ fn cut_anywhere(frames: &[String], cuts: &[prop::sample::Index]) -> Vec<String> 
 /// handled without its chunks (`StreamState::pass`) only when nothing but
 /// the tracker reads them (for a call: no progress injected): fed one frame
 /// a piece (so that every frame the template knows is recognized), a few
-/// frames a piece (so that frames of text go out in runs), or cut
+/// frames a piece (so that frames of text or of a call's arguments go out
+/// in runs), or cut
 /// anywhere (so that runs end where a piece ends, and go on after a frame
 /// carried over), the tracker goes through the same states, piece by
 /// piece, as when the proxy's event log reads every chunk (which takes
@@ -450,14 +501,9 @@ fn check_collect_toggles(pieces: &[String], collect: &[bool]) -> Result<(), Test
         let on = |i: usize| collect[i % collect.len()];
         for (i, piece) in pieces.iter().enumerate() {
             toggled.collect_events(on(i));
-            always.push(piece.as_bytes(), NOW_MS, &mut always_out);
-            toggled.push(piece.as_bytes(), NOW_MS, &mut toggled_out);
-            prop_assert_eq!(
-                tracker_state(&always),
-                tracker_state(&toggled),
-                "piece {}",
-                i
-            );
+            always.push(piece.as_bytes(), now_at(i), &mut always_out);
+            toggled.push(piece.as_bytes(), now_at(i), &mut toggled_out);
+            prop_assert_eq!(calls_state(&always), calls_state(&toggled), "piece {}", i);
             prop_assert_eq!(toggled.events_missed(), !on(i), "piece {}", i);
             prop_assert!(!always.events_missed());
             let mut expected = always.take_events();
@@ -468,9 +514,9 @@ fn check_collect_toggles(pieces: &[String], collect: &[bool]) -> Result<(), Test
             prop_assert!(!toggled.events_missed(), "taken: nothing missed since");
         }
         toggled.collect_events(true);
-        always.finish(NOW_MS, &mut always_out);
-        toggled.finish(NOW_MS, &mut toggled_out);
-        prop_assert_eq!(tracker_state(&always), tracker_state(&toggled));
+        always.finish(now_at(pieces.len()), &mut always_out);
+        toggled.finish(now_at(pieces.len()), &mut toggled_out);
+        prop_assert_eq!(calls_state(&always), calls_state(&toggled));
         prop_assert_eq!(toggled.take_events(), always.take_events(), "the end's");
         prop_assert_eq!(&toggled_out, &always_out, "{:?}", inject);
     }
@@ -502,6 +548,21 @@ proptest! {
         check_frames_taken(&lines)?;
         check_frames_taken(&grouped(&lines, per_piece))?;
         check_frames_taken(&cut_anywhere(&lines, &cuts))?;
+    }
+
+    #[test]
+    fn openai_call_deltas_taken_without_chunks_change_what_chunks_change(
+        blocks in proptest::collection::vec(call_block(), 1..5),
+        crlf in any::<bool>(),
+        per_piece in 1usize..8,
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..6),
+    ) {
+        let eol = if crlf { "\r\n" } else { "\n" };
+        let events: Vec<String> =
+            blocks.concat().iter().map(|d| format!("data: {d}{eol}{eol}")).collect();
+        check_frames_taken(&events)?;
+        check_frames_taken(&grouped(&events, per_piece))?;
+        check_frames_taken(&cut_anywhere(&events, &cuts))?;
     }
 
     #[test]

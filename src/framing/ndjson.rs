@@ -398,6 +398,9 @@ mod tests {
         /// Takes the lines it recognizes ([`Probe::pass`]) while this is
         /// above 0, one less each time; the runs it was handed.
         passes: usize,
+        /// Where the text it last recognized starts (0: none since the last
+        /// question [`Probe::pass`] was asked).
+        recognized_at: usize,
         runs: Vec<(String, u64, u64, u64)>,
     }
 
@@ -410,11 +413,24 @@ mod tests {
 
     impl Probe for Recognizes {
         fn payload_len(&mut self, text: &str) -> Option<usize> {
-            text.starts_with(self.payload).then_some(self.payload.len())
+            let len = text.starts_with(self.payload).then_some(self.payload.len());
+            self.recognized_at = if len.is_some() {
+                text.as_ptr() as usize
+            } else {
+                0
+            };
+            len
         }
 
         fn pass(&mut self, text: &str) -> bool {
-            assert!(text.starts_with(self.payload), "the text recognized");
+            // Asked right after a recognition, of the text it recognized.
+            let at = std::mem::take(&mut self.recognized_at);
+            assert_eq!(
+                text.as_ptr() as usize,
+                at,
+                "the text recognized, where it starts"
+            );
+            assert!(text.starts_with(self.payload));
             self.passes = self.passes.saturating_sub(1);
             self.passes > 0
         }
@@ -456,6 +472,7 @@ mod tests {
             payload,
             lines: Vec::new(),
             passes,
+            recognized_at: 0,
             runs: Vec::new(),
         };
         let mut decoder = NdjsonDecoder::with_max_line_bytes(max);

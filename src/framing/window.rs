@@ -93,11 +93,12 @@ pub trait Probe {
 
     /// Asked of a frame the cutter recognized (its payload by
     /// [`payload_len`](Self::payload_len), then the line break and the size
-    /// its framing wants), with the `text` `payload_len` was asked of,
-    /// which the payload starts: whether the decoder took that frame
-    /// itself, so that it only has to be passed on. A cutter that asks
-    /// hands the frames taken one after the other out together, as one run
-    /// of bytes (`NdjsonLine::passed`, `SseBlockKind::Passed`). A no must
+    /// its framing wants): whether the decoder took that frame itself, so
+    /// that it only has to be passed on. `text` starts with the payload,
+    /// where the `text` `payload_len` was asked of starts; what follows the
+    /// payload, if anything, is not the frame's. A cutter that asks hands
+    /// the frames taken one after the other out together, as one run of
+    /// bytes (`NdjsonLine::passed`, `SseBlockKind::Passed`). A no must
     /// change nothing: the frame is then handed out alone, or, when it ends
     /// a run, recognized and asked about again at the next call. By default
     /// nothing is taken.

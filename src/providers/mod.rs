@@ -215,8 +215,8 @@ impl DecoderState {
     }
 
     /// For the frame [`match_prefix`](Self::match_prefix) just recognized
-    /// at the start of `data` (the text it was asked of): its one tool
-    /// call delta, when it holds that and nothing
+    /// at the start of `data` (which starts where the text it was asked of
+    /// starts): its one tool call delta, when it holds that and nothing
     /// else (an OpenAI-style frame of the steady shape, which
     /// [`decode`] would decode into that one [`Chunk::ToolCallDelta`]);
     /// `None` when it may hold more. Ollama's lines carry whole calls,

@@ -864,16 +864,7 @@ impl Spans {
         head: bool,
         emit: &mut dyn FnMut(Chunk<'a>),
     ) -> FrameInfo<'a> {
-        let holes = self.holes.as_slice();
-        // A matched frame has a hole of every rank, so this is never `None`
-        // for a rank the shape has.
-        let raw = |rank: Option<Span>| {
-            from_rank(holes, rank)
-                .ok()
-                .flatten()
-                .map(|span| span.of(data))
-        };
-        let info = self.shape.top.info(head, raw);
+        let info = self.shape.top.info(head, |rank| self.hole(data, rank));
         emit(Chunk::ToolCallDelta(self.steady_delta(data, call)));
         info
     }
@@ -882,30 +873,37 @@ impl Spans {
     /// in place.
     #[inline(always)]
     fn steady_delta<'a>(&self, data: &'a str, call: SteadyCall) -> ToolCallDelta<'a> {
-        let holes = self.holes.as_slice();
-        let raw = |rank: Option<Span>| {
-            from_rank(holes, rank)
-                .ok()
-                .flatten()
-                .map(|span| span.of(data))
-        };
-        let arguments = match raw(Some(call.arguments)).and_then(JsonLiteral::string) {
+        let arguments = match self
+            .hole(data, Some(call.arguments))
+            .and_then(JsonLiteral::string)
+        {
             Some(fragment) => ArgumentsDelta::Append(ChunkText::Json(fragment)),
             None => ArgumentsDelta::Unchanged,
         };
         ToolCallDelta {
-            choice: raw_i64(raw(call.choice_index)).unwrap_or(0),
-            index: raw_i64(raw(call.call_index)),
+            choice: raw_i64(self.hole(data, call.choice_index)).unwrap_or(0),
+            index: raw_i64(self.hole(data, call.call_index)),
             id: None,
             name: None,
             arguments,
         }
     }
 
+    /// The value in `data`, a matched frame, of the hole of rank `rank`.
+    /// A matched frame has a hole of every rank, so this is `None` only
+    /// for a rank the shape does not have.
+    #[inline(always)]
+    fn hole<'a>(&self, data: &'a str, rank: Option<Span>) -> Option<&'a str> {
+        from_rank(&self.holes, rank)
+            .ok()
+            .flatten()
+            .map(|span| span.of(data))
+    }
+
     /// The delta the frame [`match_prefix`](Self::match_prefix) just
     /// recognized at the start of `data` holds, when its shape is the
-    /// steady one
-    /// ([`SteadyCall`]): the one chunk [`decode`] would emit for it.
+    /// steady one ([`SteadyCall`]): the one chunk [`decode`] would emit
+    /// for it.
     pub(super) fn probed_call<'a>(&self, data: &'a str) -> Option<ToolCallDelta<'a>> {
         let call = self.shape.steady?;
         Some(self.steady_delta(data, call))

@@ -277,16 +277,32 @@ struct Recognizes {
     /// above 0, one less each time; the runs it was handed: raw, events,
     /// offset.
     passes: usize,
+    /// Where the text it last recognized starts (0: none since the last
+    /// question [`Probe::pass`] was asked).
+    recognized_at: usize,
     runs: Vec<(String, u64, u64)>,
 }
 
 impl Probe for Recognizes {
     fn payload_len(&mut self, text: &str) -> Option<usize> {
-        text.starts_with(self.payload).then_some(self.payload.len())
+        let len = text.starts_with(self.payload).then_some(self.payload.len());
+        self.recognized_at = if len.is_some() {
+            text.as_ptr() as usize
+        } else {
+            0
+        };
+        len
     }
 
     fn pass(&mut self, text: &str) -> bool {
-        assert!(text.starts_with(self.payload), "the text recognized");
+        // Asked right after a recognition, of the text it recognized.
+        let at = std::mem::take(&mut self.recognized_at);
+        assert_eq!(
+            text.as_ptr() as usize,
+            at,
+            "the text recognized, where it starts"
+        );
+        assert!(text.starts_with(self.payload));
         self.passes = self.passes.saturating_sub(1);
         self.passes > 0
     }
@@ -321,6 +337,7 @@ fn probed_passing(payload: &'static str, max: usize, input: &[u8], passes: usize
         blocks: Vec::new(),
         other: Vec::new(),
         passes,
+        recognized_at: 0,
         runs: Vec::new(),
     };
     let mut decoder = SseDecoder::with_max_event_bytes(max);
