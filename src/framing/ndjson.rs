@@ -338,6 +338,7 @@ impl NdjsonScan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::framing::window::OnePayload;
 
     fn lines(pieces: &[&[u8]]) -> Vec<(String, String, u64)> {
         let mut decoder = NdjsonDecoder::new();
@@ -393,14 +394,9 @@ mod tests {
 
     /// A probe that recognizes one payload, and the lines it was handed.
     struct Recognizes {
-        payload: &'static str,
+        probe: OnePayload,
         lines: Vec<Handed>,
-        /// Takes the lines it recognizes ([`Probe::pass`]) while this is
-        /// above 0, one less each time; the runs it was handed.
-        passes: usize,
-        /// Where the text it last recognized starts (0: none since the last
-        /// question [`Probe::pass`] was asked).
-        recognized_at: usize,
+        /// The runs it was handed.
         runs: Vec<(String, u64, u64, u64)>,
     }
 
@@ -413,26 +409,11 @@ mod tests {
 
     impl Probe for Recognizes {
         fn payload_len(&mut self, text: &str) -> Option<usize> {
-            let len = text.starts_with(self.payload).then_some(self.payload.len());
-            self.recognized_at = if len.is_some() {
-                text.as_ptr() as usize
-            } else {
-                0
-            };
-            len
+            self.probe.payload_len(text)
         }
 
         fn pass(&mut self, text: &str) -> bool {
-            // Asked right after a recognition, of the text it recognized.
-            let at = std::mem::take(&mut self.recognized_at);
-            assert_eq!(
-                text.as_ptr() as usize,
-                at,
-                "the text recognized, where it starts"
-            );
-            assert!(text.starts_with(self.payload));
-            self.passes = self.passes.saturating_sub(1);
-            self.passes > 0
+            self.probe.pass(text)
         }
     }
 
@@ -469,10 +450,8 @@ mod tests {
         passes: usize,
     ) -> Recognizes {
         let mut frames = Recognizes {
-            payload,
+            probe: OnePayload::new(payload, passes),
             lines: Vec::new(),
-            passes,
-            recognized_at: 0,
             runs: Vec::new(),
         };
         let mut decoder = NdjsonDecoder::with_max_line_bytes(max);

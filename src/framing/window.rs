@@ -208,6 +208,55 @@ pub fn drop_consumed<C: Cutter>(carry: &mut Vec<u8>, cutter: &mut C) {
     }
 }
 
+/// The probe of the framers' tests: recognizes one payload, and takes
+/// ([`Probe::pass`]) the frames it recognizes while `passes` is above 0,
+/// one less each time. It checks that `pass` is asked right after a
+/// recognition, of the text it recognized, where that starts.
+#[cfg(test)]
+pub(crate) struct OnePayload {
+    pub payload: &'static str,
+    pub passes: usize,
+    /// Where the text it last recognized starts (0: none since `pass` was
+    /// last asked).
+    recognized_at: usize,
+}
+
+#[cfg(test)]
+impl OnePayload {
+    pub fn new(payload: &'static str, passes: usize) -> Self {
+        OnePayload {
+            payload,
+            passes,
+            recognized_at: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+impl Probe for OnePayload {
+    fn payload_len(&mut self, text: &str) -> Option<usize> {
+        let len = text.starts_with(self.payload).then_some(self.payload.len());
+        self.recognized_at = if len.is_some() {
+            text.as_ptr() as usize
+        } else {
+            0
+        };
+        len
+    }
+
+    fn pass(&mut self, text: &str) -> bool {
+        let at = std::mem::take(&mut self.recognized_at);
+        assert_eq!(
+            text.as_ptr() as usize,
+            at,
+            "the text recognized, where it starts"
+        );
+        assert!(text.starts_with(self.payload));
+        self.passes = self.passes.saturating_sub(1);
+        self.passes > 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::framing::window::OnePayload;
 
 /// What a block says, owned, so a test can compare whole streams.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -270,41 +271,20 @@ type Handed = (
 
 /// A probe that recognizes one payload, and the blocks it was handed.
 struct Recognizes {
-    payload: &'static str,
+    probe: OnePayload,
     blocks: Vec<Handed>,
     other: Vec<String>,
-    /// Takes the events it recognizes ([`Probe::pass`]) while this is
-    /// above 0, one less each time; the runs it was handed: raw, events,
-    /// offset.
-    passes: usize,
-    /// Where the text it last recognized starts (0: none since the last
-    /// question [`Probe::pass`] was asked).
-    recognized_at: usize,
+    /// The runs it was handed: raw, events, offset.
     runs: Vec<(String, u64, u64)>,
 }
 
 impl Probe for Recognizes {
     fn payload_len(&mut self, text: &str) -> Option<usize> {
-        let len = text.starts_with(self.payload).then_some(self.payload.len());
-        self.recognized_at = if len.is_some() {
-            text.as_ptr() as usize
-        } else {
-            0
-        };
-        len
+        self.probe.payload_len(text)
     }
 
     fn pass(&mut self, text: &str) -> bool {
-        // Asked right after a recognition, of the text it recognized.
-        let at = std::mem::take(&mut self.recognized_at);
-        assert_eq!(
-            text.as_ptr() as usize,
-            at,
-            "the text recognized, where it starts"
-        );
-        assert!(text.starts_with(self.payload));
-        self.passes = self.passes.saturating_sub(1);
-        self.passes > 0
+        self.probe.pass(text)
     }
 }
 
@@ -333,11 +313,9 @@ fn probed(payload: &'static str, max: usize, input: &[u8]) -> Recognizes {
 
 fn probed_passing(payload: &'static str, max: usize, input: &[u8], passes: usize) -> Recognizes {
     let mut frames = Recognizes {
-        payload,
+        probe: OnePayload::new(payload, passes),
         blocks: Vec::new(),
         other: Vec::new(),
-        passes,
-        recognized_at: 0,
         runs: Vec::new(),
     };
     let mut decoder = SseDecoder::with_max_event_bytes(max);
