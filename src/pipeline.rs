@@ -679,9 +679,9 @@ impl StreamState {
         self.handle(Provider::OllamaChat, &frame, now, out);
     }
 
-    /// A run of `count` frames that [`pass`](Self::pass) took
-    /// as the framer recognized them, which applied their text: counted
-    /// and forwarded. (`batch` is `handle`'s, cleared as each frame there
+    /// A run of `count` frames that [`pass`](Self::pass) took as the
+    /// framer recognized them, and applied to the tracker: counted and
+    /// forwarded. (`batch` is `handle`'s, cleared as each frame there
     /// starts: nothing here reads or leaves it.)
     fn passed(&mut self, count: u64, raw: &[u8], out: &mut impl Sink) {
         self.frames += count;

@@ -449,6 +449,18 @@ fn cut_anywhere(frames: &[String], cuts: &[prop::sample::Index]) -> Vec<String> 
         .collect()
 }
 
+/// [`check_frames_taken`] on `frames` fed one a piece, `per_piece` a
+/// piece, and cut where `cuts` say.
+fn check_frames_taken_cut_three_ways(
+    frames: &[String],
+    per_piece: usize,
+    cuts: &[prop::sample::Index],
+) -> Result<(), TestCaseError> {
+    check_frames_taken(frames)?;
+    check_frames_taken(&grouped(frames, per_piece))?;
+    check_frames_taken(&cut_anywhere(frames, cuts))
+}
+
 /// A recognized frame of text, or of one tool call's arguments, is
 /// handled without its chunks (`StreamState::pass`) only when nothing but
 /// the tracker reads them (for a call: no progress injected): fed one frame
@@ -545,9 +557,7 @@ proptest! {
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
         let lines: Vec<String> = lines.iter().map(|l| format!("{l}{eol}")).collect();
-        check_frames_taken(&lines)?;
-        check_frames_taken(&grouped(&lines, per_piece))?;
-        check_frames_taken(&cut_anywhere(&lines, &cuts))?;
+        check_frames_taken_cut_three_ways(&lines, per_piece, &cuts)?;
     }
 
     #[test]
@@ -560,9 +570,7 @@ proptest! {
         let eol = if crlf { "\r\n" } else { "\n" };
         let events: Vec<String> =
             blocks.concat().iter().map(|d| format!("data: {d}{eol}{eol}")).collect();
-        check_frames_taken(&events)?;
-        check_frames_taken(&grouped(&events, per_piece))?;
-        check_frames_taken(&cut_anywhere(&events, &cuts))?;
+        check_frames_taken_cut_three_ways(&events, per_piece, &cuts)?;
     }
 
     #[test]
@@ -574,9 +582,7 @@ proptest! {
     ) {
         let eol = if crlf { "\r\n" } else { "\n" };
         let events: Vec<String> = data.iter().map(|d| format!("data: {d}{eol}{eol}")).collect();
-        check_frames_taken(&events)?;
-        check_frames_taken(&grouped(&events, per_piece))?;
-        check_frames_taken(&cut_anywhere(&events, &cuts))?;
+        check_frames_taken_cut_three_ways(&events, per_piece, &cuts)?;
     }
 }
 
