@@ -13,7 +13,7 @@
 //! - ends the stream when the upstream is silent longer than the idle
 //!   timeout (an error, so the client sees a cut stream, not a fake end);
 //! - on an upstream error, first yields the bytes it still held (nothing is
-//!   lost), then the error — never an invented `[DONE]`;
+//!   lost), then, 100 ms later, the error — never an invented `[DONE]`;
 //! - publishes the stream's progress to its session as it changes;
 //! - logs one line per request when the body ends, fails, or is dropped by
 //!   a client that went away (`outcome=cancelled`).
@@ -46,6 +46,11 @@ const COALESCE_BYTES: usize = 64 * 1024;
 /// before output is written into it when it is empty (see [`OutBuf`]); a
 /// larger output grows the buffer.
 const OUT_ROOM: usize = 2 * 1024;
+
+/// After an upstream failure, how long the connection is given to send
+/// the client what it was handed before the error ends the stream (see
+/// [`Phase::Flushing`]).
+const FLUSH_GRACE: Duration = Duration::from_millis(100);
 
 /// The upstream sent nothing for longer than `--idle-timeout`.
 #[derive(Debug, thiserror::Error)]
@@ -101,13 +106,13 @@ impl RequestLog {
 enum Phase {
     /// Frames are flowing.
     Streaming,
-    /// The upstream failed. Before the error, one `Pending`: hyper's
-    /// HTTP/1 server polls the body again before it flushes what it was
-    /// given, and an error then drops the unflushed bytes; the pause lets
-    /// them out first.
+    /// The upstream failed. The error waits [`FLUSH_GRACE`] on the idle
+    /// timer: an error yielded at once loses the stream's last bytes.
+    /// hyper's HTTP/1 server polls the body again before it flushes what
+    /// it was given, and an error then drops what it has not written; over
+    /// HTTP/2 the stream's reset follows its last data so closely that a
+    /// client may read both at once, and curl then drops the data.
     Flushing,
-    /// The error is yielded next.
-    Failing,
     /// Over: the end was yielded (or the error).
     Done,
 }
@@ -145,7 +150,9 @@ pin_project! {
     impl PinnedDrop for TapBody {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
-            if *this.phase != Phase::Done {
+            // A client that leaves while an upstream failure waits to be
+            // told (`Flushing`) did not cancel it.
+            if *this.phase == Phase::Streaming {
                 *this.outcome = "cancelled";
             }
             let tool_calls = this
@@ -258,11 +265,9 @@ impl Body for TapBody {
             match *this.phase {
                 Phase::Done => return Poll::Ready(this.trailers.take().map(Ok)),
                 Phase::Flushing => {
-                    *this.phase = Phase::Failing;
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
-                Phase::Failing => {
+                    if this.idle.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
                     *this.phase = Phase::Done;
                     return Poll::Ready(this.error.take().map(Err));
                 }
@@ -363,6 +368,10 @@ impl Body for TapBody {
                     tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
                     *this.error = Some(err);
                     *this.phase = Phase::Flushing;
+                    this.idle
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + FLUSH_GRACE);
+                    *this.idle_waker = None;
                     finish(this.annotator, this.session, this.out, this.log);
                 }
                 None => {

@@ -10,8 +10,8 @@
 //! (finished or not: a dropped unfinished body is a cancelled request) and
 //! when a connection closed ([`Event`]).
 //!
-//! [`raw_reset_upstream`] is the one fault hyper cannot script: a TCP reset
-//! (`SO_LINGER` 0) in the middle of a chunked body.
+//! [`raw_cut_upstream`] scripts what hyper cannot: a chunked body cut by a
+//! TCP reset (`SO_LINGER` 0), or by a FIN right after its last bytes.
 //!
 //! Read [`FakeUpstream::start`] first.
 
@@ -413,13 +413,25 @@ pub async fn read_request_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
     Some(seen)
 }
 
+/// How [`raw_cut_upstream`] ends its connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RawEnd {
+    /// `gap` after the last piece, a reset (RST, not FIN).
+    Reset,
+    /// Right after the last piece, a FIN: the chunked body ends without
+    /// its last chunk, and the proxy may read the last bytes and the end
+    /// together.
+    Fin,
+}
+
 /// An upstream that answers one connection with `head` (status line and
 /// headers of a chunked response), sends each of `pieces` as a chunk, `gap`
-/// apart, and then resets the connection (RST, not FIN).
-pub async fn raw_reset_upstream(
+/// apart, and then ends the connection as `end` says.
+pub async fn raw_cut_upstream(
     head: &'static str,
     pieces: Vec<Bytes>,
     gap: Duration,
+    end: RawEnd,
 ) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -434,16 +446,21 @@ pub async fn raw_reset_upstream(
         if stream.write_all(head.as_bytes()).await.is_err() {
             return;
         }
-        for piece in &pieces {
+        for (i, piece) in pieces.iter().enumerate() {
             let mut chunk = format!("{:x}\r\n", piece.len()).into_bytes();
             chunk.extend_from_slice(piece);
             chunk.extend_from_slice(b"\r\n");
             if stream.write_all(&chunk).await.is_err() {
                 return;
             }
+            if end == RawEnd::Fin && i + 1 == pieces.len() {
+                break;
+            }
             tokio::time::sleep(gap).await;
         }
-        let _ = stream.set_zero_linger();
+        if end == RawEnd::Reset {
+            let _ = stream.set_zero_linger();
+        }
         drop(stream);
     });
     addr
