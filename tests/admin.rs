@@ -452,11 +452,18 @@ async fn tool_execute_clears_the_session() {
     stream.abort();
 }
 
-/// The page, the metrics, a 404, and none of them forwarded upstream.
+/// The page (its address without the slash sends there), the metrics, a
+/// 404, and none of them forwarded upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_and_the_metrics() {
     let run = start(Duration::ZERO).await;
     chat(&run.proxy, "m").await.expect("stream");
+    let bare = send("GET", &format!("{}/_aalis", run.proxy), "", &[]).await;
+    assert_eq!(bare.status(), 308);
+    assert_eq!(
+        bare.headers().get("location").and_then(|v| v.to_str().ok()),
+        Some("/_aalis/")
+    );
     let page = send("GET", &format!("{}/_aalis/", run.proxy), "", &[]).await;
     assert_eq!(page.status(), 200);
     assert_eq!(

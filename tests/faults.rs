@@ -231,11 +231,15 @@ async fn raw_exchange(addr: SocketAddr, request: &[u8]) -> Vec<u8> {
 /// CRLF) and the body (de-chunked when chunked).
 #[derive(Debug)]
 struct RawResponse {
+    /// The status line's first word (`HTTP/1.1`).
+    version: String,
     status: u16,
     header_lines: Vec<Vec<u8>>,
     body: Vec<u8>,
     /// The body's end was seen as its framing says.
     complete: bool,
+    /// A chunked body's trailer lines (without their CRLF).
+    trailer_lines: Vec<Vec<u8>>,
 }
 
 impl RawResponse {
@@ -246,23 +250,29 @@ impl RawResponse {
         let rest = &raw[end + 4..];
         let mut lines = split_crlf(head);
         let status_line = lines.remove(0);
-        let status = std::str::from_utf8(&status_line)
-            .ok()
-            .and_then(|l| l.split(' ').nth(1)?.parse().ok())
+        let status_line = String::from_utf8_lossy(&status_line);
+        let mut words = status_line.split(' ');
+        let version = words.next().unwrap_or_default().to_owned();
+        let status = words
+            .next()
+            .and_then(|code| code.parse().ok())
             .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
         let mut response = RawResponse {
+            version,
             status,
             header_lines: lines,
             body: Vec::new(),
             complete: false,
+            trailer_lines: Vec::new(),
         };
         if response
             .header("transfer-encoding")
             .is_some_and(|v| v == b"chunked")
         {
-            let (body, complete) = dechunk(rest);
+            let (body, complete, trailers) = dechunk_with_trailers(rest);
             response.body = body;
             response.complete = complete;
+            response.trailer_lines = trailers;
         } else if let Some(length) = response.header("content-length") {
             let length: usize = std::str::from_utf8(&length)
                 .ok()
@@ -351,25 +361,33 @@ fn trim(bytes: &[u8]) -> &[u8] {
 
 /// Decodes a chunked body as far as it goes: the data, and whether the
 /// last chunk was seen.
-fn dechunk(mut raw: &[u8]) -> (Vec<u8>, bool) {
+fn dechunk(raw: &[u8]) -> (Vec<u8>, bool) {
+    let (out, complete, _) = dechunk_with_trailers(raw);
+    (out, complete)
+}
+
+/// [`dechunk`], and the trailer lines after the last chunk.
+fn dechunk_with_trailers(mut raw: &[u8]) -> (Vec<u8>, bool, Vec<Vec<u8>>) {
     let mut out = Vec::new();
     loop {
         let Some(line_end) = find(raw, b"\r\n") else {
-            return (out, false);
+            return (out, false, Vec::new());
         };
         let size = std::str::from_utf8(&raw[..line_end])
             .ok()
             .and_then(|s| usize::from_str_radix(s.split(';').next()?.trim(), 16).ok());
         let Some(size) = size else {
-            return (out, false);
+            return (out, false, Vec::new());
         };
         raw = &raw[line_end + 2..];
         if size == 0 {
-            return (out, true);
+            let trailers =
+                find(raw, b"\r\n\r\n").map_or_else(Vec::new, |end| split_crlf(&raw[..end]));
+            return (out, true, trailers);
         }
         if raw.len() < size + 2 {
             out.extend_from_slice(&raw[..size.min(raw.len())]);
-            return (out, false);
+            return (out, false, Vec::new());
         }
         out.extend_from_slice(&raw[..size]);
         raw = &raw[size + 2..];
@@ -1013,6 +1031,10 @@ async fn a_slow_client_gets_every_byte_before_an_upstream_failure() {
 /// | `101 Switching Protocols` (the proxy does not tunnel) | `502` |
 /// | a head of 70,000 bytes (over 64 KiB) | `502` |
 /// | `5\r\nhello\r\n` then a chunk size that is not hex | `hello`, then no clean end |
+/// | `Content-Length: 3` beside `Transfer-Encoding: chunked` (RFC 9112 §6.3: the chunks frame it) | the whole chunked body, no `Content-Length` |
+/// | trailers it names in `Trailer`, to a client that sent `TE: trailers` | the body, then the trailers |
+///
+/// The client always gets `HTTP/1.1`, from an HTTP/1.0 upstream too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
     let ok = "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n";
@@ -1067,6 +1089,18 @@ async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
                 "{ok}transfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"
             )))],
         ),
+        (
+            "/length-and-chunks",
+            vec![RawStep::Write(Bytes::from(format!(
+                "{ok}content-length: 3\r\ntransfer-encoding: chunked\r\n\r\nA\r\n0123456789\r\n0\r\n\r\n"
+            )))],
+        ),
+        (
+            "/trailers",
+            vec![RawStep::Write(Bytes::from(format!(
+                "{ok}trailer: x-usage\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-usage: 12\r\n\r\n"
+            )))],
+        ),
     ];
     let scripts: BTreeMap<String, Vec<RawStep>> = cases
         .into_iter()
@@ -1087,8 +1121,25 @@ async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
 
     let until_close = raw_request(proxy.addr, "/until-close", &[]).await;
     assert_eq!(until_close.status, 200);
+    assert_eq!(
+        until_close.version, "HTTP/1.1",
+        "an HTTP/1.0 upstream's version"
+    );
     assert_eq!(until_close.body, b"bytes until the end");
     assert!(until_close.complete);
+
+    let both = raw_request(proxy.addr, "/length-and-chunks", &[]).await;
+    assert_eq!(both.status, 200);
+    assert_eq!(both.header("content-length"), None);
+    assert_eq!(both.body, b"0123456789");
+    assert!(both.complete);
+
+    let trailers = raw_request(proxy.addr, "/trailers", &[b"te: trailers"]).await;
+    assert_eq!(trailers.status, 200);
+    assert_eq!(trailers.header("trailer").as_deref(), Some(&b"x-usage"[..]));
+    assert_eq!(trailers.body, b"hello");
+    assert!(trailers.complete);
+    assert_eq!(trailers.trailer_lines, [b"x-usage: 12".to_vec()]);
 
     let extensions = raw_request(proxy.addr, "/chunk-extensions", &[]).await;
     assert_eq!(extensions.status, 200);

@@ -58,6 +58,10 @@ pub async fn handle(
         );
     }
     let path = req.uri().path().to_owned();
+    if path == "/_aalis" {
+        // The status page's address, without its slash.
+        return redirect("/_aalis/");
+    }
     let rest = path.trim_start_matches("/_aalis/");
     let segments: Vec<&str> = rest.split('/').collect();
     match (req.method(), segments.as_slice()) {
@@ -341,6 +345,16 @@ fn json_text(json: &str) -> Response<ProxyBody> {
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    response
+}
+
+/// A permanent redirect (308: the method and body stay) to `to`.
+fn redirect(to: &'static str) -> Response<ProxyBody> {
+    let mut response = text(format!("see {to}\n"));
+    *response.status_mut() = StatusCode::PERMANENT_REDIRECT;
+    response
+        .headers_mut()
+        .insert(header::LOCATION, HeaderValue::from_static(to));
     response
 }
 

@@ -281,6 +281,10 @@ impl Proxy {
         // Phase 4: the response.
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        // An HTTP/1.0 upstream's answer is still ours to give in HTTP/1.1
+        // (hyper answers an HTTP/1.0 client in HTTP/1.0 by itself); kept,
+        // its version would make hyper close the client's connection.
+        parts.version = http::Version::HTTP_11;
         let session_header = HeaderValue::from_str(&session_id).ok();
         // The log line keeps the id; what follows reads it there.
         let log = RequestLog {

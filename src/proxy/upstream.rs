@@ -284,7 +284,9 @@ pub fn build_client(
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
-/// and `Upgrade` (the proxy does not tunnel).
+/// and `Upgrade` (the proxy does not tunnel). `Trailer` is not one: it
+/// names the trailers a chunked body ends with, which pass through, and
+/// hyper's HTTP/1.1 server writes only the trailers it names.
 const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -292,14 +294,19 @@ const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];
-const HOPS: usize = 9;
+const HOPS: usize = 8;
+
+/// Where `Transfer-Encoding` is in [`HOP_BY_HOP`].
+const TRANSFER_ENCODING_AT: usize = 6;
 
 /// Removes hop-by-hop headers, including those `Connection` names, and
-/// `Upgrade` (the proxy does not tunnel).
+/// `Upgrade` (the proxy does not tunnel). A `Content-Length` beside a
+/// `Transfer-Encoding` goes too: the body was framed by the latter, and
+/// the length, which no longer describes it, must not be forwarded (RFC
+/// 9112 §6.3).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them, or only `Transfer-Encoding`: find
     // the ones present, then remove those. Removing all nine by name hashed
@@ -340,6 +347,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         if let Some(name) = HOP_BY_HOP.get(i) {
             headers.remove(name);
         }
+    }
+    if found.contains(&TRANSFER_ENCODING_AT) {
+        headers.remove(header::CONTENT_LENGTH);
     }
     for name in &named {
         headers.remove(name);
@@ -455,7 +465,6 @@ mod tests {
             "proxy-authenticate",
             "proxy-authorization",
             "te",
-            "trailer",
             "transfer-encoding",
             "upgrade",
         ] {
@@ -469,6 +478,45 @@ mod tests {
             let left: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
             assert_eq!(left, ["content-type", "x-kept"], "{name}");
         }
+    }
+
+    #[test]
+    fn the_table_knows_where_transfer_encoding_is() {
+        assert_eq!(
+            HOP_BY_HOP.get(TRANSFER_ENCODING_AT),
+            Some(&header::TRANSFER_ENCODING)
+        );
+    }
+
+    /// An upstream that sends both gets its body framed by
+    /// `Transfer-Encoding`; forwarding its `Content-Length` would cut the
+    /// body the client gets. Alone, a `Content-Length` stays.
+    #[test]
+    fn a_content_length_beside_a_transfer_encoding_goes() {
+        let mut headers = header_map(&[
+            ("content-length", "3"),
+            ("content-type", "application/json"),
+            ("transfer-encoding", "chunked"),
+        ]);
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["content-type"]);
+        let mut headers = header_map(&[("content-length", "3"), ("connection", "close")]);
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["content-length"]);
+    }
+
+    /// `Trailer` announces the trailers that pass through: it stays.
+    #[test]
+    fn a_trailer_announcement_stays() {
+        let mut headers = header_map(&[("trailer", "x-usage"), ("transfer-encoding", "chunked")]);
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<_> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_bytes()))
+            .collect();
+        assert_eq!(left, [("trailer", &b"x-usage"[..])]);
     }
 
     /// The headers that stay keep the order they had when the names found
