@@ -142,7 +142,10 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         }
     };
     let mut stdout = io::stdout().lock();
-    let mut stderr = io::stderr().lock();
+    // Not locked for the run: the spinners' tick threads write to stderr
+    // too, and one waiting for a lock this thread holds, while holding
+    // the spinners' own lock this thread waits for, stops both for good.
+    let mut stderr = io::stderr();
     filter::run(
         source,
         &input_name,

@@ -43,6 +43,8 @@ const CHAT_PATH: &str = "/v1/chat/completions";
 const PARALLEL_REQUEST: &str = r#"{"model":"parallel_tool_calls","stream":true}"#;
 /// The capture the mock serves for [`PARALLEL_REQUEST`] (14 events).
 const PARALLEL_FIXTURE: &str = "openai/parallel_tool_calls.sse";
+/// One tool call, `get_weather`, in fragments (14 events).
+const SINGLE_FIXTURE: &str = "openai/single_tool_call.sse";
 
 /// Signals, without a libc dependency.
 mod sig {
@@ -1139,6 +1141,84 @@ fn a_stderr_nobody_reads_stops_no_stream() {
 /// How many streams `a_paused_terminal_stops_no_stream` sends while the
 /// terminal is paused, each in a session of its own.
 const PAUSED_TERMINAL_REQUESTS: usize = 200;
+
+/// `annotate --progress` with stderr a terminal, fed a tool call an event
+/// every 150 ms, so the spinner's tick thread draws between events: the
+/// filter writes every event and ends, with the tool's final line. (With
+/// stderr locked for the whole run, the tick thread waited for that lock
+/// while holding the spinners' own, which the filter's next update waited
+/// for: both stopped for good after the first tick.)
+#[test]
+fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
+    let input = fixture(SINGLE_FIXTURE);
+    let (master, slave) = pty::open(24, 100);
+    let mut child = aalis_proxy()
+        .args(["annotate", "--progress"])
+        // Without TERM (or with TERM=dumb) indicatif draws nothing.
+        .env("TERM", "xterm")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(slave)
+        .spawn()
+        .expect("spawn annotate");
+    let drawn = thread::spawn(move || {
+        let mut master = master;
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        // EIO once the child has exited and no slave is left open.
+        while let Ok(n) = master.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        seen
+    });
+    let mut stdin = child.stdin.take().expect("stdin");
+    let feeder = thread::spawn(move || {
+        for event in input.split_inclusive(|&b| b == b'\n') {
+            if stdin.write_all(event).is_err() {
+                return;
+            }
+            if event == b"\n" {
+                thread::sleep(Duration::from_millis(150));
+            }
+        }
+    });
+    let mut stdout = child.stdout.take().expect("stdout");
+    let out = thread::spawn(move || {
+        let mut out = Vec::new();
+        let _ = stdout.read_to_end(&mut out);
+        out
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let _ = feeder.join();
+    let out = out.join().expect("stdout thread");
+    let drawn = drawn.join().expect("terminal thread");
+    assert!(
+        status.is_some(),
+        "annotate hung; it wrote {} bytes",
+        out.len()
+    );
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert_eq!(text(&out), text(&annotated(SINGLE_FIXTURE, Framing::Sse)));
+    assert!(
+        text(&drawn).contains("✓ get_weather"),
+        "no final line in {:?}",
+        text(&drawn)
+    );
+}
 
 /// `serve --progress` on a terminal paused with Ctrl-S: every write to it
 /// blocks until Ctrl-Q. The spinners are drawn by a thread of their own, so
