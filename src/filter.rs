@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::encode::splice::{Splice, SpliceSink};
 use crate::error::FilterError;
 use crate::pipeline::{Annotator, AnnotatorConfig};
-use crate::progress::{ProgressEntry, StreamPhase};
+use crate::progress::{EndedCall, ProgressEntry, StreamPhase};
 use crate::render::spinner::{Outcome, ProgressDisplay};
 
 /// Read size: a whole widened pipe ([`PIPE_BYTES`]) at once; a pipe read
@@ -69,8 +69,12 @@ pub fn run(
     display: &ProgressDisplay,
     clock: &mut dyn FnMut() -> u64,
 ) -> Result<(), FilterError> {
+    let mut annotator = Annotator::new(config);
+    if !display.is_off() {
+        annotator.tracker_mut().keep_ended();
+    }
     let mut filter = Filter {
-        annotator: Annotator::new(config),
+        annotator,
         spinners: Spinners::new(display),
         out: Splice::with_capacity(READ_BYTES),
         output,
@@ -244,7 +248,7 @@ impl Filter<'_> {
         self.annotator.push(piece, now_ms, &mut sink);
         write_out(sink, self.output)?;
         self.warn();
-        self.spinners.update(&self.annotator, now_ms);
+        self.spinners.update(&mut self.annotator, now_ms);
         Ok(())
     }
 
@@ -252,7 +256,7 @@ impl Filter<'_> {
     fn end(&mut self, now_ms: u64) -> Result<(), FilterError> {
         let mut sink = self.out.sink(&[]);
         self.annotator.finish(now_ms, &mut sink);
-        self.spinners.update(&self.annotator, now_ms);
+        self.spinners.update(&mut self.annotator, now_ms);
         write_out(sink, self.output)?;
         self.warn();
         Ok(())
@@ -277,12 +281,15 @@ fn write_out(sink: SpliceSink<'_>, output: &mut dyn Write) -> Result<(), FilterE
         .map_err(FilterError::Write)
 }
 
-/// Feeds the spinners when the tracker's state changed.
+/// Feeds the spinners when the tracker's state changed: first the calls
+/// that ended since (each with its final count, a call that began and
+/// ended within one read included), then the calls in progress.
 struct Spinners<'d> {
     display: &'d ProgressDisplay,
     /// The tracker's change counter when last shown.
     shown: u64,
     entries: Vec<ProgressEntry>,
+    ended: Vec<EndedCall>,
 }
 
 impl<'d> Spinners<'d> {
@@ -291,14 +298,24 @@ impl<'d> Spinners<'d> {
             display,
             shown: 0,
             entries: Vec::new(),
+            ended: Vec::new(),
         }
     }
 
-    fn update(&mut self, annotator: &Annotator, now_ms: u64) {
-        let tracker = annotator.tracker();
-        if self.display.is_off() || tracker.changes() == self.shown {
+    fn update(&mut self, annotator: &mut Annotator, now_ms: u64) {
+        if self.display.is_off() || annotator.tracker().changes() == self.shown {
             return;
         }
+        annotator.tracker_mut().take_ended(&mut self.ended);
+        for ended in &self.ended {
+            let outcome = if ended.failed {
+                Outcome::Failed
+            } else {
+                Outcome::Done
+            };
+            self.display.ended("", &ended.entry, outcome, now_ms);
+        }
+        let tracker = annotator.tracker();
         self.shown = tracker.changes();
         tracker.snapshot_into(&mut self.entries);
         let outcome = match tracker.phase() {
@@ -384,6 +401,85 @@ mod tests {
             fail_at_end,
             on_reading_thread: true,
         }
+    }
+
+    /// A writer whose bytes the test keeps.
+    #[derive(Clone, Default)]
+    struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The spinners' plain lines (`--progress always`, stderr not a
+    /// terminal) when the stream's calls go on and end within one read:
+    /// every tool gets its final line with its last count, a tool that
+    /// began and ended in that read too. The two calls' first deltas come
+    /// in a read of their own; the rest, and text that ends the calls,
+    /// in the next.
+    #[test]
+    fn each_tool_ends_with_its_last_count() {
+        let calls = fixture();
+        let events: Vec<&[u8]> = calls.split_inclusive(|&b| b == b'\n').collect();
+        // Up to the first call's first arguments (events: role, its
+        // announcement, its first fragment).
+        let first: usize = events
+            .iter()
+            .scan(0, |blank_lines, line| {
+                if *blank_lines == 3 {
+                    return None;
+                }
+                *blank_lines += usize::from(*line == b"\n");
+                Some(line.len())
+            })
+            .sum();
+        let done_at = calls
+            .windows(12)
+            .position(|w| w == b"data: [DONE]")
+            .expect("[DONE]");
+        let mut input = calls[..done_at].to_vec();
+        input.extend_from_slice(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"}}]}\n\ndata: [DONE]\n\n");
+        let lines = Shared::default();
+        let display = ProgressDisplay::plain(Box::new(lines.clone()));
+        let mut now = 0;
+        run(
+            Source::Replay {
+                bytes: &input,
+                schedule: vec![
+                    (0..first, Duration::ZERO),
+                    (first..input.len(), Duration::ZERO),
+                ],
+            },
+            "stdin",
+            &mut Vec::new(),
+            &mut Vec::new(),
+            AnnotatorConfig::default(),
+            &display,
+            &mut || {
+                now += 1000;
+                now
+            },
+        )
+        .expect("the filter runs");
+        let lines = String::from_utf8_lossy(&lines.0.lock().expect("lines")).into_owned();
+        let finals: Vec<&str> = lines.lines().filter(|l| l.starts_with('✓')).collect();
+        assert_eq!(
+            finals,
+            [
+                "✓ get_weather  47 chars · 1.0s",
+                "✓ get_local_time  26 chars · 0.0s"
+            ],
+            "{lines}"
+        );
     }
 
     /// Many small reads through the reading thread come out as one read of

@@ -493,6 +493,12 @@ impl Annotator {
         &self.state.tracker
     }
 
+    /// The same, to change: its record of ended calls
+    /// ([`ToolCallTracker::keep_ended`]).
+    pub fn tracker_mut(&mut self) -> &mut ToolCallTracker {
+        &mut self.state.tracker
+    }
+
     /// The tracker, with the increments collected since they were last
     /// emptied ([`clear_events`](Self::clear_events)), in place (the proxy
     /// publishes them on every write to its client).

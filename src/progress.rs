@@ -106,6 +106,19 @@ pub struct Progress<'a> {
     pub started_at_ms: u64,
 }
 
+impl Progress<'_> {
+    /// The same, owned.
+    pub fn to_entry(&self) -> ProgressEntry {
+        ProgressEntry {
+            choice: self.choice,
+            index: self.index,
+            name: Arc::clone(self.name),
+            chars_accumulated: self.chars_accumulated,
+            started_at_ms: self.started_at_ms,
+        }
+    }
+}
+
 /// One in-progress tool call, owned: what a resume snapshot or a spinner
 /// shows.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,6 +130,15 @@ pub struct ProgressEntry {
     pub chars_accumulated: usize,
     /// Unix milliseconds at which this index entered the in-progress map.
     pub started_at_ms: u64,
+}
+
+/// A call whose progress ended (see [`ToolCallTracker::keep_ended`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedCall {
+    /// Its last state.
+    pub entry: ProgressEntry,
+    /// The stream failed (an error chunk) rather than moved on.
+    pub failed: bool,
 }
 
 /// What applying a chunk did.
@@ -166,6 +188,12 @@ pub struct ToolCallTracker {
     layout_at: u64,
     /// Keep the arguments text (for the final `toolCalls`), or only count.
     keep_arguments: bool,
+    /// Calls whose progress ended, in the order they ended, with their last
+    /// state, kept from [`keep_ended`](Self::keep_ended) on until taken
+    /// ([`take_ended`](Self::take_ended)): `annotate`'s spinners, fed once
+    /// per read, see a tool that started and ended within one read, and
+    /// every tool's final count.
+    ended: Option<Vec<EndedCall>>,
     /// Where the last delta went, for the next one: nearly every delta of
     /// a streaming call goes to the call the one before it went to, or
     /// (parallel calls streamed in turns) to another call in progress of
@@ -263,6 +291,21 @@ impl ToolCallTracker {
     /// A tool started executing (`tool:execute` with `phase: "start"`).
     pub fn tool_execution_started(&mut self) -> Applied<'_> {
         self.clear()
+    }
+
+    /// From now on, remember the calls whose progress ends, until taken.
+    pub fn keep_ended(&mut self) {
+        self.ended.get_or_insert_with(Vec::new);
+    }
+
+    /// Moves the calls whose progress ended since the last call into `out`
+    /// (emptied first), in the order they ended; none unless
+    /// [`keep_ended`](Self::keep_ended) was called.
+    pub fn take_ended(&mut self, out: &mut Vec<EndedCall>) {
+        out.clear();
+        if let Some(ended) = self.ended.as_mut() {
+            out.append(ended);
+        }
     }
 
     /// A number that grows whenever the in-progress map changes.
@@ -379,6 +422,14 @@ impl ToolCallTracker {
     fn clear(&mut self) -> Applied<'_> {
         if self.in_progress.is_empty() {
             return Applied::Unchanged;
+        }
+        if let Some(mut ended) = self.ended.take() {
+            let failed = self.phase == StreamPhase::Failed;
+            ended.extend(self.in_progress().map(|p| EndedCall {
+                entry: p.to_entry(),
+                failed,
+            }));
+            self.ended = Some(ended);
         }
         self.in_progress.clear();
         self.last = None;

@@ -376,6 +376,21 @@ impl ProgressDisplay {
         self.lock().show(session, entries, outcome, now_ms);
     }
 
+    /// A tool of `session` ended as `entry` (its last state): its final
+    /// line, drawn on its own if it never had a spinner. Drawn here and
+    /// now, so not for a display [drawn apart](Self::drawn_apart), which
+    /// ignores it: `annotate` calls it, before [`show`](Self::show) with
+    /// what is still in progress.
+    pub fn ended(&self, session: &str, entry: &ProgressEntry, outcome: Outcome, now_ms: u64) {
+        if self.apart.is_some() {
+            return;
+        }
+        let mut inner = self.lock();
+        if !matches!(inner.target, Target::Off) {
+            inner.end(session, entry, outcome, now_ms);
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         lock(&self.inner)
     }
