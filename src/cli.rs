@@ -332,8 +332,9 @@ pub struct ServeArgs {
     /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
     ///
     /// At the default level there is one line per request: method, path,
-    /// status, session, duration, bytes, tool calls. Header values are never
-    /// logged. Lines are written by a thread of their own, so a stderr that
+    /// status, session, duration, bytes, tool calls; and a warning that says
+    /// why when the upstream could not be reached, answered too late or
+    /// failed mid-stream. Header values are never logged. Lines are written by a thread of their own, so a stderr that
     /// nobody reads stops no stream: past 1,024 lines (or 1 MiB) waiting,
     /// lines are dropped, and a warning says how many (checked every 10 s,
     /// and at exit).

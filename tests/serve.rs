@@ -1074,10 +1074,12 @@ fn secrets_are_not_logged_with_rust_log_trace() {
 }
 
 /// A request that fails before any response (here a 502) gets a line with
-/// the same fields as every other request, bytes and tool calls included.
+/// the same fields as every other request, bytes and tool calls included,
+/// and, at the default level too, a warning that says why.
 #[test]
 fn a_failed_request_is_logged_with_every_field() {
-    let mut serve = start_serve(free_port(), &[], &[]);
+    let dead = free_port();
+    let mut serve = start_serve(dead, &[], &[]);
     let mut failed = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
     assert_eq!(failed.status, 502);
     failed.read_complete();
@@ -1087,6 +1089,12 @@ fn a_failed_request_is_logged_with_every_field() {
     let fields: Vec<(&str, Option<&str>)> =
         REQUEST_LINE_FIELDS.iter().map(|f| (*f, None)).collect();
     assert_fields(lines[0], &fields);
+    let why = format!("upstream 127.0.0.1:{dead} is unreachable: tcp connect error");
+    assert!(
+        log.lines()
+            .any(|l| l.contains(" WARN ") && l.contains(&why)),
+        "no warning saying why in:\n{log}"
+    );
 }
 
 /// Streams through `serve` while nobody reads its stderr: more log lines

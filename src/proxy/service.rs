@@ -192,7 +192,18 @@ impl Proxy {
                     | Fault::UpstreamError => fault.kind(),
                 };
                 log.write(0, bytes_out, 0, outcome);
-                tracing::debug!(%peer, "request failed: {message}");
+                match fault {
+                    // Why the upstream failed is for whoever runs the
+                    // proxy (a refused connection, a certificate that does
+                    // not match): said at the default level. The message
+                    // holds no header value.
+                    Fault::UpstreamUnreachable | Fault::UpstreamTimeout | Fault::UpstreamError => {
+                        tracing::warn!(session = %log.session_id, path = %log.path, "{message}");
+                    }
+                    Fault::BadRequest | Fault::ClientAborted => {
+                        tracing::debug!(%peer, "request failed: {message}");
+                    }
+                }
                 if let Some(id) = session_id.and_then(|id| HeaderValue::from_str(&id).ok()) {
                     response.headers_mut().insert(SESSION_HEADER, id);
                 }
