@@ -1207,6 +1207,33 @@ async fn an_upstream_that_does_not_accept_is_a_504_after_the_connect_timeout() {
     drop((listener, fillers));
 }
 
+/// An `https://` upstream that takes the connection and never answers the
+/// TLS handshake: `504` (`upstream_timeout`) after `connect_timeout`, which
+/// covers the handshake too. `response_timeout` is 30 s, past the test's
+/// patience for the response (5 s): a timeout of the TCP connect alone
+/// would fail the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_upstream_that_never_answers_the_handshake_is_a_504_after_the_connect_timeout() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    let mut config = proxy_config(&format!("https://{addr}"));
+    config.connect_timeout = Duration::from_millis(250);
+    config.response_timeout = Duration::from_secs(30);
+    let proxy = TestProxy::start(config).await;
+    let (status, _, value) = json_body(send(&client(), get(&proxy.url("/v1/models"))).await).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{value}");
+    openai_error(&value, "upstream_timeout");
+    let message = value["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("TCP and TLS"), "{value}");
+    held.abort();
+}
+
 /// The idle timeout counts from the last frame, not from the start: an
 /// upstream that sends a frame every 100 ms for over a second, with an
 /// idle timeout of 300 ms, is streamed to its clean end, exactly.

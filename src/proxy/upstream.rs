@@ -47,7 +47,7 @@ pub type ProxyBody = BoxBody<Bytes, BoxError>;
 pub enum UpstreamClient {
     /// `https://`: hyper-util's pooled client over rustls (HTTP/2 or
     /// HTTP/1.1 by ALPN); each connection runs in a task of its own.
-    Tls(Client<HttpsConnector<HttpConnector>, ProxyBody>),
+    Tls(Client<TimedConnect<HttpsConnector<HttpConnector>>, ProxyBody>),
     /// `http://`: HTTP/1.1 connections driven by the responses that use
     /// them (see [`h1`](super::h1) for why).
     Plain(Arc<H1Pool>),
@@ -271,16 +271,61 @@ pub fn build_client(
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
-    http.set_connect_timeout(Some(connect_timeout));
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
         .enable_http1()
         .enable_http2()
         .wrap_connector(http);
+    // The timeout covers the TLS handshake too: an upstream that takes
+    // the connection and never answers its ClientHello is as unreachable
+    // as one that never takes it (HttpConnector's own timeout covers only
+    // the TCP connect).
+    let connector = TimedConnect {
+        inner: connector,
+        timeout: connect_timeout,
+    };
     Ok(UpstreamClient::Tls(
         Client::builder(TokioExecutor::new()).build(connector),
     ))
+}
+
+/// A connector whose connections, handshakes included, must be made
+/// within `timeout`; past it, an [`io::ErrorKind::TimedOut`] error, which
+/// the service answers with `504` as it does a TCP connect that timed out.
+#[derive(Clone)]
+pub struct TimedConnect<C> {
+    inner: C,
+    timeout: Duration,
+}
+
+impl<C> tower_service::Service<http::Uri> for TimedConnect<C>
+where
+    C: tower_service::Service<http::Uri>,
+    C::Error: Into<BoxError>,
+    C::Future: Send + 'static,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let timeout = self.timeout;
+        let connecting = self.inner.call(uri);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(connected) => connected.map_err(Into::into),
+                Err(_) => Err(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("connect (TCP and TLS) timed out after {timeout:?}"),
+                )) as BoxError),
+            }
+        })
+    }
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
