@@ -452,6 +452,58 @@ async fn tool_execute_clears_the_session() {
     stream.abort();
 }
 
+/// A tool that starts executing while the model still streams another
+/// call: the clear holds for the calls that got no delta since. Both calls
+/// of `parallel_tool_calls` are in progress when `tool:execute` starts;
+/// after the clear, the snapshot holds only calls that a progress frame
+/// after the clear named (before the fix, the stream's next publish put
+/// both back, with their first `startedAt`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleared_call_stays_cleared_while_the_stream_goes_on() {
+    let run = start(Duration::from_millis(250)).await;
+    let stream = chat(&run.proxy, "exec2");
+    let deadline = Instant::now() + PATIENCE;
+    while run.sessions.snapshot("exec2").len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the two calls never were in progress together"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut frames = Frames::open(&run.proxy, "exec2").await;
+    assert_eq!(frames.next().await["type"], "stream_resume");
+    let (status, answer) = json(
+        "POST",
+        &format!("{}/_aalis/tool-execute", run.proxy),
+        r#"{"sessionId":"exec2","toolName":"get_weather","args":{},"phase":"start"}"#,
+    )
+    .await;
+    assert_eq!(
+        (status, answer["cleared"].as_u64()),
+        (200, Some(2)),
+        "{answer}"
+    );
+    frames
+        .until(|f| f["type"] == "tool_call_progress_clear")
+        .await;
+    let after = frames.until(|f| !f["toolCallProgress"].is_null()).await;
+    let named: Vec<i64> = after
+        .iter()
+        .filter_map(|f| f["toolCallProgress"]["index"].as_i64())
+        .collect();
+    let snapshot: Vec<i64> = run
+        .sessions
+        .snapshot("exec2")
+        .iter()
+        .map(|e| e.index)
+        .collect();
+    assert!(
+        snapshot.iter().all(|i| named.contains(i)),
+        "snapshot {snapshot:?} after progress of {named:?} only"
+    );
+    stream.abort();
+}
+
 /// The page (its address without the slash sends there), the metrics, a
 /// 404, and none of them forwarded upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

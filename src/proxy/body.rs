@@ -353,6 +353,15 @@ impl Body for TapBody {
                     // to the session (a look at a flag, without a lock).
                     annotator
                         .collect_events(this.session.as_ref().is_some_and(StreamHandle::listened));
+                    // A tool started executing (`tool:execute`): the calls
+                    // in progress are over, here as in the session.
+                    if this
+                        .session
+                        .as_ref()
+                        .is_some_and(StreamHandle::take_cleared)
+                    {
+                        annotator.tracker_mut().tool_execution_started();
+                    }
                     annotator.push(&data, Now::Clock(unix_ms), this.out.room_for(data.len()));
                     log_warnings(annotator, this.log);
                     // What it collected is published when its output goes

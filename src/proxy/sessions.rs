@@ -70,7 +70,22 @@ struct Session {
     /// the lock, before each read: a stale `true` costs a read collected
     /// for nothing, a stale `false` a read published as a fresh snapshot
     /// (see [`StreamHandle::publish_at`]).
-    listened: Arc<AtomicBool>,
+    ///
+    /// Beside it, in the same allocation: a tool of the session started
+    /// executing since its stream last looked ([`StreamHandle::take_cleared`]).
+    listened: Arc<Flags>,
+}
+
+/// A session's flags its stream reads without the registry's lock.
+#[derive(Debug, Default)]
+struct Flags {
+    /// [`Session::listened`].
+    listened: AtomicBool,
+    /// Set by [`SessionRegistry::tool_execution_started`]; taken by the
+    /// stream before its next read, which clears its own calls in progress
+    /// too (else its next publish, a snapshot of its calls, would bring the
+    /// cleared ones back).
+    cleared: AtomicBool,
 }
 
 impl Session {
@@ -81,7 +96,7 @@ impl Session {
             streaming: false,
             last_active: Instant::now(),
             frames: None,
-            listened: Arc::new(AtomicBool::new(false)),
+            listened: Arc::new(Flags::default()),
         }
     }
 
@@ -251,8 +266,8 @@ pub struct StreamHandle {
     /// Where the session is in the registry ([`Sessions`]).
     slot: usize,
     generation: u64,
-    /// The session's [`Session::listened`].
-    listened: Arc<AtomicBool>,
+    /// The session's [`Session::listened`] (and its `cleared` flag).
+    listened: Arc<Flags>,
     /// The tracker's change counter when last published.
     published: u64,
     /// The stream failed (its spinners end with `✗`).
@@ -308,7 +323,9 @@ impl SessionRegistry {
         session.last_active = Instant::now();
         session
             .listened
+            .listened
             .store(session.listening(all), Ordering::Relaxed);
+        session.listened.cleared.store(false, Ordering::Relaxed);
         let listened = Arc::clone(&session.listened);
         if !session.progress.is_empty() {
             session.progress.clear();
@@ -358,7 +375,7 @@ impl SessionRegistry {
         let mut state = self.lock();
         let (_, session) = state.sessions.get_or_insert(session_id);
         session.last_active = Instant::now();
-        session.listened.store(true, Ordering::Relaxed);
+        session.listened.listened.store(true, Ordering::Relaxed);
         Subscription {
             frames: session
                 .frames
@@ -382,7 +399,7 @@ impl SessionRegistry {
     pub fn subscribe_all(&self) -> Subscription {
         let state = self.lock();
         for (_, session) in state.sessions.iter() {
-            session.listened.store(true, Ordering::Relaxed);
+            session.listened.listened.store(true, Ordering::Relaxed);
         }
         Subscription {
             frames: state.all.subscribe(),
@@ -414,6 +431,9 @@ impl SessionRegistry {
         };
         let cleared = session.progress.len();
         session.progress.clear();
+        if session.streaming {
+            session.listened.cleared.store(true, Ordering::Relaxed);
+        }
         session.last_active = Instant::now();
         send(
             all,
@@ -509,7 +529,16 @@ impl StreamHandle {
     /// One load, without the lock.
     #[inline]
     pub fn listened(&self) -> bool {
-        self.listened.load(Ordering::Relaxed)
+        self.listened.listened.load(Ordering::Relaxed)
+    }
+
+    /// A tool of the session started executing since the last call
+    /// ([`SessionRegistry::tool_execution_started`]): the stream clears
+    /// its calls in progress before it reads on. A look at a flag, without
+    /// a lock, before each read.
+    pub fn take_cleared(&self) -> bool {
+        self.listened.cleared.load(Ordering::Relaxed)
+            && self.listened.cleared.swap(false, Ordering::Relaxed)
     }
 
     /// Publishes what the stream did since the last call: the tracker's
@@ -587,7 +616,7 @@ impl StreamHandle {
                 );
             }
         } else {
-            session.listened.store(false, Ordering::Relaxed);
+            session.listened.listened.store(false, Ordering::Relaxed);
         }
         if changed {
             self.registry
