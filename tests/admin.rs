@@ -246,6 +246,18 @@ async fn two_tools_then_the_clear(delay: Duration) {
     again.await.expect("second stream");
 }
 
+/// Waits (within `PATIENCE`) until `session` has `calls` calls in progress.
+async fn until_in_progress(sessions: &SessionRegistry, session: &str, calls: usize) {
+    let deadline = Instant::now() + PATIENCE;
+    while sessions.snapshot(session).len() < calls {
+        assert!(
+            Instant::now() < deadline,
+            "{session}: never {calls} calls in progress"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A subscriber that joins mid-call gets both tools back at once, with the
 /// server's startedAt, and loses nothing after its snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,12 +265,7 @@ async fn a_late_subscriber_resumes_mid_call() {
     // Slow enough that both tools stay in progress for about 1.5 s.
     let run = start(Duration::from_millis(300)).await;
     let stream = chat(&run.proxy, "late");
-    // Wait until both tools are in progress.
-    let deadline = Instant::now() + PATIENCE;
-    while run.sessions.snapshot("late").len() < 2 {
-        assert!(Instant::now() < deadline, "both tools never started");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_in_progress(&run.sessions, "late", 2).await;
     let mut frames = Frames::open(&run.proxy, "late").await;
     let resume = frames.next().await;
     assert_eq!(resume["type"], "stream_resume");
@@ -409,11 +416,7 @@ async fn a_stalled_subscriber_never_slows_the_stream() {
 async fn tool_execute_clears_the_session() {
     let run = start(Duration::from_millis(250)).await;
     let stream = chat(&run.proxy, "exec");
-    let deadline = Instant::now() + PATIENCE;
-    while run.sessions.snapshot("exec").is_empty() {
-        assert!(Instant::now() < deadline, "no tool ever started");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_in_progress(&run.sessions, "exec", 1).await;
     let mut frames = Frames::open(&run.proxy, "exec").await;
     assert_eq!(frames.next().await["type"], "stream_resume");
     let url = format!("{}/_aalis/tool-execute", run.proxy);
@@ -462,14 +465,7 @@ async fn tool_execute_clears_the_session() {
 async fn a_cleared_call_stays_cleared_while_the_stream_goes_on() {
     let run = start(Duration::from_millis(250)).await;
     let stream = chat(&run.proxy, "exec2");
-    let deadline = Instant::now() + PATIENCE;
-    while run.sessions.snapshot("exec2").len() < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the two calls never were in progress together"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_in_progress(&run.sessions, "exec2", 2).await;
     let mut frames = Frames::open(&run.proxy, "exec2").await;
     assert_eq!(frames.next().await["type"], "stream_resume");
     let (status, answer) = json(
