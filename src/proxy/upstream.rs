@@ -291,7 +291,7 @@ pub fn build_client(
 }
 
 /// A connector whose connections, handshakes included, must be made
-/// within `timeout`; past it, an [`io::ErrorKind::TimedOut`] error, which
+/// within `timeout`; past it, an [`std::io::ErrorKind::TimedOut`] error, which
 /// the service answers with `504` as it does a TCP connect that timed out.
 #[derive(Clone)]
 pub struct TimedConnect<C> {
