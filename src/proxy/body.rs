@@ -375,6 +375,11 @@ impl Body for TapBody {
                         *this.outcome = "upstream-error";
                     }
                     tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
+                    // Before `finish` publishes the calls' end: their
+                    // spinners end with `✗`.
+                    if let Some(session) = this.session.as_mut() {
+                        session.mark_failed();
+                    }
                     *this.error = Some(err);
                     *this.phase = Phase::Flushing;
                     this.idle

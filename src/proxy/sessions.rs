@@ -619,8 +619,15 @@ impl StreamHandle {
             session.listened.listened.store(false, Ordering::Relaxed);
         }
         if changed {
+            // A failed stream's last publish (its calls cleared by the end
+            // of its tracker) ends its tools with `✗`.
+            let outcome = if self.failed {
+                Outcome::Failed
+            } else {
+                Outcome::Done
+            };
             self.registry
-                .show(&self.session_id, &session.progress, Outcome::Done);
+                .show(&self.session_id, &session.progress, outcome);
         }
         drop(state);
     }

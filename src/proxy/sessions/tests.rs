@@ -410,6 +410,33 @@ fn the_spinners_are_told_in_the_registrys_order() {
     );
 }
 
+/// A stream that failed while a tool was in progress ends that tool's
+/// spinner with `✗`, also when its last publish, the end of its tracker,
+/// is what clears the tool (as `serve` does when the upstream fails).
+#[test]
+fn a_failed_streams_tools_end_with_a_cross() {
+    let written = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(LockProbe {
+        registry: Arc::new(std::sync::OnceLock::new()),
+        written: Arc::clone(&written),
+    }));
+    let registry = SessionRegistry::with_display(Arc::new(display));
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "get_weather", "abc")], 1);
+    stream.publish(&tracker, &[]);
+    stream.mark_failed();
+    tracker.end();
+    stream.publish(&tracker, &[]);
+    drop(stream);
+    let written = written.lock().unwrap_or_else(|e| e.into_inner());
+    let lines: String = written.iter().map(|(text, _)| text.as_str()).collect();
+    let last = lines.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with('✗') && last.contains("get_weather"),
+        "{lines}"
+    );
+}
+
 /// A stream collects its increments only while someone may listen: from
 /// a subscription to its session or to all, until a publish finds nobody.
 #[test]
