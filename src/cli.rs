@@ -44,7 +44,8 @@ Exit status:
   1    the input could not be opened or read, or the output written
   2    usage error: unknown flag, bad value, missing argument
   130  annotate interrupted by SIGINT (serve and mock shut down gracefully
-       on SIGINT or SIGTERM and exit 0)";
+       on SIGINT or SIGTERM and exit 0; a second signal stops serve at
+       once, its open streams cut, with 130)";
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -283,7 +284,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
     pub idle_timeout: Duration,
 
-    /// After SIGINT or SIGTERM, how long open streams may go on
+    /// After SIGINT or SIGTERM, how long open streams may go on (a second
+    /// signal cuts them at once)
     ///
     /// Example: --shutdown-grace 30s
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

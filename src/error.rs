@@ -16,6 +16,9 @@ use crate::providers::FrameError;
 pub const EXIT_FAILURE: u8 = 1;
 /// Exit status of a usage error (the same as clap's).
 pub const EXIT_USAGE: u8 = 2;
+/// Exit status of `serve` stopped by a second SIGINT or SIGTERM, without
+/// waiting for its open streams (SIGINT's default status).
+pub const EXIT_INTERRUPTED: i32 = 130;
 
 /// Something in a stream that could not be understood; see the module docs.
 #[derive(Debug, thiserror::Error)]

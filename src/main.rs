@@ -11,7 +11,7 @@ use clap::Parser;
 
 use aalis_proxy::capture::{self, Timing};
 use aalis_proxy::cli::{AnnotateArgs, Cli, Command, DemoArgs, MockArgs, ServeArgs};
-use aalis_proxy::error::{EXIT_FAILURE, EXIT_USAGE, FilterError};
+use aalis_proxy::error::{EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, FilterError};
 use aalis_proxy::filter;
 use aalis_proxy::mock::{Capture, MockUpstream};
 use aalis_proxy::proxy::server::Workers;
@@ -192,7 +192,23 @@ fn serve_logged(
     let workers = Workers::start(threads).context("cannot start the worker threads")?;
     let result = current_thread_runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
-        let stop = shutdown_signal();
+        // The first signal drains (open streams finish within
+        // --shutdown-grace); a second ends the process at once, as a user
+        // who presses Ctrl-C again means.
+        let mut signals = Signals::install();
+        let (first, stop) = tokio::sync::oneshot::channel::<()>();
+        let log_at_exit = log.clone();
+        tokio::spawn(async move {
+            signals.next().await;
+            let _ = first.send(());
+            signals.next().await;
+            tracing::warn!("a second signal: exiting now, open streams are cut");
+            end_logging(log_at_exit.as_ref());
+            std::process::exit(EXIT_INTERRUPTED);
+        });
+        let stop = async move {
+            let _ = stop.await;
+        };
         tracing::info!(
             "listening on http://{local}, forwarding to {} (threads: {threads})",
             args.upstream
@@ -333,42 +349,67 @@ fn end_logging(log: Option<&StderrLog>) {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM. The handlers are installed by this
-/// call, not when the future is first polled: a signal sent as soon as the
-/// "listening on" line appears then stops the process cleanly instead of
-/// killing it (a loaded CI machine once delivered SIGTERM in between).
-/// Call it inside the runtime, before that line is logged.
-fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+/// SIGINT and SIGTERM, as they come. The handlers are installed by
+/// [`Signals::install`], not when a future is first polled: a signal sent
+/// as soon as the "listening on" line appears then stops the process
+/// cleanly instead of killing it (a loaded CI machine once delivered
+/// SIGTERM in between). Install them inside the runtime, before that line
+/// is logged.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{Signal, SignalKind, signal};
-        let install = |kind: SignalKind, name: &str| {
-            signal(kind)
-                .inspect_err(|e| tracing::warn!("cannot handle {name}: {e}"))
-                .ok()
-        };
-        let interrupt = install(SignalKind::interrupt(), "SIGINT");
-        let terminate = install(SignalKind::terminate(), "SIGTERM");
-        async fn next(signal: Option<Signal>) {
-            match signal {
-                Some(mut signal) => {
-                    signal.recv().await;
-                }
-                // Not handled: the signal's default action ends the process.
-                None => std::future::pending().await,
+    interrupt: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn install() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let install = |kind: SignalKind, name: &str| {
+                signal(kind)
+                    .inspect_err(|e| tracing::warn!("cannot handle {name}: {e}"))
+                    .ok()
+            };
+            Signals {
+                interrupt: install(SignalKind::interrupt(), "SIGINT"),
+                terminate: install(SignalKind::terminate(), "SIGTERM"),
             }
         }
-        async move {
-            tokio::select! {
-                () = next(interrupt) => {}
-                () = next(terminate) => {}
-            }
+        #[cfg(not(unix))]
+        {
+            Signals {}
         }
     }
-    #[cfg(not(unix))]
-    {
-        async {
+
+    /// The next SIGINT or SIGTERM.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn one(signal: Option<&mut tokio::signal::unix::Signal>) {
+                match signal {
+                    Some(signal) => {
+                        signal.recv().await;
+                    }
+                    // Not handled: the signal's default action ends the process.
+                    None => std::future::pending().await,
+                }
+            }
+            tokio::select! {
+                () = one(self.interrupt.as_mut()) => {}
+                () = one(self.terminate.as_mut()) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
+}
+
+/// Resolves on the first SIGINT or SIGTERM (see [`Signals`]).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    let mut signals = Signals::install();
+    async move { signals.next().await }
 }

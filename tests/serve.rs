@@ -1360,6 +1360,40 @@ fn a_stream_longer_than_the_grace_period_is_cut() {
     assert!(has_first_event(body.as_bytes()));
 }
 
+/// A second SIGTERM while open streams drain (`--shutdown-grace 60s`)
+/// stops `serve` at once: exit status 130, the stream cut (no invented
+/// end), and a warning that says why. Without it, the stream (14 events a
+/// second apart) holds the process past the test's 10 s wait.
+#[test]
+fn a_second_signal_stops_serve_at_once() {
+    let mock = start_mock(&["--delay-ms", "1000"], &[]);
+    let mut serve = start_serve(mock.port, &["--shutdown-grace", "60s"], &[]);
+    let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+    assert_eq!(stream.status, 200);
+    stream.read_until("the first event", has_first_event);
+    serve.signal(sig::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !serve.stderr().contains("shutting down") {
+        assert!(
+            Instant::now() < deadline,
+            "no shutdown line:\n{}",
+            serve.stderr()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    serve.signal(sig::SIGTERM);
+    let status = serve.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(130), "{status:?}\n{}", serve.stderr());
+    assert!(
+        serve.stderr().contains("a second signal: exiting now"),
+        "{}",
+        serve.stderr()
+    );
+    let body = text(stream.read_to_end()).to_owned();
+    assert!(!stream.complete, "the stream ended properly:\n{body}");
+    assert!(!body.contains("[DONE]"), "an end was invented:\n{body}");
+}
+
 // ---------------------------------------------------------------------------
 // 4. Startup errors
 
