@@ -63,6 +63,14 @@ struct Session {
     /// (its buffer of [`SUBSCRIBER_BACKLOG`] slots is a sixth of what an
     /// open stream costs, and most sessions are never subscribed to).
     frames: Option<broadcast::Sender<Frame>>,
+    /// What its stream reads without the lock, shared with it.
+    flags: Arc<Flags>,
+}
+
+/// A session's flags its stream reads without the registry's lock, in one
+/// allocation.
+#[derive(Debug, Default)]
+struct Flags {
     /// Someone may listen to the session's increments: its stream collects
     /// them only then ([`StreamHandle::listened`]). Turned on, under the
     /// lock, by a subscription (to the session or to all); turned off by a
@@ -70,16 +78,6 @@ struct Session {
     /// the lock, before each read: a stale `true` costs a read collected
     /// for nothing, a stale `false` a read published as a fresh snapshot
     /// (see [`StreamHandle::publish_at`]).
-    ///
-    /// Beside it, in the same allocation: a tool of the session started
-    /// executing since its stream last looked ([`StreamHandle::take_cleared`]).
-    listened: Arc<Flags>,
-}
-
-/// A session's flags its stream reads without the registry's lock.
-#[derive(Debug, Default)]
-struct Flags {
-    /// [`Session::listened`].
     listened: AtomicBool,
     /// Set by [`SessionRegistry::tool_execution_started`]; taken by the
     /// stream before its next read, which clears its own calls in progress
@@ -96,7 +94,7 @@ impl Session {
             streaming: false,
             last_active: Instant::now(),
             frames: None,
-            listened: Arc::new(Flags::default()),
+            flags: Arc::new(Flags::default()),
         }
     }
 
@@ -266,8 +264,8 @@ pub struct StreamHandle {
     /// Where the session is in the registry ([`Sessions`]).
     slot: usize,
     generation: u64,
-    /// The session's [`Session::listened`] (and its `cleared` flag).
-    listened: Arc<Flags>,
+    /// The session's [`Session::flags`].
+    flags: Arc<Flags>,
     /// The tracker's change counter when last published.
     published: u64,
     /// The stream failed (its spinners end with `✗`).
@@ -322,11 +320,11 @@ impl SessionRegistry {
         session.streaming = true;
         session.last_active = Instant::now();
         session
-            .listened
+            .flags
             .listened
             .store(session.listening(all), Ordering::Relaxed);
-        session.listened.cleared.store(false, Ordering::Relaxed);
-        let listened = Arc::clone(&session.listened);
+        session.flags.cleared.store(false, Ordering::Relaxed);
+        let flags = Arc::clone(&session.flags);
         if !session.progress.is_empty() {
             session.progress.clear();
             send(
@@ -342,7 +340,7 @@ impl SessionRegistry {
             session_id: session_id.to_owned(),
             slot,
             generation,
-            listened,
+            flags,
             published: 0,
             failed: false,
         }
@@ -375,7 +373,7 @@ impl SessionRegistry {
         let mut state = self.lock();
         let (_, session) = state.sessions.get_or_insert(session_id);
         session.last_active = Instant::now();
-        session.listened.listened.store(true, Ordering::Relaxed);
+        session.flags.listened.store(true, Ordering::Relaxed);
         Subscription {
             frames: session
                 .frames
@@ -399,7 +397,7 @@ impl SessionRegistry {
     pub fn subscribe_all(&self) -> Subscription {
         let state = self.lock();
         for (_, session) in state.sessions.iter() {
-            session.listened.listened.store(true, Ordering::Relaxed);
+            session.flags.listened.store(true, Ordering::Relaxed);
         }
         Subscription {
             frames: state.all.subscribe(),
@@ -432,7 +430,7 @@ impl SessionRegistry {
         let cleared = session.progress.len();
         session.progress.clear();
         if session.streaming {
-            session.listened.cleared.store(true, Ordering::Relaxed);
+            session.flags.cleared.store(true, Ordering::Relaxed);
         }
         session.last_active = Instant::now();
         send(
@@ -529,7 +527,7 @@ impl StreamHandle {
     /// One load, without the lock.
     #[inline]
     pub fn listened(&self) -> bool {
-        self.listened.listened.load(Ordering::Relaxed)
+        self.flags.listened.load(Ordering::Relaxed)
     }
 
     /// A tool of the session started executing since the last call
@@ -537,8 +535,8 @@ impl StreamHandle {
     /// its calls in progress before it reads on. A look at a flag, without
     /// a lock, before each read.
     pub fn take_cleared(&self) -> bool {
-        self.listened.cleared.load(Ordering::Relaxed)
-            && self.listened.cleared.swap(false, Ordering::Relaxed)
+        self.flags.cleared.load(Ordering::Relaxed)
+            && self.flags.cleared.swap(false, Ordering::Relaxed)
     }
 
     /// Publishes what the stream did since the last call: the tracker's
@@ -616,7 +614,7 @@ impl StreamHandle {
                 );
             }
         } else {
-            session.listened.listened.store(false, Ordering::Relaxed);
+            session.flags.listened.store(false, Ordering::Relaxed);
         }
         if changed {
             // A failed stream's last publish (its calls cleared by the end
