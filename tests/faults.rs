@@ -960,64 +960,6 @@ async fn an_upstream_that_closes_before_its_content_length_loses_nothing() {
     assert_no_foreign_panic();
 }
 
-/// A client that reads slowly when its upstream fails: the upstream sends
-/// 16 MB of events as fast as it can and closes before its last chunk,
-/// and the client reads 16 KiB a millisecond. The proxy's writes wait on
-/// the client's socket, so when the failure comes its connection still
-/// holds bytes it has not written; they reach the client, every event
-/// with its progress, before the connection ends without the last chunk.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_client_gets_every_byte_before_an_upstream_failure() {
-    let fragments: Vec<String> = {
-        let mut rng = Lcg(7);
-        (0..80_000).map(|_| fragment(&mut rng)).collect()
-    };
-    let (stream, _) = one_call_stream(&fragments);
-    // Whole events, the finish included; no `[DONE]`: the body just stops.
-    let sent = stream[..stream.len() - DONE.len()].to_vec();
-    assert!(sent.len() > 16_000_000, "{} bytes", sent.len());
-    let expected = annotate(&sent);
-    let body = chunk(&sent);
-    let raw = RawUpstream::start(move |_| {
-        vec![
-            RawStep::Write(chunked_head("text/event-stream")),
-            RawStep::Write(body.clone()),
-            RawStep::Close,
-        ]
-    })
-    .await;
-    let proxy = Served::start(proxy_config(&raw.url())).await;
-    let mut socket = TcpStream::connect(proxy.addr).await.expect("connect");
-    socket
-        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
-        .await
-        .expect("request");
-    let mut got = Vec::new();
-    let mut buf = vec![0u8; 16 * 1024];
-    let read = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Ok(k) = socket.read(&mut buf).await {
-            if k == 0 {
-                break;
-            }
-            got.extend_from_slice(&buf[..k]);
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await;
-    assert!(read.is_ok(), "no end of the response in time");
-    let head_end = find(&got, b"\r\n\r\n").expect("a response head") + 4;
-    assert!(
-        got.starts_with(b"HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&got[..head_end])
-    );
-    let (got, complete) = dechunk(&got[head_end..]);
-    assert!(!complete, "a cut body ended cleanly");
-    assert_eq!(got.len(), expected.len(), "bytes lost or added");
-    assert!(got == expected, "the bytes differ");
-    assert_no_foreign_panic();
-}
-
 /// What the proxy's own HTTP/1.1 client (plain `http://` upstreams, see
 /// `src/proxy/h1.rs`) makes of each way an upstream may frame a response,
 /// sent raw. Each reaches the client as the upstream meant it:
