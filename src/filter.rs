@@ -308,24 +308,13 @@ impl<'d> Spinners<'d> {
         }
         annotator.tracker_mut().take_ended(&mut self.ended);
         for ended in &self.ended {
-            let outcome = if ended.failed {
-                Outcome::Failed
-            } else {
-                Outcome::Done
-            };
+            let outcome = Outcome::from_failed(ended.failed);
             self.display.ended("", &ended.entry, outcome, now_ms);
         }
         let tracker = annotator.tracker();
         self.shown = tracker.changes();
         tracker.snapshot_into(&mut self.entries);
-        let outcome = match tracker.phase() {
-            StreamPhase::Failed => Outcome::Failed,
-            StreamPhase::Waiting
-            | StreamPhase::Reasoning
-            | StreamPhase::Answering
-            | StreamPhase::CallingTools
-            | StreamPhase::Done => Outcome::Done,
-        };
+        let outcome = Outcome::from_failed(tracker.phase() == StreamPhase::Failed);
         self.display.show("", &self.entries, outcome, now_ms);
     }
 }

@@ -501,9 +501,10 @@ impl Annotator {
 
     /// The tracker, with the increments collected since they were last
     /// emptied ([`clear_events`](Self::clear_events)), in place (the proxy
-    /// publishes them on every write to its client).
-    pub fn collected(&self) -> (&ToolCallTracker, &[StreamEvent]) {
-        (&self.state.tracker, &self.state.events.events)
+    /// publishes them on every write to its client, and takes the calls
+    /// that ended from the tracker).
+    pub fn collected(&mut self) -> (&mut ToolCallTracker, &[StreamEvent]) {
+        (&mut self.state.tracker, &self.state.events.events)
     }
 
     /// Empties the collected increments (they were published), keeping

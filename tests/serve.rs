@@ -1577,6 +1577,84 @@ fn the_default_listen_addresses_are_loopback() {
     );
 }
 
+/// An upstream that answers one request with `body` as an event stream,
+/// head and body in one write, so that the proxy reads the stream in one
+/// piece (a burst), then closes.
+fn one_write_upstream(body: Vec<u8>) -> (u16, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let port = listener.local_addr().expect("local_addr").port();
+    let thread = thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        // The request: its head, then as many bytes as it says.
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let body_len = loop {
+            let Ok(n) = conn.read(&mut buf) else { return };
+            if n == 0 {
+                return;
+            }
+            got.extend_from_slice(&buf[..n]);
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                let length = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                break end + 4 + length;
+            }
+        };
+        while got.len() < body_len {
+            let Ok(n) = conn.read(&mut buf) else { return };
+            if n == 0 {
+                return;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        let mut reply = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        reply.extend_from_slice(&body);
+        let _ = conn.write_all(&reply);
+    });
+    (port, thread)
+}
+
+/// `serve --progress=always`, fed a whole stream in one read: each tool's
+/// final line still says its last count. Before, the proxy told the
+/// spinners only the state after each write to the client, and the
+/// tools, begun and ended within that write, got no line at all.
+#[test]
+fn serve_ends_each_tool_of_a_burst_with_its_last_count() {
+    let capture = std::fs::read(common::fixtures_dir().join(PARALLEL_FIXTURE)).expect("fixture");
+    let (upstream_port, upstream) = one_write_upstream(capture);
+    let mut serve = start_serve(upstream_port, &["--progress=always"], &[]);
+    let mut response = post(
+        serve.port,
+        CHAT_PATH,
+        PARALLEL_REQUEST,
+        &[("X-Aalis-Session", "burst")],
+    );
+    assert_eq!(response.status, 200);
+    response.read_complete();
+    let stderr = serve.wait_for_stderr("✓ [burst] get_local_time");
+    for line in [
+        "✓ [burst] get_weather  47 chars · ",
+        "✓ [burst] get_local_time  26 chars · ",
+    ] {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(line)),
+            "no {line:?} in:\n{stderr}"
+        );
+    }
+    serve.stop();
+    upstream.join().expect("the upstream thread");
+}
+
 /// `serve --progress=always` with stderr not a terminal: plain lines per
 /// tool, labelled with the session, each ending with ✓ when the stream is
 /// done (issue 4: "per session and index in serve, session shown").

@@ -320,7 +320,7 @@ impl Proxy {
                 let stream = self.shared.sessions.begin_stream(&log.session_id);
                 // Increments are collected while someone listens to the
                 // session; the body looks again before each read.
-                let annotator = Annotator::new(AnnotatorConfig {
+                let mut annotator = Annotator::new(AnnotatorConfig {
                     output: OutputFormat::Sse,
                     inject,
                     // Only `--format messages` writes it.
@@ -329,6 +329,7 @@ impl Proxy {
                     max_event_bytes: config.max_event_bytes,
                     collect_events: stream.listened(),
                 });
+                stream.keep_ended_calls(annotator.tracker_mut());
                 let recording = self.shared.recorder.as_ref().and_then(|recorder| {
                     let request = request_copy.clone().unwrap_or_default();
                     recorder

@@ -40,7 +40,7 @@ use crate::filter::unix_ms;
 use crate::js::push_string;
 use crate::pipeline::{ClearReason, StreamEvent};
 pub use crate::progress::ProgressEntry;
-use crate::progress::ToolCallTracker;
+use crate::progress::{EndedCall, ToolCallTracker};
 use crate::render::spinner::{Outcome, ProgressDisplay};
 
 /// Frames a subscriber may fall behind before it is resent a snapshot.
@@ -270,6 +270,9 @@ pub struct StreamHandle {
     published: u64,
     /// The stream failed (its spinners end with `✗`).
     failed: bool,
+    /// The calls that ended since the last publish, taken from the
+    /// tracker for the spinners ([`keep_ended_calls`](Self::keep_ended_calls)).
+    ended: Vec<EndedCall>,
 }
 
 /// A live subscription to one session.
@@ -343,6 +346,7 @@ impl SessionRegistry {
             flags,
             published: 0,
             failed: false,
+            ended: Vec::new(),
         }
     }
 
@@ -513,6 +517,14 @@ impl SessionRegistry {
         }
     }
 
+    /// Tells the spinners that a tool of the session ended as `entry`, its
+    /// last state; called with the lock held, as [`show`](Self::show).
+    fn ended(&self, session_id: &str, entry: &ProgressEntry, outcome: Outcome) {
+        if let Some(display) = &self.display {
+            display.ended(session_id, entry, outcome, unix_ms());
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the maps half-updated
         // in a way that matters more than losing the service: keep going.
@@ -539,11 +551,22 @@ impl StreamHandle {
             && self.flags.cleared.swap(false, Ordering::Relaxed)
     }
 
+    /// Called once, before the stream's first read: when the proxy draws
+    /// spinners, `tracker` keeps the calls whose progress ends
+    /// ([`ToolCallTracker::keep_ended`]), so that each publish ends them
+    /// with their last count, also a call that began and ended between two
+    /// publishes (a burst read in one piece). Nothing otherwise.
+    pub fn keep_ended_calls(&self, tracker: &mut ToolCallTracker) {
+        if self.registry.display.is_some() {
+            tracker.keep_ended();
+        }
+    }
+
     /// Publishes what the stream did since the last call: the tracker's
     /// in-progress calls (when they changed) and `events` for subscribers,
     /// as long as this stream still owns the session. The caller empties
     /// `events` ([`Annotator::clear_events`](crate::pipeline::Annotator::clear_events)).
-    pub fn publish(&mut self, tracker: &ToolCallTracker, events: &[StreamEvent]) {
+    pub fn publish(&mut self, tracker: &mut ToolCallTracker, events: &[StreamEvent]) {
         self.publish_at(tracker, events, false, Instant::now());
     }
 
@@ -561,7 +584,7 @@ impl StreamHandle {
     #[inline]
     pub fn publish_at(
         &mut self,
-        tracker: &ToolCallTracker,
+        tracker: &mut ToolCallTracker,
         events: &[StreamEvent],
         missed: bool,
         now: Instant,
@@ -578,13 +601,16 @@ impl StreamHandle {
     /// publish: `changed` says whether the tracker's calls changed.
     fn publish_changes(
         &mut self,
-        tracker: &ToolCallTracker,
+        tracker: &mut ToolCallTracker,
         events: &[StreamEvent],
         now: Instant,
         changed: bool,
         missed: bool,
     ) {
         let taken_at = std::mem::replace(&mut self.published, tracker.changes());
+        // Taken whether or not the stream still owns its session, so
+        // that they never pile up.
+        tracker.take_ended(&mut self.ended);
         let mut state = self.registry.lock();
         let State { sessions, all, .. } = &mut *state;
         let Some(session) = sessions.in_slot(self.slot) else {
@@ -617,13 +643,15 @@ impl StreamHandle {
             session.flags.listened.store(false, Ordering::Relaxed);
         }
         if changed {
-            // A failed stream's last publish (its calls cleared by the end
-            // of its tracker) ends its tools with `✗`.
-            let outcome = if self.failed {
-                Outcome::Failed
-            } else {
-                Outcome::Done
-            };
+            // The calls that ended first, each with its last count, then
+            // what is still in progress. A failed stream's last publish
+            // (its calls cleared by the end of its tracker) ends its tools
+            // with `✗`.
+            for ended in &self.ended {
+                let outcome = Outcome::from_failed(self.failed || ended.failed);
+                self.registry.ended(&self.session_id, &ended.entry, outcome);
+            }
+            let outcome = Outcome::from_failed(self.failed);
             self.registry
                 .show(&self.session_id, &session.progress, outcome);
         }
@@ -662,12 +690,8 @@ impl Drop for StreamHandle {
         if session.unused() {
             sessions.remove(&self.session_id);
         }
-        let outcome = if self.failed {
-            Outcome::Failed
-        } else {
-            Outcome::Done
-        };
-        self.registry.show(&self.session_id, &[], outcome);
+        self.registry
+            .show(&self.session_id, &[], Outcome::from_failed(self.failed));
         drop(state);
     }
 }

@@ -68,6 +68,15 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// `Failed` when the stream (or the call) failed, else `Done`.
+    pub fn from_failed(failed: bool) -> Outcome {
+        if failed {
+            Outcome::Failed
+        } else {
+            Outcome::Done
+        }
+    }
+
     fn icon(self) -> &'static str {
         match self {
             Outcome::Done => "✓",
@@ -377,12 +386,14 @@ impl ProgressDisplay {
     }
 
     /// A tool of `session` ended as `entry` (its last state): its final
-    /// line, drawn on its own if it never had a spinner. Drawn here and
-    /// now, so not for a display [drawn apart](Self::drawn_apart), which
-    /// ignores it: `annotate` calls it, before [`show`](Self::show) with
-    /// what is still in progress.
+    /// line, with its last count, drawn on its own if it never had a
+    /// spinner (it began and ended between two states shown). Callers
+    /// tell it before [`show`](Self::show) with what is still in
+    /// progress, which then no longer has the tool: `annotate` once per
+    /// read, `serve` once per write to its client.
     pub fn ended(&self, session: &str, entry: &ProgressEntry, outcome: Outcome, now_ms: u64) {
-        if self.apart.is_some() {
+        if let Some(apart) = &self.apart {
+            apart.ended(session, entry, outcome, now_ms);
             return;
         }
         let mut inner = self.lock();
@@ -458,6 +469,38 @@ impl Apart {
         let wake = *pending && !was_pending;
         drop(state);
         if wake {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Queues the final line of a tool that ended as `entry`, and takes
+    /// the tool out of its session's state (see [`ApartState`]), so that
+    /// the next [`leave`](Self::leave) does not end it again with an older
+    /// count; wakes the drawing thread if nothing was waiting.
+    fn ended(&self, session: &str, entry: &ProgressEntry, outcome: Outcome, now_ms: u64) {
+        let mut state = lock(&self.state);
+        let was_pending = state.pending;
+        if state.finals.len() < MAX_WAITING_FINAL_LINES {
+            state.finals.push(FinalLine {
+                session: session.to_owned(),
+                entry: entry.clone(),
+                outcome,
+                now_ms,
+            });
+        } else {
+            state.dropped_finals += 1;
+        }
+        if let Some(waiting) = state.sessions.get_mut(session) {
+            waiting
+                .entries
+                .retain(|e| !(e.choice == entry.choice && e.index == entry.index));
+            if waiting.entries.is_empty() {
+                state.sessions.remove(session);
+            }
+        }
+        state.pending = true;
+        drop(state);
+        if !was_pending {
             self.wake.notify_one();
         }
     }

@@ -1,5 +1,6 @@
 use super::*;
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta};
+use crate::progress::StreamPhase;
 
 /// A tracker after deltas `(index, name, args)` at time `now` (the clock is
 /// a value: these tests never sleep).
@@ -59,7 +60,7 @@ fn received_untimed(sub: &mut Subscription) -> Vec<String> {
 fn publish_snapshot_and_end() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
-    stream.publish(&tracker_with(&[(1, "b", "xy"), (0, "a", "")], 5), &[]);
+    stream.publish(&mut tracker_with(&[(1, "b", "xy"), (0, "a", "")], 5), &[]);
     let names: Vec<_> = registry
         .snapshot("s1")
         .into_iter()
@@ -77,10 +78,10 @@ fn same_index_keeps_started_at_new_index_gets_its_own() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "x")], 1_000);
-    stream.publish(&tracker, &[]);
+    stream.publish(&mut tracker, &[]);
     tracker.apply(&delta(0, "a", "yz"), 2_000);
     tracker.apply(&delta(1, "b", ""), 3_000);
-    stream.publish(&tracker, &[]);
+    stream.publish(&mut tracker, &[]);
     let started: Vec<_> = registry
         .snapshot("s1")
         .iter()
@@ -94,15 +95,15 @@ fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
     let registry = SessionRegistry::new();
     let mut sub = registry.subscribe("s1");
     let mut old = registry.begin_stream("s1");
-    old.publish(&tracker_with(&[(0, "a", "abc")], 1), &[]);
+    old.publish(&mut tracker_with(&[(0, "a", "abc")], 1), &[]);
     let mut new = registry.begin_stream("s1");
     assert!(registry.snapshot("s1").is_empty());
     old.publish(
-        &tracker_with(&[(0, "stale", "")], 2),
+        &mut tracker_with(&[(0, "stale", "")], 2),
         &[progress_event(0, "stale", 0, 2)],
     );
     assert!(registry.snapshot("s1").is_empty());
-    new.publish(&tracker_with(&[(0, "fresh", "")], 3), &[]);
+    new.publish(&mut tracker_with(&[(0, "fresh", "")], 3), &[]);
     drop(old);
     assert_eq!(&*registry.snapshot("s1")[0].name, "fresh");
     let frames = received_untimed(&mut sub);
@@ -130,7 +131,7 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
         let mut sub = registry.subscribe("s2");
         let mut s2 = streamed.then(|| registry.begin_stream("s2"));
         if let Some(s2) = &mut s2 {
-            s2.publish(&tracker_with(&[(0, "mine", "x")], 1), &[]);
+            s2.publish(&mut tracker_with(&[(0, "mine", "x")], 1), &[]);
         }
         assert_eq!(
             registry.lock().sessions.by_id.get("s2"),
@@ -139,7 +140,7 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
         );
         let before = registry.snapshot("s2");
         old.publish(
-            &tracker_with(&[(0, "stale", "abc")], 2),
+            &mut tracker_with(&[(0, "stale", "abc")], 2),
             &[progress_event(0, "stale", 3, 2)],
         );
         assert_eq!(registry.snapshot("s2"), before, "streamed: {streamed}");
@@ -155,7 +156,7 @@ fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
         assert!(registry.is_empty());
     }
     let mut s3 = registry.begin_stream("s3");
-    s3.publish(&tracker_with(&[(0, "kept", "xy")], 4), &[]);
+    s3.publish(&mut tracker_with(&[(0, "kept", "xy")], 4), &[]);
     drop(old);
     assert_eq!(
         &*registry.snapshot("s3")[0].name,
@@ -174,7 +175,7 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
         r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[]}"#
     );
     let mut stream = registry.begin_stream("s1");
-    let tracker = tracker_with(&[(0, "get_weather", "{\"c")], 7);
+    let mut tracker = tracker_with(&[(0, "get_weather", "{\"c")], 7);
     let events = vec![
         StreamEvent::Reasoning {
             choice: 0,
@@ -182,7 +183,7 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
         },
         progress_event(0, "get_weather", 3, 7),
     ];
-    stream.publish(&tracker, &events);
+    stream.publish(&mut tracker, &events);
     let mut later = ToolCallTracker::new(true);
     later.apply(&delta(0, "get_weather", "{\"c"), 7);
     later.apply(
@@ -193,7 +194,7 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
         9,
     );
     stream.publish(
-        &later,
+        &mut later,
         &[
             StreamEvent::Cleared(ClearReason::Text),
             StreamEvent::Content {
@@ -223,14 +224,14 @@ fn a_late_subscriber_resumes_mid_call_and_loses_nothing_after() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "12345"), (1, "b", "1")], 100);
-    stream.publish(&tracker, &[]);
+    stream.publish(&mut tracker, &[]);
     let mut sub = registry.subscribe("s1");
     assert_eq!(
         without_server_time(&sub.resume),
         r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":5,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":100}]}"#
     );
     tracker.apply(&delta(1, "b", "23"), 200);
-    stream.publish(&tracker, &[progress_event(1, "b", 3, 100)]);
+    stream.publish(&mut tracker, &[progress_event(1, "b", 3, 100)]);
     assert_eq!(received(&mut sub).len(), 1);
 }
 
@@ -248,7 +249,7 @@ fn a_session_keeps_a_subscriber_backlog_only_once_subscribed() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "x")], 1);
-    stream.publish(&tracker, &[progress_event(0, "a", 1, 1)]);
+    stream.publish(&mut tracker, &[progress_event(0, "a", 1, 1)]);
     assert!(
         !has_backlog(&registry, "s1"),
         "no subscriber yet: no channel"
@@ -256,7 +257,7 @@ fn a_session_keeps_a_subscriber_backlog_only_once_subscribed() {
     let mut sub = registry.subscribe("s1");
     assert!(has_backlog(&registry, "s1"));
     tracker.apply(&delta(0, "a", "yz"), 2);
-    stream.publish(&tracker, &[progress_event(0, "a", 3, 1)]);
+    stream.publish(&mut tracker, &[progress_event(0, "a", 3, 1)]);
     assert_eq!(received(&mut sub).len(), 1, "made late, it still delivers");
     drop(sub);
     drop(stream);
@@ -267,7 +268,7 @@ fn a_session_keeps_a_subscriber_backlog_only_once_subscribed() {
 fn tool_execution_clears_and_tells_subscribers() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
-    stream.publish(&tracker_with(&[(0, "a", "x"), (1, "b", "")], 1), &[]);
+    stream.publish(&mut tracker_with(&[(0, "a", "x"), (1, "b", "")], 1), &[]);
     let mut sub = registry.subscribe("s1");
     assert_eq!(registry.tool_execution_started("s1"), 2);
     assert!(registry.snapshot("s1").is_empty());
@@ -307,9 +308,9 @@ fn a_slow_subscriber_is_told_it_lagged_instead_of_being_buffered_for() {
     let registry = SessionRegistry::new();
     let mut sub = registry.subscribe("s1");
     let mut stream = registry.begin_stream("s1");
-    let tracker = tracker_with(&[(0, "a", "")], 1);
+    let mut tracker = tracker_with(&[(0, "a", "")], 1);
     for i in 0..(SUBSCRIBER_BACKLOG + 10) {
-        stream.publish(&tracker, &[progress_event(0, "a", i, 1)]);
+        stream.publish(&mut tracker, &[progress_event(0, "a", i, 1)]);
     }
     assert!(matches!(
         sub.frames.try_recv(),
@@ -378,15 +379,15 @@ fn the_spinners_are_told_in_the_registrys_order() {
     let registry = SessionRegistry::with_display(Arc::new(display));
     registry_cell.set(registry.clone()).expect("set once");
     let mut old = registry.begin_stream("s1");
-    old.publish(&tracker_with(&[(0, "get_weather", "abc")], 1), &[]);
+    old.publish(&mut tracker_with(&[(0, "get_weather", "abc")], 1), &[]);
     let new = registry.begin_stream("s1");
     let mut other = registry.begin_stream("s2");
-    other.publish(&tracker_with(&[(0, "get_time", "")], 2), &[]);
+    other.publish(&mut tracker_with(&[(0, "get_time", "")], 2), &[]);
     assert_eq!(registry.tool_execution_started("s2"), 1);
     // Two deltas: a tracker's change count must differ from the last one
     // published for the stream to publish again.
     other.publish(
-        &tracker_with(&[(1, "search", "q"), (1, "search", "r")], 3),
+        &mut tracker_with(&[(1, "search", "q"), (1, "search", "r")], 3),
         &[],
     );
     other.mark_failed();
@@ -423,10 +424,10 @@ fn a_failed_streams_tools_end_with_a_cross() {
     let registry = SessionRegistry::with_display(Arc::new(display));
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "get_weather", "abc")], 1);
-    stream.publish(&tracker, &[]);
+    stream.publish(&mut tracker, &[]);
     stream.mark_failed();
     tracker.end();
-    stream.publish(&tracker, &[]);
+    stream.publish(&mut tracker, &[]);
     drop(stream);
     let written = written.lock().unwrap_or_else(|e| e.into_inner());
     let lines: String = written.iter().map(|(text, _)| text.as_str()).collect();
@@ -435,6 +436,59 @@ fn a_failed_streams_tools_end_with_a_cross() {
         last.starts_with('✗') && last.contains("get_weather"),
         "{lines}"
     );
+}
+
+/// `serve` publishes once per write to its client, and a burst read in
+/// one piece can carry a call's last arguments, a whole second call and
+/// the text after them. Each tool still ends with its last count, the
+/// call that began and ended within the burst included (before, the
+/// first ended at its count of the publish before, the second was never
+/// drawn).
+#[test]
+fn each_tool_ends_with_its_last_count_after_a_burst() {
+    let written = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(LockProbe {
+        registry: Arc::new(std::sync::OnceLock::new()),
+        written: Arc::clone(&written),
+    }));
+    let registry = SessionRegistry::with_display(Arc::new(display));
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = ToolCallTracker::new(false);
+    stream.keep_ended_calls(&mut tracker);
+    tracker.apply(&delta(0, "get_weather", "{\"c"), 1);
+    stream.publish(&mut tracker, &[]);
+    // One read: the rest of the first call, all of a second, then text.
+    tracker.apply(&delta(0, "get_weather", "ity\":\"Paris\"}"), 2);
+    tracker.apply(&delta(1, "get_time", "{}"), 2);
+    tracker.text(StreamPhase::Answering);
+    stream.publish(&mut tracker, &[]);
+    drop(stream);
+    let written = written.lock().unwrap_or_else(|e| e.into_inner());
+    let lines: Vec<&str> = written.iter().flat_map(|(text, _)| text.lines()).collect();
+    let finals: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.starts_with('✓') || l.starts_with('✗'))
+        .map(|l| l.split(" · ").next().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        finals,
+        ["✓ [s1] get_weather  16 chars", "✓ [s1] get_time  2 chars"],
+        "{lines:#?}"
+    );
+}
+
+/// Without spinners, a stream's tracker keeps no ended calls.
+#[test]
+fn without_spinners_no_ended_call_is_kept() {
+    let registry = SessionRegistry::with_display(Arc::new(ProgressDisplay::off()));
+    let stream = registry.begin_stream("s1");
+    let mut tracker = ToolCallTracker::new(false);
+    stream.keep_ended_calls(&mut tracker);
+    tracker.apply(&delta(0, "a", "x"), 1);
+    tracker.text(StreamPhase::Answering);
+    let mut ended = vec![];
+    tracker.take_ended(&mut ended);
+    assert!(ended.is_empty(), "{ended:?}");
 }
 
 /// A stream collects its increments only while someone may listen: from
@@ -447,11 +501,11 @@ fn a_stream_collects_only_while_someone_listens() {
     let sub = registry.subscribe("s1");
     assert!(stream.listened(), "subscribed");
     let mut tracker = tracker_with(&[(0, "a", "x")], 1);
-    stream.publish(&tracker, &[progress_event(0, "a", 1, 1)]);
+    stream.publish(&mut tracker, &[progress_event(0, "a", 1, 1)]);
     assert!(stream.listened(), "still subscribed");
     drop(sub);
     tracker.apply(&delta(0, "a", "y"), 2);
-    stream.publish(&tracker, &[progress_event(0, "a", 2, 1)]);
+    stream.publish(&mut tracker, &[progress_event(0, "a", 2, 1)]);
     assert!(!stream.listened(), "a publish found nobody");
     let all = registry.subscribe_all();
     assert!(stream.listened(), "every session is listened to");
@@ -461,7 +515,7 @@ fn a_stream_collects_only_while_someone_listens() {
         "a stream that begins under a subscriber to all"
     );
     drop(all);
-    other.publish(&tracker, &[]);
+    other.publish(&mut tracker, &[]);
     assert!(!other.listened());
     assert!(stream.listened(), "told when it publishes next");
     // A new request of the session starts from what is true now.
@@ -481,7 +535,7 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
     let registry = SessionRegistry::new();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "a", "12345")], 100);
-    stream.publish_at(&tracker, &[], true, Instant::now());
+    stream.publish_at(&mut tracker, &[], true, Instant::now());
     let mut sub = registry.subscribe("s1");
     let mut all = registry.subscribe_all();
     assert!(
@@ -493,7 +547,7 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
     tracker.apply(&delta(0, "a", "67"), 200);
     tracker.apply(&delta(1, "b", "1"), 200);
     stream.publish_at(
-        &tracker,
+        &mut tracker,
         &[progress_event(1, "b", 1, 200)],
         true,
         Instant::now(),
@@ -515,18 +569,18 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
         },
         300,
     );
-    stream.publish_at(&tracker, &[], true, Instant::now());
+    stream.publish_at(&mut tracker, &[], true, Instant::now());
     assert_eq!(
         received_untimed(&mut sub),
         vec![r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[]}"#]
     );
     // Nothing changed: nothing to resend.
-    stream.publish_at(&tracker, &[], true, Instant::now());
+    stream.publish_at(&mut tracker, &[], true, Instant::now());
     assert!(received(&mut sub).is_empty());
     // Collected: the increments alone.
     tracker.apply(&delta(2, "c", ""), 400);
     stream.publish_at(
-        &tracker,
+        &mut tracker,
         &[progress_event(2, "c", 0, 400)],
         false,
         Instant::now(),

@@ -403,3 +403,56 @@ fn a_session_with_nothing_to_draw_leaves_nothing_waiting() {
     let state = lock(&apart.state);
     assert!(state.sessions.is_empty() && state.finals.is_empty() && !state.pending);
 }
+
+/// Drawn apart, as `serve` draws: a tool told to have ended gets its
+/// final line with the count it was told, once; one that was never shown
+/// (it began and ended between two states) gets its final line alone;
+/// the tools still in progress spin on.
+#[test]
+fn drawn_apart_each_ended_tool_ends_once_with_its_last_count() {
+    let (term, blocked) = PausedTerm::paused(20, 80);
+    let display = drawn_apart_on(&term);
+    display.show("p", &[entry(0, "a", 3, 0)], Outcome::Done, 1_000);
+    blocked
+        .recv()
+        .expect("the drawing thread waits on the terminal");
+    display.show(
+        "p",
+        &[entry(0, "a", 5, 0), entry(2, "c", 1, 0)],
+        Outcome::Done,
+        1_500,
+    );
+    // One burst: `a` grew to 16 and ended, `b` began and ended, `c` goes on.
+    display.ended("p", &entry(0, "a", 16, 0), Outcome::Done, 2_000);
+    display.ended("p", &entry(1, "b", 2, 0), Outcome::Failed, 2_000);
+    display.show("p", &[entry(2, "c", 4, 0)], Outcome::Done, 2_000);
+    term.resume();
+    assert!(display.flush(Duration::from_secs(10)));
+    let finals = |contents: &str| -> Vec<String> {
+        contents
+            .lines()
+            .map(str::trim_end)
+            .filter(|l| l.starts_with('✓') || l.starts_with('✗'))
+            .map(str::to_owned)
+            .collect()
+    };
+    let contents = term.term.contents();
+    assert_eq!(
+        finals(&contents),
+        ["✓ [p] a  16 chars · 2.0s", "✗ [p] b  2 chars · 2.0s"],
+        "{contents}"
+    );
+    // `c` ends with the session's end, and `a` is not ended again.
+    display.show("p", &[], Outcome::Done, 3_000);
+    assert!(display.flush(Duration::from_secs(10)));
+    let contents = term.term.contents();
+    assert_eq!(
+        finals(&contents),
+        [
+            "✓ [p] a  16 chars · 2.0s",
+            "✗ [p] b  2 chars · 2.0s",
+            "✓ [p] c  4 chars · 3.0s"
+        ],
+        "{contents}"
+    );
+}
