@@ -114,8 +114,13 @@ struct Served {
 
 impl Served {
     async fn start(config: ProxyConfig) -> Served {
-        watch_panics();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        Served::start_on(listener, config)
+    }
+
+    /// The same, on `listener` (one with a small send buffer, say).
+    fn start_on(listener: TcpListener, config: ProxyConfig) -> Served {
+        watch_panics();
         let addr = listener.local_addr().expect("proxy addr");
         let proxy = Proxy::from_config(config, SessionRegistry::new()).expect("proxy");
         let (stop, stopped) = oneshot::channel::<()>();
@@ -957,6 +962,109 @@ async fn an_upstream_that_closes_before_its_content_length_loses_nothing() {
     let sessions = proxy.sessions().clone();
     assert!(eventually(PATIENCE, || sessions.is_empty()).await);
     assert_resets_counted(&proxy, 1.0).await;
+    assert_no_foreign_panic();
+}
+
+/// A stream of `fragments` (one tool call) that the upstream sends at once
+/// and then closes before its last chunk, through a proxy whose sockets
+/// to clients have a send buffer of `buffers` bytes (when given), read
+/// by a client whose receive buffer is as small, that waits `pause`
+/// after its request, then reads 16 KiB at a time, `between` apart. The
+/// client must get every byte, each event with its progress, then a cut
+/// end (no last chunk).
+async fn a_slow_client_gets_every_byte(
+    fragments: usize,
+    buffers: Option<u32>,
+    pause: Duration,
+    between: Duration,
+) -> usize {
+    let fragments: Vec<String> = {
+        let mut rng = Lcg(7);
+        (0..fragments).map(|_| fragment(&mut rng)).collect()
+    };
+    let (stream, _) = one_call_stream(&fragments);
+    // Whole events, the finish included; no `[DONE]`: the body just stops.
+    let sent = stream[..stream.len() - DONE.len()].to_vec();
+    let expected = annotate(&sent);
+    let body = chunk(&sent);
+    let raw = RawUpstream::start(move |_| {
+        vec![
+            RawStep::Write(chunked_head("text/event-stream")),
+            RawStep::Write(body.clone()),
+            RawStep::Close,
+        ]
+    })
+    .await;
+    let proxy = match buffers {
+        Some(bytes) => Served::start_on(
+            upstream::listener_with_send_buffer(bytes),
+            proxy_config(&raw.url()),
+        ),
+        None => Served::start(proxy_config(&raw.url())).await,
+    };
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    if let Some(bytes) = buffers {
+        socket.set_recv_buffer_size(bytes).expect("SO_RCVBUF");
+    }
+    let mut socket = socket.connect(proxy.addr).await.expect("connect");
+    socket
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .expect("request");
+    tokio::time::sleep(pause).await;
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    let read = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Ok(k) = socket.read(&mut buf).await {
+            if k == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..k]);
+            tokio::time::sleep(between).await;
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no end of the response in time");
+    let head_end = find(&got, b"\r\n\r\n").expect("a response head") + 4;
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got[..head_end])
+    );
+    let (got, complete) = dechunk(&got[head_end..]);
+    assert!(!complete, "a cut body ended cleanly");
+    assert_eq!(got.len(), expected.len(), "bytes lost or added");
+    assert!(got == expected, "the bytes differ");
+    sent.len()
+}
+
+/// A client that reads nothing for a second after its request: the
+/// upstream's whole stream (about 80 KB) and its failure come meanwhile.
+/// The sockets between proxy and client take about 40 KB (their buffers
+/// are 8 KiB, which the kernel doubles), and the connection holds the
+/// rest, unwritten, when the failure comes. The error waits while the
+/// socket stays full, so those bytes reach the client once it reads.
+/// (When the error came 100 ms after the failure, hyper dropped them:
+/// the client got 53,041 of its 117,251 bytes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_pauses_gets_every_byte_before_an_upstream_failure() {
+    let sent =
+        a_slow_client_gets_every_byte(400, Some(8 * 1024), Duration::from_secs(1), Duration::ZERO)
+            .await;
+    assert!((60_000..100_000).contains(&sent), "{sent} bytes");
+    assert_no_foreign_panic();
+}
+
+/// A client that reads 16 KiB a millisecond while its upstream sends
+/// 16 MB of events as fast as it can and fails: the proxy's writes wait
+/// on the client's socket, so when the failure comes its connection
+/// still holds bytes it has not written, for longer than 100 ms in a
+/// debug build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_gets_every_byte_before_an_upstream_failure() {
+    let sent =
+        a_slow_client_gets_every_byte(80_000, None, Duration::ZERO, Duration::from_millis(1)).await;
+    assert!(sent > 16_000_000, "{sent} bytes");
     assert_no_foreign_panic();
 }
 

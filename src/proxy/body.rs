@@ -12,8 +12,10 @@
 //! Trailers pass through. It also:
 //! - ends the stream when the upstream is silent longer than the idle
 //!   timeout (an error, so the client sees a cut stream, not a fake end);
-//! - on an upstream error, first yields the bytes it still held (nothing is
-//!   lost), then, 100 ms later, the error — never an invented `[DONE]`;
+//! - on an upstream error, first yields the bytes it still held, then the
+//!   error once the connection has written them to the client (100 ms
+//!   later, or as long as the client's socket stays full, up to the idle
+//!   timeout): nothing is lost, and never an invented `[DONE]`;
 //! - publishes the stream's progress to its session as it changes;
 //! - logs one line per request when the body ends, fails, or is dropped by
 //!   a client that went away (`outcome=cancelled`).
@@ -30,6 +32,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
+use super::gate::SocketFull;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::Recording;
 use super::sessions::StreamHandle;
@@ -48,7 +51,8 @@ const COALESCE_BYTES: usize = 64 * 1024;
 const OUT_ROOM: usize = 2 * 1024;
 
 /// After an upstream failure, how long the connection is given to send
-/// the client what it was handed before the error ends the stream (see
+/// the client what it was handed before the error ends the stream, and
+/// how often it is asked again while the client's socket is full (see
 /// [`Phase::Flushing`]).
 const FLUSH_GRACE: Duration = Duration::from_millis(100);
 
@@ -111,7 +115,11 @@ enum Phase {
     /// hyper's HTTP/1 server polls the body again before it flushes what
     /// it was given, and an error then drops what it has not written; over
     /// HTTP/2 the stream's reset follows its last data so closely that a
-    /// client may read both at once, and curl then drops the data.
+    /// client may read both at once, and curl then drops the data. While
+    /// the connection's last write found the client's socket full
+    /// ([`SocketFull`]: a client that reads slowly, or not now), bytes
+    /// still wait, and the error waits another `FLUSH_GRACE`, up to the
+    /// idle timeout from the failure.
     Flushing,
     /// Over: the end was yielded (or the error).
     Done,
@@ -133,8 +141,11 @@ pin_project! {
         // (see `idle_fired`); `None` after it fired or was moved.
         idle_waker: Option<Waker>,
         idle_timeout: Duration,
-        // When the upstream last sent a frame (or the body began).
+        // When the upstream last sent a frame (or the body began; in
+        // `Flushing`, when it failed).
         heard: tokio::time::Instant,
+        // Whether the client's connection still holds bytes to write.
+        socket_full: SocketFull,
         out: OutBuf,
         phase: Phase,
         error: Option<BoxError>,
@@ -190,6 +201,7 @@ impl TapBody {
         session: StreamHandle,
         recording: Option<Recording>,
         idle_timeout: Duration,
+        socket_full: SocketFull,
         log: RequestLog,
         metrics: Arc<Metrics>,
     ) -> TapBody {
@@ -200,6 +212,7 @@ impl TapBody {
             Some(annotator),
             Some(session),
             idle_timeout,
+            socket_full,
             log,
             metrics,
         );
@@ -211,10 +224,11 @@ impl TapBody {
     pub fn passthrough(
         inner: UpstreamBody,
         idle_timeout: Duration,
+        socket_full: SocketFull,
         log: RequestLog,
         metrics: Arc<Metrics>,
     ) -> TapBody {
-        TapBody::new(inner, None, None, idle_timeout, log, metrics)
+        TapBody::new(inner, None, None, idle_timeout, socket_full, log, metrics)
     }
 
     fn new(
@@ -222,6 +236,7 @@ impl TapBody {
         annotator: Option<Annotator>,
         session: Option<StreamHandle>,
         idle_timeout: Duration,
+        socket_full: SocketFull,
         log: RequestLog,
         metrics: Arc<Metrics>,
     ) -> TapBody {
@@ -236,6 +251,7 @@ impl TapBody {
             idle_waker: None,
             idle_timeout,
             heard: now,
+            socket_full,
             out: OutBuf::default(),
             phase: Phase::Streaming,
             error: None,
@@ -267,6 +283,14 @@ impl Body for TapBody {
                 Phase::Flushing => {
                     if this.idle.as_mut().poll(cx).is_pending() {
                         return Poll::Pending;
+                    }
+                    // Bytes still wait in the connection: ask again later.
+                    let now = tokio::time::Instant::now();
+                    if this.socket_full.get()
+                        && now < deadline_after(*this.heard, *this.idle_timeout)
+                    {
+                        this.idle.as_mut().reset(now + FLUSH_GRACE);
+                        continue;
                     }
                     *this.phase = Phase::Done;
                     return Poll::Ready(this.error.take().map(Err));

@@ -13,7 +13,8 @@
 //! it is polled with another task's waker, which the socket does not know
 //! yet. [`GatedRead`] puts a gate on the read side of a client's stream,
 //! holds the bytes of its first read ([`GatedRead::read_first`]) for the
-//! server to read again, and leaves the write side's end to the socket's
+//! server to read again, notes whether its last write found the socket
+//! full ([`SocketFull`]), and leaves the write side's end to the socket's
 //! close.
 
 use std::io;
@@ -109,11 +110,41 @@ impl Gate {
     }
 }
 
+/// Whether a client's connection found its socket full at its last
+/// write, so that bytes it was given still wait to be written: set and
+/// cleared by its [`GatedRead`]; cheap to clone (one `Arc`).
+///
+/// hyper writes until what it holds is written or the socket is full, so
+/// once it has tried, not full means it holds nothing. A response body
+/// that must end with an error (its upstream failed) waits while this is
+/// set: hyper drops what it has not written when the error reaches it
+/// (see `proxy::body`).
+#[derive(Debug, Clone, Default)]
+pub struct SocketFull(Arc<AtomicBool>);
+
+impl SocketFull {
+    /// The connection's last write found the socket full.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Notes how a write ended: full when it wrote nothing (`Pending`),
+    /// not full when it wrote (an error ends the connection anyway).
+    #[inline]
+    fn note<T>(&self, polled: &Poll<io::Result<T>>) {
+        let full = polled.is_pending();
+        if self.get() != full {
+            self.0.store(full, Ordering::Relaxed);
+        }
+    }
+}
+
 /// The most a connection's first read takes ([`GatedRead::read_first`]):
 /// a request head with its headers, and a small body.
 const FIRST_READ_BYTES: usize = 4096;
 
-/// A stream whose reads pass through a [`Gate`]; writes go straight to it.
+/// A stream whose reads pass through a [`Gate`]; writes go straight to it,
+/// noting whether the socket was full ([`SocketFull`]).
 ///
 /// `serve` wraps each client connection in one. While a response streams,
 /// hyper's server reads the client's side on each poll of the connection
@@ -125,6 +156,7 @@ pub(crate) struct GatedRead<T> {
     /// Bytes read from `io` that the next reads return before `io`'s own:
     /// what [`GatedRead::read_first`] took.
     unread: Bytes,
+    socket_full: SocketFull,
 }
 
 impl<T> GatedRead<T> {
@@ -133,7 +165,13 @@ impl<T> GatedRead<T> {
             io,
             gate: Gate::new(),
             unread: Bytes::new(),
+            socket_full: SocketFull::default(),
         }
+    }
+
+    /// Whether the last write found the socket full.
+    pub(crate) fn socket_full(&self) -> &SocketFull {
+        &self.socket_full
     }
 
     /// What was read and not yet read again.
@@ -212,7 +250,10 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for GatedRead<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.socket_full.note(&polled);
+        polled
     }
 
     fn poll_write_vectored(
@@ -220,7 +261,10 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for GatedRead<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.socket_full.note(&polled);
+        polled
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -16,6 +16,7 @@
 pub mod admin;
 pub mod body;
 mod gate;
+pub use gate::SocketFull;
 pub mod h1;
 pub mod metrics;
 pub mod record;

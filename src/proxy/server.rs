@@ -43,9 +43,17 @@ use tokio::runtime::{self, Handle};
 use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinSet;
 
-use super::gate::GatedRead;
+use super::gate::{GatedRead, SocketFull};
 use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
+
+/// The client a request came from: its address, and whether its
+/// connection's last write found the socket full.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    pub socket_full: SocketFull,
+}
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains.
 /// The handler never fails: errors are responses. Each of `workers`
@@ -58,7 +66,7 @@ pub async fn serve<H, F>(
     grace: Duration,
     workers: &[Handle],
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut http1 = http1::Builder::new();
@@ -269,7 +277,7 @@ async fn accept_loop<H, F>(
     shared: Arc<Shared<H>>,
     mut phase: watch::Receiver<Phase>,
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let listener = match TcpListener::from_std(listener) {
@@ -366,7 +374,7 @@ async fn serve_connection<H, F>(
     mut watcher: DrainWatcher,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut io = GatedRead::new(stream);
@@ -377,8 +385,15 @@ where
         () = watcher.draining() => return Ok(()),
     };
     let handler = shared.handler.clone();
+    let socket_full = io.socket_full().clone();
     let service = service_fn(move |req| {
-        let response = handler(req, peer);
+        let response = handler(
+            req,
+            Peer {
+                addr: peer,
+                socket_full: socket_full.clone(),
+            },
+        );
         async move { Ok::<_, Infallible>(response.await) }
     });
     if h2 {
@@ -636,7 +651,7 @@ mod tests {
         let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("workers");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let handler = |_req: Request<Incoming>, _peer: SocketAddr| async {
+        let handler = |_req: Request<Incoming>, _peer: Peer| async {
             let name = thread::current().name().unwrap_or("unnamed").to_owned();
             let body = Full::new(Bytes::from(name)).map_err(|never| match never {});
             Response::new(body.boxed())

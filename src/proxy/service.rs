@@ -7,7 +7,6 @@
 //!
 //! Read [`Proxy::handle`] first.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -23,9 +22,11 @@ use hyper::body::Incoming;
 use super::ProxyConfig;
 use super::admin;
 use super::body::{RequestLog, TapBody, log_safe};
+use super::gate::SocketFull;
 use super::h1::H1Error;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, Recorder};
+use super::server::Peer;
 use super::sessions::SessionRegistry;
 use super::upstream::{
     BoxError, ProxyBody, SendError, UpstreamClient, UpstreamConfigError, build_client,
@@ -151,17 +152,20 @@ impl Proxy {
     }
 
     /// Handles one request; never fails (errors become responses).
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    pub async fn handle(&self, req: Request<Incoming>, peer: Peer) -> Response<ProxyBody> {
         // Phase 0: our own routes are never forwarded upstream.
         if req.uri().path().starts_with(ADMIN_PREFIX) || req.uri().path() == "/_aalis" {
-            return admin::handle(self, req, peer).await;
+            return admin::handle(self, req, peer.addr).await;
         }
         let started = Instant::now();
         let method = req.method().clone();
         // Taken by `forward` for the stream's log line once a response
         // came; a failure's line below writes it.
         let mut path = log_safe(req.uri().path());
-        match self.forward(req, started, &mut path).await {
+        match self
+            .forward(req, &peer.socket_full, started, &mut path)
+            .await
+        {
             Ok(response) => response,
             Err((fault, message, session_id)) => {
                 match fault {
@@ -201,7 +205,7 @@ impl Proxy {
                         tracing::warn!(session = %log.session_id, path = %log.path, "{message}");
                     }
                     Fault::BadRequest | Fault::ClientAborted => {
-                        tracing::debug!(%peer, "request failed: {message}");
+                        tracing::debug!(peer = %peer.addr, "request failed: {message}");
                     }
                 }
                 if let Some(id) = session_id.and_then(|id| HeaderValue::from_str(&id).ok()) {
@@ -213,9 +217,12 @@ impl Proxy {
     }
 
     /// Forwards a request and shapes its response.
+    /// `socket_full`: whether the client's connection could not write
+    /// all it holds, for the response body ([`TapBody`]).
     async fn forward(
         &self,
         req: Request<Incoming>,
+        socket_full: &SocketFull,
         started: Instant,
         path: &mut String,
     ) -> Result<Response<ProxyBody>, (Fault, String, Option<String>)> {
@@ -343,15 +350,20 @@ impl Proxy {
                     stream,
                     recording,
                     config.idle_timeout,
+                    socket_full.clone(),
                     log,
                     self.shared.metrics.clone(),
                 )
                 .boxed()
             }
-            None => {
-                TapBody::passthrough(body, config.idle_timeout, log, self.shared.metrics.clone())
-                    .boxed()
-            }
+            None => TapBody::passthrough(
+                body,
+                config.idle_timeout,
+                socket_full.clone(),
+                log,
+                self.shared.metrics.clone(),
+            )
+            .boxed(),
         };
         if let Some(value) = session_header {
             parts.headers.insert(SESSION_HEADER, value);
