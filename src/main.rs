@@ -2,7 +2,7 @@
 //! an exit status. Everything else is library code.
 
 use std::fs::File;
-use std::io::{self, IsTerminal, Read};
+use std::io::{self, IsTerminal, Read, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -64,10 +64,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             // stdout closed by its reader (`| head -1`): we are done, quietly.
-            if err
-                .downcast_ref::<FilterError>()
-                .is_some_and(FilterError::is_broken_pipe)
-            {
+            if is_broken_pipe(&err) {
                 return ExitCode::SUCCESS;
             }
             eprintln!("aalis-proxy: error: {err:#}");
@@ -284,9 +281,26 @@ fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let mut stdout = io::stdout();
     let calls = runtime()?.block_on(aalis_proxy::demo::run(options, &mut stdout))?;
     if !args.stream {
-        println!("{calls} tool calls streamed through the proxy, each with progress");
+        writeln!(
+            stdout,
+            "{calls} tool calls streamed through the proxy, each with progress"
+        )?;
+        stdout.flush()?;
     }
     Ok(())
+}
+
+/// Whether `err` is, or was caused by, a write to a closed pipe: the
+/// filter's own error, or an I/O error anywhere in the chain (`demo`).
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<FilterError>()
+            .is_some_and(FilterError::is_broken_pipe)
+            || cause
+                .downcast_ref::<io::Error>()
+                .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
+    })
 }
 
 fn current_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {

@@ -64,3 +64,30 @@ fn the_demo_can_show_the_annotated_streams() {
     assert!(stdout.contains("data: [DONE]"));
     assert!(stdout.contains(r#""done":true"#), "the Ollama capture too");
 }
+
+/// stdout closed by its reader before the demo writes (`| head -0`): the
+/// demo ends quietly with status 0, in both modes. Before, its summary
+/// line panicked (`println!`, status 101) and its other writes were an
+/// error (status 1).
+#[test]
+fn a_closed_stdout_ends_the_demo_quietly() {
+    for extra in [&[][..], &["--stream"][..]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_aalis-proxy"))
+            .args(["demo", "--delay-ms", "0", "--progress", "never"])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("demo runs");
+        drop(child.stdout.take());
+        let output = child.wait_with_output().expect("demo ends");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "{extra:?}: {:?}\n{stderr}",
+            output.status
+        );
+        assert!(stderr.is_empty(), "{extra:?}: {stderr}");
+    }
+}
