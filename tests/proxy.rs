@@ -978,6 +978,80 @@ fn unix_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// A HEAD of a stream's path, on the session of a stream that runs: its
+/// answer has the stream's type but no body, so it is no stream of its
+/// own. The running stream keeps its session, its progress stays, and
+/// it goes on publishing. (Before, the HEAD took the session over and
+/// cleared the tool in progress.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_request_leaves_the_running_streams_session_alone() {
+    let frames = frames_of(SINGLE_CALL);
+    let k = SINGLE_CALL_PAUSE;
+    let gate = Arc::new(Notify::new());
+    let (upstream_frames, upstream_gate) = (frames.clone(), gate.clone());
+    let upstream = FakeUpstream::start(move |req| {
+        let reply = Reply::new(200).header("content-type", "text/event-stream");
+        if req.method == http::Method::HEAD {
+            return reply;
+        }
+        let data = |range: std::ops::Range<usize>| {
+            upstream_frames[range]
+                .iter()
+                .map(|b| Step::Data(b.clone()))
+                .collect::<Vec<_>>()
+        };
+        let mut reply = reply;
+        reply.body = data(0..k + 1);
+        reply.body.push(Step::Wait(upstream_gate.clone()));
+        reply.body.extend(data(k + 1..k + 3));
+        reply.body.push(Step::Hang);
+        reply
+    })
+    .await;
+    let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
+    let sessions = proxy.sessions().clone();
+    let client = client();
+    let progress = || -> Vec<(String, usize)> {
+        sessions
+            .snapshot("chat-7")
+            .into_iter()
+            .map(|p| (p.name.to_string(), p.chars_accumulated))
+            .collect()
+    };
+    let open = |n: usize| annotate_open(&frames[..n], Framing::Sse, InjectMode::Field).0;
+    let stream = Request::post(proxy.url("/v1/chat/completions"))
+        .header("x-aalis-session", "chat-7")
+        .body(full("{}"))
+        .expect("request");
+    let mut stream = send(&client, stream).await.into_body();
+    let mut got = Vec::new();
+    read_at_least(&mut stream, &mut got, open(k + 1).len(), PATIENCE).await;
+    assert_eq!(progress(), [("get_weather".to_owned(), 10)]);
+
+    let head = Request::head(proxy.url("/v1/chat/completions"))
+        .header("x-aalis-session", "chat-7")
+        .body(full(""))
+        .expect("request");
+    let head = send(&client, head).await;
+    assert_eq!(head.status(), StatusCode::OK);
+    let (body, end) = read_body(&mut head.into_body(), PATIENCE).await;
+    assert!(body.is_empty() && end.is_ok(), "{body:?} {end:?}");
+    assert_eq!(
+        progress(),
+        [("get_weather".to_owned(), 10)],
+        "the HEAD cleared"
+    );
+
+    // The stream still owns its session: its next deltas show.
+    gate.notify_one();
+    read_at_least(&mut stream, &mut got, open(k + 3).len(), PATIENCE).await;
+    let after = progress();
+    assert!(
+        after.len() == 1 && after[0].1 > 10,
+        "the stream no longer publishes: {after:?}"
+    );
+}
+
 /// A second streamed request of a session, while the first is still open,
 /// clears the first's progress at once; the first can neither publish over
 /// the second nor, when it ends, clear what the second owns; the second's

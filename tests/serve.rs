@@ -1577,10 +1577,10 @@ fn the_default_listen_addresses_are_loopback() {
     );
 }
 
-/// An upstream that answers one request with `body` as an event stream,
-/// head and body in one write, so that the proxy reads the stream in one
-/// piece (a burst), then closes.
-fn one_write_upstream(body: Vec<u8>) -> (u16, JoinHandle<()>) {
+/// An upstream that answers one request with `reply`, head and body, in
+/// one write (so that the proxy reads a stream in one piece, a burst),
+/// then closes.
+fn one_write_upstream(reply: Vec<u8>) -> (u16, JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     let port = listener.local_addr().expect("local_addr").port();
     let thread = thread::spawn(move || {
@@ -1613,12 +1613,6 @@ fn one_write_upstream(body: Vec<u8>) -> (u16, JoinHandle<()>) {
             }
             got.extend_from_slice(&buf[..n]);
         }
-        let mut reply = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            body.len()
-        )
-        .into_bytes();
-        reply.extend_from_slice(&body);
         let _ = conn.write_all(&reply);
     });
     (port, thread)
@@ -1631,7 +1625,13 @@ fn one_write_upstream(body: Vec<u8>) -> (u16, JoinHandle<()>) {
 #[test]
 fn serve_ends_each_tool_of_a_burst_with_its_last_count() {
     let capture = std::fs::read(common::fixtures_dir().join(PARALLEL_FIXTURE)).expect("fixture");
-    let (upstream_port, upstream) = one_write_upstream(capture);
+    let mut reply = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        capture.len()
+    )
+    .into_bytes();
+    reply.extend_from_slice(&capture);
+    let (upstream_port, upstream) = one_write_upstream(reply);
     let mut serve = start_serve(upstream_port, &["--progress=always"], &[]);
     let mut response = post(
         serve.port,
@@ -1651,6 +1651,27 @@ fn serve_ends_each_tool_of_a_burst_with_its_last_count() {
             "no {line:?} in:\n{stderr}"
         );
     }
+    serve.stop();
+    upstream.join().expect("the upstream thread");
+}
+
+/// A response without a body (a 204 here; a HEAD's and a 304's alike)
+/// is logged as what it is, `ok`: hyper never polls such a body, and its
+/// drop was taken for a client that went away (`cancelled`).
+#[test]
+fn a_response_without_a_body_is_logged_ok() {
+    let (upstream_port, upstream) = one_write_upstream(
+        b"HTTP/1.1 204 No Content\r\ncontent-type: text/event-stream\r\n\r\n".to_vec(),
+    );
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    let response = post(serve.port, CHAT_PATH, "{}", &[("X-Aalis-Session", "empty")]);
+    assert_eq!(response.status, 204);
+    let stderr = serve.wait_for_stderr("status=204");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("status=204"))
+        .unwrap_or_default();
+    assert!(line.contains("outcome=\"ok\""), "{line}");
     serve.stop();
     upstream.join().expect("the upstream thread");
 }

@@ -241,6 +241,14 @@ impl TapBody {
         metrics: Arc<Metrics>,
     ) -> TapBody {
         let now = tokio::time::Instant::now();
+        // A response without a body (to a HEAD, a 204 or 304, a length of
+        // 0) is over before it starts: hyper never polls it, and its drop
+        // is no client going away.
+        let phase = if inner.is_end_stream() {
+            Phase::Done
+        } else {
+            Phase::Streaming
+        };
         TapBody {
             metrics,
             inner,
@@ -253,7 +261,7 @@ impl TapBody {
             heard: now,
             socket_full,
             out: OutBuf::default(),
-            phase: Phase::Streaming,
+            phase,
             error: None,
             trailers: None,
             outcome: "ok",

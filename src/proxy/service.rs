@@ -312,7 +312,15 @@ impl Proxy {
             session_id,
             started,
         };
-        let body = match stream_framing(&parts.headers) {
+        // A response without a body (to a HEAD, a 204 or 304) is no
+        // stream, whatever its type says: it must not take the session
+        // over from the stream that runs.
+        let framing = if body.is_end_stream() {
+            None
+        } else {
+            stream_framing(&parts.headers)
+        };
+        let body = match framing {
             Some(framing) => {
                 // A transformed body has a new length, and must not be
                 // buffered by anything between us and the client.
