@@ -105,9 +105,18 @@ struct XGroqView<'a> {
 
 /// `delta.content`: a string, or Mistral's array of typed parts; anything
 /// else carries no text.
-enum ContentView<'a> {
+type ContentView<'a> = Content<'a, PartView<'a>>;
+
+/// A Mistral thinking part's `thinking`: a string, or parts of which only
+/// the text is read. Nothing nested deeper is decoded, so a value nested
+/// without end costs no stack (serde's depth limit starts again with each
+/// `Content`, which parses its array anew).
+type ThinkingView<'a> = Content<'a, TextPartView<'a>>;
+
+/// A string, an array of parts `P`, or anything else (no text).
+enum Content<'a, P> {
     Text(JsonStr<'a>),
-    Parts(Vec<PartView<'a>>),
+    Parts(Vec<P>),
     Other,
 }
 
@@ -120,21 +129,28 @@ struct PartView<'a> {
     #[serde(borrow, default)]
     text: Option<JsonStr<'a>>,
     #[serde(borrow, default)]
-    thinking: Option<ContentView<'a>>,
+    thinking: Option<ThinkingView<'a>>,
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for ContentView<'a> {
+/// A part of a thinking part: its text.
+#[derive(Deserialize)]
+struct TextPartView<'a> {
+    #[serde(borrow, default)]
+    text: Option<JsonStr<'a>>,
+}
+
+impl<'de: 'a, 'a, P: Deserialize<'de>> Deserialize<'de> for Content<'a, P> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw: &'de RawValue = Deserialize::deserialize(d)?;
         let json = raw.get();
         if let Some(text) = decode_string(json) {
-            return Ok(ContentView::Text(JsonStr(text)));
+            return Ok(Content::Text(JsonStr(text)));
         }
         if json.starts_with('[') {
             let parts = serde_json::from_str(json).map_err(de::Error::custom)?;
-            return Ok(ContentView::Parts(parts));
+            return Ok(Content::Parts(parts));
         }
-        Ok(ContentView::Other)
+        Ok(Content::Other)
     }
 }
 
@@ -247,7 +263,7 @@ fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chun
 /// type `thinking` reasoning.
 fn decode_content<'a>(choice: i64, content: ContentView<'a>, emit: &mut dyn FnMut(Chunk<'a>)) {
     match content {
-        ContentView::Text(text) => {
+        Content::Text(text) => {
             if let Some(text) = JsonStr::non_empty(Some(text)) {
                 emit(Chunk::Text {
                     choice,
@@ -255,7 +271,7 @@ fn decode_content<'a>(choice: i64, content: ContentView<'a>, emit: &mut dyn FnMu
                 });
             }
         }
-        ContentView::Parts(parts) => {
+        Content::Parts(parts) => {
             for part in parts {
                 match part.kind.as_ref().map(|k| k.0.as_ref()) {
                     Some("thinking") => {
@@ -275,15 +291,15 @@ fn decode_content<'a>(choice: i64, content: ContentView<'a>, emit: &mut dyn FnMu
                 }
             }
         }
-        ContentView::Other => {}
+        Content::Other => {}
     }
 }
 
 /// A Mistral thinking part's `thinking`: a string or an array of text parts,
 /// all reasoning.
-fn decode_thinking<'a>(choice: i64, thinking: ContentView<'a>, emit: &mut dyn FnMut(Chunk<'a>)) {
+fn decode_thinking<'a>(choice: i64, thinking: ThinkingView<'a>, emit: &mut dyn FnMut(Chunk<'a>)) {
     match thinking {
-        ContentView::Text(text) => {
+        Content::Text(text) => {
             if let Some(text) = JsonStr::non_empty(Some(text)) {
                 emit(Chunk::Reasoning {
                     choice,
@@ -291,7 +307,7 @@ fn decode_thinking<'a>(choice: i64, thinking: ContentView<'a>, emit: &mut dyn Fn
                 });
             }
         }
-        ContentView::Parts(parts) => {
+        Content::Parts(parts) => {
             for text in parts.into_iter().filter_map(|p| JsonStr::non_empty(p.text)) {
                 emit(Chunk::Reasoning {
                     choice,
@@ -299,7 +315,7 @@ fn decode_thinking<'a>(choice: i64, thinking: ContentView<'a>, emit: &mut dyn Fn
                 });
             }
         }
-        ContentView::Other => {}
+        Content::Other => {}
     }
 }
 
@@ -1261,6 +1277,30 @@ mod tests {
                 }),
             ]
         );
+    }
+
+    /// Thinking parts nested 100,000 deep (a 1.5 MB event, well within
+    /// `--max-event-bytes`): decoded without a stack overflow, which
+    /// aborted the process (`annotate`, and all of `serve`) when each
+    /// level's `thinking` was parsed as content again, each with serde's
+    /// depth limit anew. Only the outer level is read: no text here (the
+    /// parts of arrays are no objects: an unexpected shape, passed on).
+    #[test]
+    fn deeply_nested_thinking_parts_cost_no_stack() {
+        let depth = 100_000;
+        for (open, close) in [(r#"[{"thinking":"#, "}]"), ("[[0,0,", "]]")] {
+            let data = format!(
+                r#"{{"choices":[{{"delta":{{"content":{}"x"{}}}}}]}}"#,
+                open.repeat(depth),
+                close.repeat(depth)
+            );
+            let mut out = Vec::new();
+            let decoded = decode(&data, &mut DecoderState::default(), &mut |c| {
+                out.push(format!("{c:?}"))
+            });
+            assert_eq!(decoded.is_ok(), open.starts_with("[{"), "{open}");
+            assert!(out.is_empty(), "{open}: {out:?}");
+        }
     }
 
     #[test]
