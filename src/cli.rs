@@ -238,6 +238,9 @@ pub struct ServeArgs {
     /// The URL's path is a prefix of the request path: with
     /// https://api.example.com/v1, both /v1/chat/completions and
     /// /chat/completions go to https://api.example.com/v1/chat/completions.
+    /// Under such a prefix, a request path with a `.` or `..` segment (also
+    /// written %2e) gets 400: the upstream could resolve it outside the
+    /// prefix.
     ///
     /// Example: --upstream https://api.openai.com
     #[arg(long, value_name = "URL")]

@@ -143,6 +143,18 @@ pub enum UpstreamConfigError {
     Tls(#[from] rustls::Error),
 }
 
+/// Why a request's path cannot go to the upstream.
+#[derive(Debug, thiserror::Error)]
+pub enum PathError {
+    #[error(
+        "it has a `.` or `..` segment, which the upstream could resolve to a path \
+         outside {prefix}"
+    )]
+    DotSegment { prefix: String },
+    #[error(transparent)]
+    Http(#[from] http::Error),
+}
+
 /// The validated `--upstream` URL.
 #[derive(Debug, Clone)]
 pub struct Upstream {
@@ -176,6 +188,16 @@ impl Upstream {
             .authority()
             .cloned()
             .ok_or_else(|| bad("it has no host"))?;
+        // What follows the host (after an IPv6 address's `]`).
+        let after_host = authority
+            .as_str()
+            .rsplit_once(']')
+            .map_or(authority.as_str(), |(_, rest)| rest);
+        if after_host.contains(':') && authority.port_u16().is_none() {
+            // Left to the client, a port that does not fit in 16 bits is
+            // dropped, and the request goes to the scheme's default port.
+            return Err(bad("its port is not a number from 0 to 65535"));
+        }
         if authority.as_str().contains('@') {
             // They would be printed in logs and error bodies, and never
             // sent: credentials belong in a header the client sends.
@@ -204,9 +226,18 @@ impl Upstream {
     /// boundary) is kept, any other gets it prepended. So with
     /// `--upstream https://host/v1`, both `/v1/chat/completions` and
     /// `/chat/completions` go to `https://host/v1/chat/completions`.
-    pub fn uri_for(&self, request: &Uri) -> Result<Uri, http::Error> {
+    ///
+    /// Under a prefix, a path with a `.` or `..` segment (also written
+    /// `%2e`) is refused: the upstream could resolve `/v1/../admin` to
+    /// `/admin`, outside the prefix (RFC 3986 §5.2.4).
+    pub fn uri_for(&self, request: &Uri) -> Result<Uri, PathError> {
         let path = request.path();
         let prefix = self.path_prefix.as_str();
+        if !prefix.is_empty() && path.split('/').any(is_dot_segment) {
+            return Err(PathError::DotSegment {
+                prefix: prefix.to_owned(),
+            });
+        }
         let has_prefix = prefix.is_empty()
             || path == prefix
             || path
@@ -225,15 +256,33 @@ impl Upstream {
                     joined.push('?');
                     joined.push_str(query);
                 }
-                PathAndQuery::try_from(joined)?
+                PathAndQuery::try_from(joined).map_err(http::Error::from)?
             }
         };
-        Uri::builder()
+        Ok(Uri::builder()
             .scheme(self.scheme.clone())
             .authority(self.authority.clone())
             .path_and_query(path_and_query)
-            .build()
+            .build()?)
     }
+}
+
+/// `.` or `..`, either dot written as it is or as `%2e` / `%2E`.
+fn is_dot_segment(segment: &str) -> bool {
+    let rest = segment
+        .strip_prefix('.')
+        .or_else(|| strip_encoded_dot(segment));
+    match rest {
+        Some("") => true,
+        Some(rest) => rest == "." || strip_encoded_dot(rest) == Some(""),
+        None => false,
+    }
+}
+
+fn strip_encoded_dot(s: &str) -> Option<&str> {
+    s.get(..3)
+        .filter(|head| head.eq_ignore_ascii_case("%2e"))
+        .map(|_| &s[3..])
 }
 
 /// Builds the upstream client.
@@ -460,6 +509,41 @@ mod tests {
         assert_ne!(kept(&mapped), kept(&request));
     }
 
+    /// Under a path prefix, `.` and `..` segments, plain or encoded, are
+    /// refused: the upstream could resolve them outside the prefix. Dots
+    /// inside a segment are a name like any other; without a prefix there
+    /// is nothing to leave.
+    #[test]
+    fn dot_segments_cannot_leave_the_upstream_path() {
+        let up = Upstream::parse("http://h/v1").expect("valid upstream");
+        for path in [
+            "/../admin",
+            "/v1/../admin",
+            "/v1/./x",
+            "/v1/x/..",
+            "/%2e%2e/admin",
+            "/v1/.%2E/admin",
+            "/v1/%2E./admin",
+            "/v1/%2e/admin",
+        ] {
+            let err = up
+                .uri_for(&path.parse().expect("valid request uri"))
+                .expect_err(path)
+                .to_string();
+            assert!(err.contains("outside /v1"), "{path}: {err}");
+        }
+        for (path, mapped) in [
+            ("/v1/file.txt", "http://h/v1/file.txt"),
+            ("/v1/...", "http://h/v1/..."),
+            ("/v1/..a", "http://h/v1/..a"),
+            ("/v1/%2e%2e%2e", "http://h/v1/%2e%2e%2e"),
+            ("/v1/.well-known/x", "http://h/v1/.well-known/x"),
+        ] {
+            assert_eq!(map("http://h/v1", path), mapped, "{path}");
+        }
+        assert_eq!(map("http://h", "/a/../b"), "http://h/a/../b");
+    }
+
     #[test]
     fn bad_upstreams_are_refused_with_a_reason() {
         for (url, wanted) in [
@@ -468,6 +552,11 @@ mod tests {
             ("http://h/?a=1", "query string"),
             ("not a url", "is not a URL"),
             ("http://user:secret@h:1", "must not contain credentials"),
+            (
+                "http://127.0.0.1:99999",
+                "port is not a number from 0 to 65535",
+            ),
+            ("https://h:80800/v1", "port is not a number from 0 to 65535"),
         ] {
             let err = Upstream::parse(url).expect_err(url).to_string();
             assert!(err.contains(wanted), "{url}: {err}");
