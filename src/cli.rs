@@ -268,16 +268,17 @@ pub struct ServeArgs {
 
     /// Deadline for connecting to the upstream (TCP and TLS); past it, 504
     ///
-    /// Durations are a number with an optional unit: ms, s (the default), m.
+    /// Durations are a number with an optional unit: ms, s (the default), m;
+    /// a timeout must be longer than 0.
     ///
     /// Example: --connect-timeout 5s
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
     pub connect_timeout: Duration,
 
     /// Deadline for the upstream's response headers; past it, 504
     ///
     /// Example: --response-timeout 2m
-    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_timeout)]
     pub response_timeout: Duration,
 
     /// Longest silence of the upstream in the middle of a response; past it
@@ -286,7 +287,7 @@ pub struct ServeArgs {
     /// has not yet taken the bytes that came before it
     ///
     /// Example: --idle-timeout 90s
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_timeout)]
     pub idle_timeout: Duration,
 
     /// After SIGINT or SIGTERM, how long open streams may go on (a second
@@ -502,6 +503,18 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(duration)
 }
 
+/// [`parse_duration`] for a deadline, which must be longer than 0: a
+/// timeout of 0 would fail every request.
+pub fn parse_timeout(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Err(format!(
+            "{:?}: a timeout must be longer than 0 (examples: 250ms, 10s, 2m)",
+            text.trim()
+        )),
+        duration => Ok(duration),
+    }
+}
+
 /// The longest duration a flag accepts.
 const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
 
@@ -611,6 +624,12 @@ mod tests {
         ] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        for zero in ["0", "0s", "0ms", "0.0m"] {
+            let err = parse_timeout(zero).expect_err(zero);
+            assert!(err.contains("must be longer than 0"), "{zero}: {err}");
+        }
+        assert_eq!(parse_timeout("1ms"), Ok(Duration::from_millis(1)));
     }
 
     #[test]
