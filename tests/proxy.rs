@@ -978,6 +978,34 @@ fn unix_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// A request head of 40 KiB (one header) reaches the upstream over
+/// HTTP/2 as over HTTP/1.1: the head's bound is 64 KiB for both. (h2's
+/// default, 16 KiB, gave HTTP/2 clients a 431.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_request_head_passes_over_http_2_as_over_http_1() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
+    let big = "x".repeat(40 * 1024);
+    let h2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    for (client, version) in [(client(), Version::HTTP_11), (h2, Version::HTTP_2)] {
+        let req = Request::get(proxy.url("/v1/models"))
+            .header("x-big", big.as_str())
+            .body(empty())
+            .expect("request");
+        let response = send(&client, req).await;
+        assert_eq!(response.status(), StatusCode::OK, "{version:?}");
+        assert_eq!(response.version(), version);
+    }
+    let requests = upstream.requests();
+    assert_eq!(requests.len(), 2);
+    for request in &requests {
+        let forwarded = request.headers.get("x-big").map(|v| v.len());
+        assert_eq!(forwarded, Some(big.len()));
+    }
+}
+
 /// A HEAD of a stream's path, on the session of a stream that runs: its
 /// answer has the stream's type but no body, so it is no stream of its
 /// own. The running stream keeps its session, its progress stays, and

@@ -125,10 +125,12 @@ fn admin_allowed(
     let Some(token) = token else {
         return false;
     };
+    // `Bearer <token>`, the scheme in any case (RFC 9110 §11.1).
     authorization
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .is_some_and(|(_, given)| constant_time_eq(given.trim().as_bytes(), token.as_bytes()))
 }
 
 /// `localhost`, `127.x.y.z` or `[::1]`, with or without a port.
@@ -287,7 +289,13 @@ fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
                     },
                     _ = keep_alive.tick() => Bytes::from_static(b": keep-alive\n\n"),
                 };
-                if tx.send(frame).await.is_err() {
+                // A client that reads slowly fills the channel: the
+                // shutdown still ends the wait.
+                let sent = tokio::select! {
+                    () = &mut closed => break,
+                    sent = tx.send(frame) => sent,
+                };
+                if sent.is_err() {
                     break;
                 }
             }
@@ -435,6 +443,29 @@ mod tests {
             Some(&bearer("t0k")),
             Some("t0k")
         ));
+        // The scheme in any case (RFC 9110 §11.1); not the token.
+        for given in ["bearer t0k", "BEARER t0k", "Bearer  t0k "] {
+            assert!(
+                admin_allowed(
+                    remote,
+                    Some("proxy.example"),
+                    Some(&HeaderValue::from_static(given)),
+                    Some("t0k")
+                ),
+                "{given:?}"
+            );
+        }
+        for given in ["Basic t0k", "Bearer", "Bearert0k", "bearer T0K"] {
+            assert!(
+                !admin_allowed(
+                    remote,
+                    Some("proxy.example"),
+                    Some(&HeaderValue::from_static(given)),
+                    Some("t0k")
+                ),
+                "{given:?}"
+            );
+        }
     }
 
     #[test]

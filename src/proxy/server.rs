@@ -87,6 +87,10 @@ pub async fn serve<H, F>(
     // while it holds less than `max_buf_size`); our pieces go back to
     // their `OutBuf` as soon as they are copied.
     http1.writev(false);
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    // A request head as large over HTTP/2 as over HTTP/1.1 (where the
+    // buffer's size bounds it): h2's default is 16 KiB.
+    http2.max_header_list_size(u32::try_from(CONN_BUF_BYTES).unwrap_or(u32::MAX));
     let listener = match listener.into_std() {
         Ok(listener) => listener,
         Err(err) => {
@@ -106,7 +110,7 @@ pub async fn serve<H, F>(
     let shared = Arc::new(Shared {
         handler,
         http1,
-        http2: http2::Builder::new(TokioExecutor::new()),
+        http2,
         graceful: graceful.clone(),
         loads,
     });
