@@ -43,6 +43,11 @@ pub enum Warning {
         "{at}: larger than {max_bytes} bytes (--max-event-bytes); passed on as it streams, not parsed"
     )]
     Oversized { at: Location, max_bytes: usize },
+    #[error(
+        "{at}: a tool call past the first {max_calls} of the stream (or a choice past as \
+         many); it and any later new ones are passed on without progress"
+    )]
+    TooManyCalls { at: Location, max_calls: usize },
     #[error("{count} more undecodable frames were passed on unchanged without a warning")]
     Suppressed { count: u64 },
     #[error("--inject {mode} applies to SSE streams; NDJSON lines get `field` injection")]

@@ -283,6 +283,8 @@ struct StreamState {
     ended: bool,
     /// Frames after the end were reported.
     ended_warned: bool,
+    /// A call refused past the tracker's limits was reported.
+    refused_warned: bool,
     /// The `done` line(s) were written.
     done_written: bool,
     /// Frames (SSE events with data, NDJSON lines) handled so far.
@@ -367,6 +369,7 @@ impl Annotator {
                 undecodable: 0,
                 ended: false,
                 ended_warned: false,
+                refused_warned: false,
                 done_written: false,
                 frames: 0,
                 probed_frames: 0,
@@ -895,6 +898,12 @@ impl StreamState {
         }?;
         if let Some(message) = upstream_error {
             self.warnings.push(Warning::Upstream { at, message });
+        }
+        if self.tracker.refused_calls() > 0 && !std::mem::replace(&mut self.refused_warned, true) {
+            self.warnings.push(Warning::TooManyCalls {
+                at,
+                max_calls: crate::progress::MAX_CALLS,
+            });
         }
         if done {
             // `Done` is the last chunk of its frame (`[DONE]`, Ollama's

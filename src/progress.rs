@@ -12,7 +12,10 @@
 //! It is pure: no clock inside (callers pass the time as a [`Now`], Unix
 //! milliseconds or a clock to read them from), no I/O, no output format.
 //! Counting is O(length of the fragment) per delta, whatever the length of
-//! the arguments so far.
+//! the arguments so far. A stream has at most [`MAX_CALLS`] calls and
+//! [`MAX_CHOICES`] choices: the calls are kept sorted, and a stream that
+//! announced new calls without end (in descending order, each moving all
+//! the others) took time that grew with their square.
 //!
 //! Read [`ToolCallTracker::apply`] first.
 
@@ -21,6 +24,16 @@ use std::sync::Arc;
 
 use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
 use crate::js::utf16_len;
+
+/// The most tool calls one stream's tracker keeps, over all its choices;
+/// a delta that would start another is refused ([`Applied::Unchanged`],
+/// counted by [`ToolCallTracker::refused_calls`]). Models call a few tools
+/// at once, rarely dozens.
+pub const MAX_CALLS: usize = 1024;
+
+/// The most choices one stream's tracker keeps; a delta or `finish_reason`
+/// of another is refused as past [`MAX_CALLS`].
+pub const MAX_CHOICES: usize = 1024;
 
 /// The time a chunk is applied at, in Unix milliseconds: a time the
 /// caller read, or the caller's clock, read only if the chunk starts a
@@ -188,6 +201,10 @@ pub struct ToolCallTracker {
     layout_at: u64,
     /// Keep the arguments text (for the final `toolCalls`), or only count.
     keep_arguments: bool,
+    /// The calls kept, over all choices (at most [`MAX_CALLS`]).
+    call_count: usize,
+    /// See [`refused_calls`](Self::refused_calls).
+    refused_calls: u64,
     /// Calls whose progress ended, in the order they ended, with their last
     /// state, kept from [`keep_ended`](Self::keep_ended) on until taken
     /// ([`take_ended`](Self::take_ended)): `annotate`'s spinners, fed once
@@ -244,9 +261,20 @@ impl ToolCallTracker {
             Chunk::Reasoning { .. } => self.text(StreamPhase::Reasoning),
             Chunk::ToolCallDelta(delta) => {
                 self.phase = StreamPhase::CallingTools;
-                Applied::Progress(self.apply_delta(delta, now.into()))
+                match self.apply_delta(delta, now.into()) {
+                    Some(progress) => Applied::Progress(progress),
+                    None => Applied::Unchanged,
+                }
             }
             Chunk::Finish { choice } => {
+                if self.choices.len() >= MAX_CHOICES
+                    && self
+                        .choices
+                        .binary_search_by_key(choice, |c| c.choice)
+                        .is_err()
+                {
+                    return Applied::Unchanged;
+                }
                 let c = self.choice_mut(*choice);
                 c.finished = true;
                 for call in &mut c.calls {
@@ -306,6 +334,12 @@ impl ToolCallTracker {
         if let Some(ended) = self.ended.as_mut() {
             out.append(ended);
         }
+    }
+
+    /// Deltas refused because they would have started a call past
+    /// [`MAX_CALLS`] (or a choice past [`MAX_CHOICES`]).
+    pub fn refused_calls(&self) -> u64 {
+        self.refused_calls
     }
 
     /// A number that grows whenever the in-progress map changes.
@@ -479,7 +513,7 @@ impl ToolCallTracker {
         })
     }
 
-    fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now: Now) -> Progress<'_> {
+    fn apply_delta(&mut self, delta: &ToolCallDelta<'_>, now: Now) -> Option<Progress<'_>> {
         let keep_arguments = self.keep_arguments;
         let before = self.changes;
         self.changes += 1;
@@ -506,13 +540,18 @@ impl ToolCallTracker {
             choice.last_touched = Some(to.index);
             let call = &mut choice.calls[to.slot];
             append_arguments(call, &delta.arguments, keep_arguments);
-            return Progress {
+            return Some(Progress {
                 choice: to.choice,
                 index: to.index,
                 name: &call.name,
                 chars_accumulated: call.chars_accumulated,
                 started_at_ms: to.started_at_ms,
-            };
+            });
+        }
+        if self.past_the_limits(delta) {
+            self.changes = before;
+            self.refused_calls += 1;
+            return None;
         }
         self.layout_at = self.changes;
         let choice_pos = choice_position(&mut self.choices, delta.choice);
@@ -540,6 +579,7 @@ impl ToolCallTracker {
                     state: CallState::Announced,
                 };
                 choice.calls.insert(slot, call);
+                self.call_count += 1;
                 slot
             }
         };
@@ -568,12 +608,35 @@ impl ToolCallTracker {
             slot,
             started_at_ms,
         });
-        Progress {
+        Some(Progress {
             choice: delta.choice,
             index,
             name: &call.name,
             chars_accumulated: call.chars_accumulated,
             started_at_ms,
+        })
+    }
+
+    /// Whether `delta` would start a call past [`MAX_CALLS`], or a choice
+    /// past [`MAX_CHOICES`].
+    fn past_the_limits(&self, delta: &ToolCallDelta<'_>) -> bool {
+        if self.call_count < MAX_CALLS && self.choices.len() < MAX_CHOICES {
+            return false;
+        }
+        match self
+            .choices
+            .binary_search_by_key(&delta.choice, |c| c.choice)
+        {
+            Err(_) => true,
+            Ok(pos) => {
+                let choice = &self.choices[pos];
+                let index = resolve_index(choice, delta);
+                self.call_count >= MAX_CALLS
+                    && choice
+                        .calls
+                        .binary_search_by_key(&index, |c| c.index)
+                        .is_err()
+            }
         }
     }
 }
@@ -674,6 +737,51 @@ mod tests {
             ),
             other => panic!("expected progress, got {other:?}"),
         }
+    }
+
+    /// Past [`MAX_CALLS`] calls (here announced in descending order, the
+    /// order that moved every call kept at each new one), a delta that
+    /// would start another is refused and counted; the calls kept go on,
+    /// and a new choice past [`MAX_CHOICES`] is refused too.
+    #[test]
+    fn calls_past_the_limit_are_refused() {
+        let mut t = ToolCallTracker::new(false);
+        let extra = 10;
+        for i in 0..(MAX_CALLS + extra) as i64 {
+            let applied = t.apply(&delta(Some(1_000_000 - i), None, Some("f"), "x"), 1);
+            let kept = (i as usize) < MAX_CALLS;
+            assert_eq!(matches!(applied, Applied::Progress(_)), kept, "call {i}");
+        }
+        assert_eq!(t.refused_calls(), extra as u64);
+        let (_, calls) = t.calls().next().expect("one choice");
+        assert_eq!(calls.len(), MAX_CALLS);
+        assert!(calls.windows(2).all(|w| w[0].index < w[1].index));
+        // A call kept still grows; a refused one still is not there.
+        assert_eq!(
+            progress(&mut t, delta(Some(1_000_000), None, None, "yz"), 2),
+            (1_000_000, "f".into(), 3, 1)
+        );
+        let refused = 1_000_000 - MAX_CALLS as i64;
+        assert!(matches!(
+            t.apply(&delta(Some(refused), None, None, "y"), 2),
+            Applied::Unchanged
+        ));
+        assert_eq!(t.refused_calls(), extra as u64 + 1);
+        // Choices: past MAX_CHOICES, neither a finish nor a delta of a new
+        // one is kept.
+        let mut t = ToolCallTracker::new(false);
+        for choice in 0..MAX_CHOICES as i64 {
+            t.apply(&Chunk::Finish { choice }, 1);
+        }
+        let past = MAX_CHOICES as i64;
+        t.apply(&Chunk::Finish { choice: past }, 1);
+        assert!(t.finished(past - 1) && !t.finished(past));
+        let mut new_choice = delta(Some(0), None, Some("f"), "x");
+        if let Chunk::ToolCallDelta(d) = &mut new_choice {
+            d.choice = past;
+        }
+        assert!(matches!(t.apply(&new_choice, 1), Applied::Unchanged));
+        assert_eq!(t.refused_calls(), 1);
     }
 
     #[test]
