@@ -37,7 +37,10 @@ pub enum Warning {
          its data was not dispatched, passed on unchanged"
     )]
     Unterminated { number: u64, offset: u64 },
-    #[error("{at}: data after the end of the stream ([DONE]); passed on unchanged, not tracked")]
+    #[error(
+        "{at}: data after the end of the stream ({}); passed on unchanged, not tracked",
+        at.end_marker()
+    )]
     AfterEnd { at: Location },
     #[error(
         "{at}: larger than {max_bytes} bytes (--max-event-bytes); passed on as it streams, not parsed"
@@ -63,6 +66,18 @@ pub struct Location {
     pub number: u64,
     /// Offset of the frame's first byte in the stream.
     pub offset: u64,
+}
+
+impl Location {
+    /// What ends a stream of this kind of frame: `[DONE]`, or Ollama's
+    /// `done: true` line.
+    pub fn end_marker(&self) -> &'static str {
+        if self.unit.starts_with("NDJSON") {
+            "\"done\": true"
+        } else {
+            "[DONE]"
+        }
+    }
 }
 
 impl std::fmt::Display for Location {

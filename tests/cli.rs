@@ -741,3 +741,27 @@ fn annotate_version_names_the_program() {
         format!("aalis-proxy {}\n", env!("CARGO_PKG_VERSION"))
     );
 }
+
+/// Data after the end of a stream is passed on and reported once, naming
+/// what ended the stream: `[DONE]` for SSE, `done: true` for Ollama's
+/// NDJSON (which has no `[DONE]`).
+#[test]
+fn data_after_the_end_names_the_end_of_its_kind() {
+    for (input, warning) in [
+        (
+            &b"data: [DONE]\n\ndata: {}\n\ndata: {}\n\n"[..],
+            "SSE event 2 (byte 14): data after the end of the stream ([DONE])",
+        ),
+        (
+            &b"{\"done\":true}\n{\"message\":{\"content\":\"x\"},\"done\":false}\n{}\n"[..],
+            "NDJSON line 2 (byte 14): data after the end of the stream (\"done\": true)",
+        ),
+    ] {
+        let output = run_with_stdin(aalis_proxy_with(&["annotate"]), input);
+        assert!(output.status.success());
+        assert_eq!(output.stdout, input, "passed on unchanged");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(stderr.matches("after the end").count(), 1, "{stderr}");
+        assert!(stderr.contains(warning), "{stderr}");
+    }
+}
