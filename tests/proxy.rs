@@ -978,6 +978,45 @@ fn unix_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// A request for a protocol upgrade other than `h2c` (a WebSocket, as a
+/// realtime API asks for) gets `501` with an OpenAI-style error at once,
+/// and never reaches the upstream as a plain request; an `h2c` upgrade
+/// offer is forwarded as the HTTP/1.1 request it also is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_upgrade_is_refused_with_501() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
+    let request = |upgrade: &str| {
+        Request::get(proxy.url("/v1/realtime"))
+            .header("connection", "Upgrade")
+            .header("upgrade", upgrade)
+            .header("sec-websocket-version", "13")
+            .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+            .body(empty())
+            .expect("request")
+    };
+    let response = send(&client(), request("websocket")).await;
+    assert_eq!(response.status(), StatusCode::NOT_IMPLEMENTED);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let error: Value = serde_json::from_slice(&body).expect("JSON");
+    assert_eq!(error["error"]["type"], "not_implemented");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("does not tunnel")),
+        "{error}"
+    );
+    assert!(upstream.requests().is_empty());
+    let response = send(&client(), request("h2c")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(upstream.requests().len(), 1);
+}
+
 /// A request head of 40 KiB (one header) reaches the upstream over
 /// HTTP/2 as over HTTP/1.1: the head's bound is 64 KiB for both. (h2's
 /// default, 16 KiB, gave HTTP/2 clients a 431.)

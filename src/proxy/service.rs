@@ -84,6 +84,9 @@ enum Fault {
     /// client went away, or sent less than it announced): its fault, not
     /// the upstream's.
     ClientAborted,
+    /// The client asked for a protocol upgrade (WebSocket), which the
+    /// proxy does not tunnel.
+    NotImplemented,
 }
 
 impl Fault {
@@ -92,6 +95,7 @@ impl Fault {
             Fault::BadRequest | Fault::ClientAborted => StatusCode::BAD_REQUEST,
             Fault::UpstreamUnreachable | Fault::UpstreamError => StatusCode::BAD_GATEWAY,
             Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Fault::NotImplemented => StatusCode::NOT_IMPLEMENTED,
         }
     }
 
@@ -101,6 +105,7 @@ impl Fault {
             Fault::UpstreamUnreachable => "upstream_unreachable",
             Fault::UpstreamTimeout => "upstream_timeout",
             Fault::UpstreamError => "upstream_error",
+            Fault::NotImplemented => "not_implemented",
         }
     }
 }
@@ -176,7 +181,7 @@ impl Proxy {
                         self.metrics().upstream_error(UpstreamErrorKind::Timeout)
                     }
                     Fault::UpstreamError => self.metrics().upstream_error(UpstreamErrorKind::Error),
-                    Fault::BadRequest | Fault::ClientAborted => {}
+                    Fault::BadRequest | Fault::ClientAborted | Fault::NotImplemented => {}
                 }
                 let mut response = error_response(fault, &message);
                 let log = RequestLog {
@@ -191,6 +196,7 @@ impl Proxy {
                     // The same word as a stream whose client went away.
                     Fault::ClientAborted => "cancelled",
                     Fault::BadRequest
+                    | Fault::NotImplemented
                     | Fault::UpstreamUnreachable
                     | Fault::UpstreamTimeout
                     | Fault::UpstreamError => fault.kind(),
@@ -204,7 +210,7 @@ impl Proxy {
                     Fault::UpstreamUnreachable | Fault::UpstreamTimeout | Fault::UpstreamError => {
                         tracing::warn!(session = %log.session_id, path = %log.path, "{message}");
                     }
-                    Fault::BadRequest | Fault::ClientAborted => {
+                    Fault::BadRequest | Fault::ClientAborted | Fault::NotImplemented => {
                         tracing::debug!(peer = %peer.addr, "request failed: {message}");
                     }
                 }
@@ -233,6 +239,21 @@ impl Proxy {
             None => self.generate_session_id(),
         };
         let fail = |fault, message: String| (fault, message, Some(session_id.clone()));
+        // A WebSocket (say, a realtime API) would need a tunnel: said at
+        // once, rather than forwarded as a plain request. `h2c` is no
+        // such upgrade: a client that offers it takes HTTP/1.1 as well.
+        if let Some(upgrade) = req.headers().get(header::UPGRADE)
+            && !upgrade
+                .to_str()
+                .is_ok_and(|v| v.split(',').all(|p| p.trim().eq_ignore_ascii_case("h2c")))
+        {
+            return Err(fail(
+                Fault::NotImplemented,
+                "aalis-proxy does not tunnel protocol upgrades (Upgrade: websocket and the \
+                 like); connect to the upstream directly for them"
+                    .to_owned(),
+            ));
+        }
         let inject = match req.headers().get(&INJECT_HEADER) {
             Some(value) => parse_inject(value).map_err(|m| fail(Fault::BadRequest, m))?,
             None => config.inject,
