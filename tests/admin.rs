@@ -455,6 +455,31 @@ async fn tool_execute_clears_the_session() {
     stream.abort();
 }
 
+/// The payload carries the tool's whole `args`: a 2 MiB file edit is
+/// taken (it got 400 when the bound was 1 MiB), and one past the bound,
+/// 64 MiB, gets 413 saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_tool_execute_payload_is_taken_and_one_too_large_is_413() {
+    let run = start(Duration::from_millis(250)).await;
+    let url = format!("{}/_aalis/tool-execute", run.proxy);
+    let payload = |bytes: usize| {
+        format!(
+            r#"{{"sessionId":"big","toolName":"write_file","args":{{"text":"{}"}},"phase":"start"}}"#,
+            "x".repeat(bytes)
+        )
+    };
+    let (status, answer) = json("POST", &url, &payload(2 << 20)).await;
+    assert_eq!(
+        (status, answer["ok"].as_bool()),
+        (200, Some(true)),
+        "{answer}"
+    );
+    let (status, answer) = json("POST", &url, &payload(64 << 20)).await;
+    assert_eq!(status, 413, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("larger than 64 MiB"), "{message}");
+}
+
 /// A tool that starts executing while the model still streams another
 /// call: the clear holds for the calls that got no delta since. Both calls
 /// of `parallel_tool_calls` are in progress when `tool:execute` starts;

@@ -25,7 +25,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body::{Body, Frame};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use tokio::sync::{broadcast, mpsc};
@@ -39,7 +39,9 @@ use super::upstream::{BoxError, ProxyBody};
 const STATUS_PAGE: &str = include_str!("status.html");
 
 /// Largest `tool-execute` body read.
-const MAX_TOOL_EXECUTE_BYTES: usize = 1024 * 1024;
+/// The payload carries the tool's whole `args` (a file edit can be large):
+/// the bound is four times `--max-event-bytes`' default.
+const MAX_TOOL_EXECUTE_BYTES: usize = 64 * 1024 * 1024;
 
 /// A comment sent on idle event streams so proxies and browsers keep them.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
@@ -212,6 +214,16 @@ async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBo
         .await
     {
         Ok(body) => body.to_bytes(),
+        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => {
+            return json_error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                &format!(
+                    "the tool:execute payload is larger than {} MiB",
+                    MAX_TOOL_EXECUTE_BYTES >> 20
+                ),
+            );
+        }
         Err(err) => return bad(format!("cannot read the body: {err}")),
     };
     let payload: ToolExecute = match serde_json::from_slice(&body) {
