@@ -219,12 +219,14 @@ impl AnnotateArgs {
 /// responses (text/event-stream, application/x-ndjson) are passed on as they
 /// arrive, with progress injected as --inject (or the request header
 /// X-Aalis-Inject) says; every other response passes through untouched. The
-/// request header X-Aalis-Session names the session (one is generated and
-/// returned in that response header when absent).
+/// request header X-Aalis-Session names the session, 1 to 128 visible ASCII
+/// characters (one is generated and returned in that response header when
+/// absent).
 ///
-/// Errors are OpenAI-style JSON: 502 when the upstream is unreachable, 504
-/// when it sends no response headers in time; a request head over 64 KiB
-/// gets 431. SIGINT or SIGTERM stops accepting connections and lets open
+/// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
+/// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled),
+/// 502 when the upstream is unreachable, 504 when it sends no response
+/// headers in time; a request head over 64 KiB gets 431. SIGINT or SIGTERM stops accepting connections and lets open
 /// streams finish for --shutdown-grace, then exits 0.
 ///
 /// The log and the --progress spinners are written to stderr by threads of

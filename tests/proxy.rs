@@ -978,6 +978,32 @@ fn unix_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// A stream's response gets `Cache-Control: no-cache` (nothing between
+/// proxy and client may hold it), except where the upstream said
+/// `no-store`, which says more and is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_no_store_is_kept() {
+    let upstream = FakeUpstream::start(|req| {
+        let reply = Reply::stream("text/event-stream", [&b"data: {}\n\n"[..]]);
+        if req.uri.path().ends_with("/store") {
+            reply.header("cache-control", "private, No-Store")
+        } else {
+            reply.header("cache-control", "max-age=60")
+        }
+    })
+    .await;
+    let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
+    for (path, wanted) in [("/v1/store", "private, No-Store"), ("/v1/x", "no-cache")] {
+        let response = send(&client(), get(&proxy.url(path))).await;
+        let got = response
+            .headers()
+            .get_all("cache-control")
+            .iter()
+            .collect::<Vec<_>>();
+        assert_eq!(got, [wanted], "{path}");
+    }
+}
+
 /// A request for a protocol upgrade other than `h2c` (a WebSocket, as a
 /// realtime API asks for) gets `501` with an OpenAI-style error at once,
 /// and never reaches the upstream as a plain request; an `h2c` upgrade

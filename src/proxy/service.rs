@@ -346,9 +346,22 @@ impl Proxy {
                 // A transformed body has a new length, and must not be
                 // buffered by anything between us and the client.
                 parts.headers.remove(header::CONTENT_LENGTH);
-                parts
+                // An upstream's `no-store` says more than `no-cache`: kept.
+                let no_store = parts
                     .headers
-                    .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                    .get_all(header::CACHE_CONTROL)
+                    .iter()
+                    .any(|v| {
+                        v.to_str().is_ok_and(|v| {
+                            v.split(',')
+                                .any(|d| d.trim().eq_ignore_ascii_case("no-store"))
+                        })
+                    });
+                if !no_store {
+                    parts
+                        .headers
+                        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                }
                 parts.headers.insert(
                     HeaderName::from_static("x-accel-buffering"),
                     HeaderValue::from_static("no"),
@@ -470,7 +483,9 @@ fn valid_session_id(value: &HeaderValue) -> Result<String, String> {
 fn parse_inject(value: &HeaderValue) -> Result<InjectMode, String> {
     let text = value.to_str().unwrap_or_default().trim();
     InjectMode::from_str(text, true).map_err(|_| {
-        format!("X-Aalis-Inject {text:?} is not one of field, comment, event, chunk, none")
+        // Without the value: header values are never logged (`-v` logs
+        // this message).
+        "X-Aalis-Inject is not one of field, comment, event, chunk, none".to_owned()
     })
 }
 
@@ -654,6 +669,9 @@ mod tests {
             parse_inject(&HeaderValue::from_static("Comment")),
             Ok(InjectMode::Comment)
         );
-        assert!(parse_inject(&HeaderValue::from_static("error")).is_err());
+        // The message (logged with `-v`) does not repeat the value.
+        let err = parse_inject(&HeaderValue::from_static("s3cret")).expect_err("refused");
+        assert!(!err.contains("s3cret"), "{err}");
+        assert!(err.contains("field, comment, event, chunk, none"), "{err}");
     }
 }

@@ -292,6 +292,13 @@ pub fn build_client(
     connect_timeout: Duration,
 ) -> Result<UpstreamClient, UpstreamConfigError> {
     if upstream.scheme == Scheme::HTTP {
+        if let Some(path) = extra_ca {
+            // Taken silently, it would hide a mistyped scheme.
+            return Err(UpstreamConfigError::BadCa {
+                path: path.display().to_string(),
+                reason: "it applies to an https:// upstream, and this one is http://".into(),
+            });
+        }
         return Ok(UpstreamClient::Plain(H1Pool::new(connect_timeout)));
     }
     let mut roots = rustls::RootCertStore {
@@ -542,6 +549,18 @@ mod tests {
             assert_eq!(map("http://h/v1", path), mapped, "{path}");
         }
         assert_eq!(map("http://h", "/a/../b"), "http://h/a/../b");
+    }
+
+    /// `--upstream-ca` with an `http://` upstream is a mistake (a scheme
+    /// mistyped, most likely), said at start, not ignored.
+    #[test]
+    fn an_upstream_ca_for_an_http_upstream_is_refused() {
+        let up = Upstream::parse("http://h:1").expect("valid upstream");
+        let err = build_client(&up, Some(Path::new("ca.pem")), Duration::from_secs(1))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("applies to an https:// upstream"), "{err}");
     }
 
     #[test]
