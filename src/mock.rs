@@ -146,7 +146,11 @@ impl MockUpstream {
             return json_error(StatusCode::NOT_FOUND, &format!("the mock serves no {path}"));
         };
         if req.method() != Method::POST {
-            return json_error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
+            let mut response = json_error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
+            response
+                .headers_mut()
+                .insert(hyper::header::ALLOW, HeaderValue::from_static("POST"));
+            return response;
         }
         let body = match req.into_body().collect().await {
             Ok(body) => body.to_bytes(),

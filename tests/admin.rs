@@ -455,6 +455,47 @@ async fn tool_execute_clears_the_session() {
     stream.abort();
 }
 
+/// A known route asked with a method it does not take gets 405 with an
+/// `Allow` header (RFC 9110 §15.5.6), not 404; a route read with GET
+/// answers HEAD too, without a body; an unknown route is still 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_method_gets_405_with_allow_and_head_is_served() {
+    let run = start(Duration::from_millis(250)).await;
+    for (method, path, allow) in [
+        ("GET", "/_aalis/tool-execute", "POST"),
+        ("POST", "/_aalis/sessions/s1", "GET, HEAD"),
+        ("DELETE", "/_aalis/", "GET, HEAD"),
+        ("PUT", "/_aalis/metrics", "GET, HEAD"),
+    ] {
+        let response = send(method, &format!("{}{path}", run.proxy), "", &[]).await;
+        assert_eq!(response.status(), 405, "{method} {path}");
+        assert_eq!(
+            response
+                .headers()
+                .get("allow")
+                .and_then(|v| v.to_str().ok()),
+            Some(allow),
+            "{method} {path}"
+        );
+    }
+    for path in ["/_aalis/", "/_aalis/sessions/s1", "/_aalis/metrics"] {
+        let response = send("HEAD", &format!("{}{path}", run.proxy), "", &[]).await;
+        assert_eq!(response.status(), 200, "HEAD {path}");
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        assert!(body.is_empty(), "HEAD {path}");
+    }
+    let (status, answer) = json("GET", &format!("{}/_aalis/nope", run.proxy), "").await;
+    assert_eq!(
+        (status, answer["error"]["type"].as_str()),
+        (404, Some("not_found"))
+    );
+}
+
 /// The payload carries the tool's whole `args`: a 2 MiB file edit is
 /// taken (it got 400 when the bound was 1 MiB), and one past the bound,
 /// 64 MiB, gets 413 saying so.

@@ -1655,6 +1655,16 @@ fn serve_ends_each_tool_of_a_burst_with_its_last_count() {
     upstream.join().expect("the upstream thread");
 }
 
+/// The mock's chat routes take POST: another method gets 405 with
+/// `Allow: POST` (RFC 9110 §15.5.6).
+#[test]
+fn the_mock_says_which_method_its_chat_route_takes() {
+    let mock = start_mock(&[], &[]);
+    let response = request(mock.port, "GET", CHAT_PATH, &[], "");
+    assert_eq!(response.status, 405);
+    assert_eq!(response.header("allow"), Some("POST"));
+}
+
 /// A response without a body (a 204 here; a HEAD's and a 304's alike)
 /// is logged as what it is, `ok`: hyper never polls such a body, and its
 /// drop was taken for a client that went away (`cancelled`).

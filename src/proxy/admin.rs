@@ -66,18 +66,52 @@ pub async fn handle(
     }
     let rest = path.trim_start_matches("/_aalis/");
     let segments: Vec<&str> = rest.split('/').collect();
-    match (req.method(), segments.as_slice()) {
-        (&Method::GET, [""]) => html(STATUS_PAGE),
-        (&Method::GET, ["sessions"]) => json_text(&proxy.sessions().sessions_resume()),
-        (&Method::GET, ["events"]) => events(proxy.sessions().clone(), Watch::All),
-        (&Method::GET, ["sessions", id]) if !id.is_empty() => {
-            json_text(&proxy.sessions().resume_frame(&decode_segment(id)))
+    let route = match segments.as_slice() {
+        [""] => Route::Page,
+        ["sessions"] => Route::Sessions,
+        ["events"] => Route::Events,
+        ["sessions", id] if !id.is_empty() => Route::Session(id),
+        ["sessions", id, "events"] if !id.is_empty() => Route::SessionEvents(id),
+        ["tool-execute"] => Route::ToolExecute,
+        ["metrics"] => Route::Metrics,
+        _ => {
+            return json_error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                &format!(
+                    "no route {} {path} (aalis-proxy's own routes)",
+                    req.method()
+                ),
+            );
         }
-        (&Method::GET, ["sessions", id, "events"]) if !id.is_empty() => {
+    };
+    // A known route asked with another method: 405, with the methods it
+    // takes (RFC 9110 §15.5.6). A route read with GET takes HEAD too.
+    let (takes, allow) = match route {
+        Route::ToolExecute => (Method::POST, "POST"),
+        _ => (Method::GET, "GET, HEAD"),
+    };
+    if *req.method() != takes && !(takes == Method::GET && req.method() == Method::HEAD) {
+        let mut response = json_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            &format!("{path} takes {allow}, not {}", req.method()),
+        );
+        response
+            .headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
+        return response;
+    }
+    match route {
+        Route::Page => html(STATUS_PAGE),
+        Route::Sessions => json_text(&proxy.sessions().sessions_resume()),
+        Route::Events => events(proxy.sessions().clone(), Watch::All),
+        Route::Session(id) => json_text(&proxy.sessions().resume_frame(&decode_segment(id))),
+        Route::SessionEvents(id) => {
             events(proxy.sessions().clone(), Watch::Session(decode_segment(id)))
         }
-        (&Method::POST, ["tool-execute"]) => tool_execute(proxy, req).await,
-        (&Method::GET, ["metrics"]) => {
+        Route::ToolExecute => tool_execute(proxy, req).await,
+        Route::Metrics => {
             let mut response = text(proxy.metrics().render());
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -85,15 +119,18 @@ pub async fn handle(
             );
             response
         }
-        _ => json_error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            &format!(
-                "no route {} {path} (aalis-proxy's own routes)",
-                req.method()
-            ),
-        ),
     }
+}
+
+/// The routes under `/_aalis/`, by path.
+enum Route<'a> {
+    Page,
+    Sessions,
+    Events,
+    Session(&'a str),
+    SessionEvents(&'a str),
+    ToolExecute,
+    Metrics,
 }
 
 /// Loopback peers always; others only with the admin token.
