@@ -342,7 +342,8 @@ pub struct ServeArgs {
     /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
     ///
     /// At the default level there is one line per request: method, path,
-    /// status, session, duration, bytes, tool calls; and a warning that says
+    /// status (499 when the client left before the answer), session,
+    /// duration, bytes, tool calls, outcome; and a warning that says
     /// why when the upstream could not be reached, answered too late or
     /// failed mid-stream. Header values are never logged. Lines are written by a thread of their own, so a stderr that
     /// nobody reads stops no stream: past 1,024 lines (or 1 MiB) waiting,

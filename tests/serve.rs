@@ -1655,6 +1655,44 @@ fn serve_ends_each_tool_of_a_burst_with_its_last_count() {
     upstream.join().expect("the upstream thread");
 }
 
+/// A client that leaves before the response head (its upstream still
+/// thinking) gets the request's one log line all the same: status 499
+/// (nginx's "client closed request"), `outcome="cancelled"`. Before, such
+/// a request left no line at all.
+#[test]
+fn a_request_whose_client_leaves_before_the_answer_is_logged() {
+    // An upstream that takes connections (the kernel does) and never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = silent.local_addr().expect("local_addr").port();
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
+    client
+        .write_all(
+            format!(
+                "POST {CHAT_PATH} HTTP/1.1\r\nhost: x\r\nx-aalis-session: gone\r\ncontent-length: 2\r\n\r\n{{}}"
+            )
+            .as_bytes(),
+        )
+        .expect("request");
+    thread::sleep(Duration::from_millis(200));
+    drop(client);
+    let stderr = serve.wait_for_stderr("status=499");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("status=499"))
+        .unwrap_or_default();
+    for field in [
+        "method=POST",
+        "path=/v1/chat/completions",
+        "session=gone",
+        "outcome=\"cancelled\"",
+    ] {
+        assert!(line.contains(field), "no {field} in {line}");
+    }
+    serve.stop();
+    drop(silent);
+}
+
 /// The mock's chat routes take POST: another method gets 405 with
 /// `Allow: POST` (RFC 9110 §15.5.6).
 #[test]

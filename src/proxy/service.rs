@@ -163,14 +163,25 @@ impl Proxy {
             return admin::handle(self, req, peer.addr).await;
         }
         let started = Instant::now();
-        let method = req.method().clone();
-        // Taken by `forward` for the stream's log line once a response
-        // came; a failure's line below writes it.
-        let mut path = log_safe(req.uri().path());
-        match self
-            .forward(req, &peer.socket_full, started, &mut path)
-            .await
-        {
+        // The path is taken by `forward` for the stream's log line once a
+        // response came; a failure's line below writes it; and if hyper
+        // drops this future first (the client left before the response
+        // head), the guard writes it.
+        let mut unanswered = Unanswered {
+            method: req.method().clone(),
+            path: log_safe(req.uri().path()),
+            // Shared, not copied: read only if the guard writes.
+            session_id: req.headers().get(&SESSION_HEADER).cloned(),
+            started,
+            answered: false,
+        };
+        let forwarded = self
+            .forward(req, &peer.socket_full, started, &mut unanswered.path)
+            .await;
+        unanswered.answered = true;
+        let method = unanswered.method.clone();
+        let path = std::mem::take(&mut unanswered.path);
+        match forwarded {
             Ok(response) => response,
             Err((fault, message, session_id)) => {
                 match fault {
@@ -416,6 +427,42 @@ impl Proxy {
     fn generate_session_id(&self) -> String {
         let n = self.shared.session_counter.fetch_add(1, Ordering::Relaxed);
         session_id(&self.shared.session_prefix, n)
+    }
+}
+
+/// A request that has no response yet: if it is dropped so (hyper drops
+/// the handler's future when the client leaves before the response head,
+/// or the shutdown's grace runs out), it still gets its one log line,
+/// `outcome="cancelled"` with nginx's status for a client that closed
+/// the request, 499. A generated session id is not known here: `-`.
+struct Unanswered {
+    method: http::Method,
+    path: String,
+    session_id: Option<HeaderValue>,
+    started: Instant,
+    answered: bool,
+}
+
+/// nginx's status for a request its client closed before the answer.
+const CLIENT_CLOSED_REQUEST: u16 = 499;
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let log = RequestLog {
+            method: std::mem::take(&mut self.method),
+            path: std::mem::take(&mut self.path),
+            status: StatusCode::from_u16(CLIENT_CLOSED_REQUEST).unwrap_or(StatusCode::BAD_REQUEST),
+            session_id: self
+                .session_id
+                .as_ref()
+                .and_then(|v| valid_session_id(v).ok())
+                .unwrap_or_else(|| "-".to_owned()),
+            started: self.started,
+        };
+        log.write(0, 0, 0, "cancelled");
     }
 }
 
