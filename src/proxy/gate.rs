@@ -112,7 +112,7 @@ impl Gate {
 
 /// Whether a client's connection found its socket full at its last
 /// write, so that bytes it was given still wait to be written: set and
-/// cleared by its [`GatedRead`]; cheap to clone (one `Arc`).
+/// cleared by its `GatedRead`; cheap to clone (one `Arc`).
 ///
 /// hyper writes until what it holds is written or the socket is full, so
 /// once it has tried, not full means it holds nothing. A response body
