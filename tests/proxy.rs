@@ -667,7 +667,8 @@ async fn non_streams_pass_through_and_requests_arrive_unchanged() {
 /// line of an NDJSON capture) and then stops until the test releases it.
 /// The client already holds every byte of that frame, its injected
 /// progress included, while the upstream is still held. The transformed
-/// response carries `cache-control: no-cache`, `x-accel-buffering: no`,
+/// response carries `cache-control: no-cache` (in place of the upstream's
+/// `max-age`), `x-accel-buffering: no`,
 /// `x-aalis-session` and no `content-length` (the upstream sent one: it
 /// would be stale), and after the release the rest of the stream follows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -701,7 +702,7 @@ async fn each_frame_reaches_the_client_before_the_upstream_sends_the_next() {
         let upstream = FakeUpstream::start(move |_| {
             let mut reply = Reply::stream(content_type, head.iter().map(|f| &f[..]))
                 .header("content-length", &total.to_string())
-                .header("cache-control", "no-store")
+                .header("cache-control", "max-age=60")
                 .then(Step::Wait(upstream_gate.clone()));
             for frame in &rest {
                 reply = reply.body(frame.clone()).then(Step::Yield);
