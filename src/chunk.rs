@@ -92,6 +92,28 @@ impl<'a> ChunkText<'a> {
         }
     }
 
+    /// Appends the text, unescaped, to `out`, as one fragment of a longer
+    /// text: a surrogate pair cut between this fragment and the one before
+    /// (`carry`, which this one updates) is joined; see
+    /// `providers::decode_fragment_into`.
+    pub fn push_joined(&self, out: &mut String, carry: &mut Option<u16>) {
+        match self {
+            ChunkText::Decoded(text) => {
+                if carry.take().is_some() {
+                    out.push(char::REPLACEMENT_CHARACTER);
+                }
+                out.push_str(text);
+            }
+            ChunkText::Json(json) => {
+                let start = out.len();
+                if crate::providers::decode_fragment_into(json.0, out, carry).is_none() {
+                    out.truncate(start);
+                    out.push_str(json.0);
+                }
+            }
+        }
+    }
+
     /// The length of the text in UTF-16 units (JavaScript's
     /// `string.length`), counted without unescaping a JSON literal.
     pub fn utf16_len(&self) -> usize {

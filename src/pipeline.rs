@@ -861,10 +861,10 @@ impl StreamState {
         let mut each = |chunk: Chunk<'d>| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {
-                    lines.text(out, TextField::Content, *choice, &text.get())
+                    lines.text(out, TextField::Content, *choice, text)
                 }
                 Chunk::Reasoning { choice, text } if lines_out => {
-                    lines.text(out, TextField::Reasoning, *choice, &text.get())
+                    lines.text(out, TextField::Reasoning, *choice, text)
                 }
                 Chunk::Error { message } => {
                     upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));

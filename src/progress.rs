@@ -101,11 +101,27 @@ pub struct ToolCall {
     /// no name.
     pub name: Arc<str>,
     /// The arguments text, unescaped; empty when the tracker was made not to
-    /// keep it.
+    /// keep it. Read it with [`arguments()`](Self::arguments()), which adds
+    /// a surrogate still waiting for its pair.
     pub arguments: String,
+    /// A high surrogate the last fragment ended with (`\ud83d`), not yet in
+    /// `arguments`: the next fragment's low surrogate completes it.
+    carry: Option<u16>,
     /// `arguments` in UTF-16 code units (JavaScript `String.length`).
     pub chars_accumulated: usize,
     pub state: CallState,
+}
+
+impl ToolCall {
+    /// The arguments text, unescaped: the field `arguments`, and U+FFFD
+    /// for a high surrogate the last fragment ended with, which no low one
+    /// completed (yet).
+    pub fn arguments(&self) -> std::borrow::Cow<'_, str> {
+        match self.carry {
+            None => std::borrow::Cow::Borrowed(&self.arguments),
+            Some(_) => std::borrow::Cow::Owned(format!("{}\u{FFFD}", self.arguments)),
+        }
+    }
 }
 
 /// One `toolCallProgress`, borrowed from the tracker.
@@ -575,6 +591,7 @@ impl ToolCallTracker {
                     id: String::new(),
                     name: Arc::from(""),
                     arguments: String::new(),
+                    carry: None,
                     chars_accumulated: 0,
                     state: CallState::Announced,
                 };
@@ -646,17 +663,16 @@ fn append_arguments(call: &mut ToolCall, arguments: &ArgumentsDelta<'_>, keep_ar
     match arguments {
         ArgumentsDelta::Unchanged => {}
         ArgumentsDelta::Append(fragment) => {
-            // Unescaped only to be kept; counted as it stands otherwise.
+            // Unescaped only to be kept (a surrogate pair cut between two
+            // fragments joined); counted as it stands.
             if keep_arguments {
-                let text = fragment.get();
-                call.arguments.push_str(&text);
-                call.chars_accumulated += utf16_len(&text);
-            } else {
-                call.chars_accumulated += fragment.utf16_len();
+                fragment.push_joined(&mut call.arguments, &mut call.carry);
             }
+            call.chars_accumulated += fragment.utf16_len();
         }
         ArgumentsDelta::Replace(whole) => {
             call.arguments.clear();
+            call.carry = None;
             if keep_arguments {
                 call.arguments.push_str(whole);
             }

@@ -43,7 +43,7 @@
 use std::fmt::Write;
 
 use super::Sink;
-use crate::chunk::Usage;
+use crate::chunk::{ChunkText, Usage};
 use crate::js::push_string;
 use crate::progress::ToolCallTracker;
 
@@ -61,10 +61,17 @@ pub enum LineFormat {
 pub struct LineEncoder {
     format: LineFormat,
     line: String,
+    /// The text of the current fragment, unescaped.
+    text: String,
+    /// High surrogates a text fragment ended with, by choice and field,
+    /// held back for the low one that starts the next fragment: written
+    /// alone, each line would hold U+FFFD where JavaScript, joining the
+    /// fragments, has one character.
+    carries: Vec<(i64, TextField, u16)>,
 }
 
 /// The text fields of a line.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TextField {
     Content,
     Reasoning,
@@ -75,11 +82,40 @@ impl LineEncoder {
         LineEncoder {
             format,
             line: String::new(),
+            text: String::new(),
+            carries: Vec::new(),
         }
     }
 
-    /// A `contentDelta` or `reasoningDelta` line.
-    pub fn text(&mut self, out: &mut impl Sink, field: TextField, choice: i64, text: &str) {
+    /// A `contentDelta` or `reasoningDelta` line, of one fragment of the
+    /// choice's text: a surrogate pair cut between two fragments is joined
+    /// (the high one held back from the first line), so that the lines'
+    /// texts, concatenated, are the upstream's text.
+    pub fn text(
+        &mut self,
+        out: &mut impl Sink,
+        field: TextField,
+        choice: i64,
+        text: &ChunkText<'_>,
+    ) {
+        let mut carry = self
+            .carries
+            .iter()
+            .position(|&(c, f, _)| c == choice && f == field)
+            .map(|at| self.carries.swap_remove(at).2);
+        let mut fragment = std::mem::take(&mut self.text);
+        fragment.clear();
+        text.push_joined(&mut fragment, &mut carry);
+        if let Some(high) = carry {
+            self.carries.push((choice, field, high));
+        }
+        if !fragment.is_empty() {
+            self.text_line(out, field, choice, &fragment);
+        }
+        self.text = fragment;
+    }
+
+    fn text_line(&mut self, out: &mut impl Sink, field: TextField, choice: i64, text: &str) {
         self.open();
         self.line.push_str(match field {
             TextField::Content => "\"contentDelta\":",
@@ -99,8 +135,12 @@ impl LineEncoder {
         self.close(out);
     }
 
-    /// The final `done` line(s).
+    /// The final `done` line(s), after a line of U+FFFD for each high
+    /// surrogate still held back (no fragment completed it).
     pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker) {
+        for (choice, field, _) in std::mem::take(&mut self.carries) {
+            self.text_line(out, field, choice, "\u{FFFD}");
+        }
         if matches!(self.format, LineFormat::Messages { .. }) {
             self.open();
             self.line.push_str("\"done\":true");
@@ -129,7 +169,7 @@ impl LineEncoder {
                     .push_str(",\"type\":\"function\",\"function\":{\"name\":");
                 push_string(&call.name, &mut self.line);
                 self.line.push_str(",\"arguments\":");
-                push_string(&call.arguments, &mut self.line);
+                push_string(&call.arguments(), &mut self.line);
                 self.line.push_str("}}");
             }
             self.line.push(']');

@@ -311,10 +311,44 @@ fn plain(inner: &str) -> bool {
     }
 }
 
+/// Appends the text of `json`, a validated JSON string literal (quotes
+/// included), to `out`, as one fragment of a longer text: `carry` is a
+/// high surrogate the fragment before ended with, which a low surrogate
+/// at this one's start completes (a server that cuts text in UTF-16
+/// units can cut a pair), and on return the high surrogate this one ends
+/// with, not yet written. A surrogate left alone is U+FFFD, as in
+/// [`decode_string`]. `None` (with `out` partly written) when `json` is
+/// not a string.
+pub(crate) fn decode_fragment_into(
+    json: &str,
+    out: &mut String,
+    carry: &mut Option<u16>,
+) -> Option<()> {
+    let inner = json.strip_prefix('"')?.strip_suffix('"')?;
+    if plain(inner) {
+        flush_high(carry, out);
+        out.push_str(inner);
+        return Some(());
+    }
+    unescape_joined(inner, out, carry, true)
+}
+
 /// Appends `inner`, the inside of a JSON string literal, unescaped.
 fn unescape_into(inner: &str, out: &mut String) -> Option<()> {
+    unescape_joined(inner, out, &mut None, false)
+}
+
+/// [`unescape_into`], after a high surrogate `carry` the text before ended
+/// with; with `carry_out`, a high surrogate at the very end is left in
+/// `carry` rather than written as U+FFFD.
+fn unescape_joined(
+    inner: &str,
+    out: &mut String,
+    carry: &mut Option<u16>,
+    carry_out: bool,
+) -> Option<()> {
     let mut rest = inner;
-    let mut pending_high: Option<u16> = None;
+    let mut pending_high: Option<u16> = carry.take();
     // Runs without escapes are copied whole; each escape is decoded.
     while let Some(at) = memchr::memchr(b'\\', rest.as_bytes()) {
         let (run, escape) = rest.split_at(at);
@@ -370,7 +404,11 @@ fn unescape_into(inner: &str, out: &mut String) -> Option<()> {
         flush_high(&mut pending_high, out);
         out.push_str(rest);
     }
-    flush_high(&mut pending_high, out);
+    if carry_out {
+        *carry = pending_high;
+    } else {
+        flush_high(&mut pending_high, out);
+    }
     Some(())
 }
 
