@@ -98,6 +98,8 @@ impl<'a> ChunkText<'a> {
     /// `providers::decode_fragment_into`.
     pub fn push_joined(&self, out: &mut String, carry: &mut Option<u16>) {
         match self {
+            // Nothing between the halves of a pair: the carry waits on.
+            ChunkText::Decoded(text) if text.is_empty() => {}
             ChunkText::Decoded(text) => {
                 if carry.take().is_some() {
                     out.push(char::REPLACEMENT_CHARACTER);
@@ -111,6 +113,15 @@ impl<'a> ChunkText<'a> {
                     out.push_str(json.0);
                 }
             }
+        }
+    }
+
+    /// Whether the text is the literal's own bytes (no escape to undo): then
+    /// it cannot end with half a surrogate pair either.
+    pub fn is_plain(&self) -> bool {
+        match self {
+            ChunkText::Decoded(_) => true,
+            ChunkText::Json(json) => memchr::memchr(b'\\', json.0.as_bytes()).is_none(),
         }
     }
 

@@ -337,6 +337,16 @@ impl ToolCallTracker {
         self.clear()
     }
 
+    /// [`tool_execution_started`](Self::tool_execution_started), told by
+    /// whoever already ended the calls in progress (`serve`'s session, whose
+    /// clear drew their final lines): they are not kept as ended
+    /// ([`keep_ended`](Self::keep_ended)), which would end them twice.
+    pub fn tool_execution_started_elsewhere(&mut self) {
+        let ended = self.ended.take();
+        self.clear();
+        self.ended = ended;
+    }
+
     /// From now on, remember the calls whose progress ends, until taken.
     pub fn keep_ended(&mut self) {
         self.ended.get_or_insert_with(Vec::new);
@@ -567,6 +577,16 @@ impl ToolCallTracker {
         if self.past_the_limits(delta) {
             self.changes = before;
             self.refused_calls += 1;
+            // A delta without index, id or name goes to the call the last
+            // one went to: after a refused call, that is the refused one,
+            // not the call touched before it.
+            if let Ok(pos) = self
+                .choices
+                .binary_search_by_key(&delta.choice, |c| c.choice)
+                && let Some(choice) = self.choices.get_mut(pos)
+            {
+                choice.last_touched = None;
+            }
             return None;
         }
         self.layout_at = self.changes;
@@ -783,6 +803,23 @@ mod tests {
             Applied::Unchanged
         ));
         assert_eq!(t.refused_calls(), extra as u64 + 1);
+        // A refused call announced by id (no index), then its arguments with
+        // nothing to name the call: they are the refused call's, refused
+        // too, and the call touched before does not grow.
+        let touched = 1_000_000 - (MAX_CALLS as i64 - 1);
+        t.apply(&delta(Some(touched), None, None, ""), 3);
+        assert!(matches!(
+            t.apply(&delta(None, Some("new"), Some("g"), ""), 3),
+            Applied::Unchanged
+        ));
+        assert!(matches!(
+            t.apply(&delta(None, None, None, "{\"a\":1}"), 3),
+            Applied::Unchanged
+        ));
+        let (_, calls) = t.calls().next().expect("one choice");
+        let kept = calls.iter().find(|c| c.index == touched).expect("kept");
+        assert_eq!(kept.chars_accumulated, 1);
+        assert_eq!(t.refused_calls(), extra as u64 + 3);
         // Choices: past MAX_CHOICES, neither a finish nor a delta of a new
         // one is kept.
         let mut t = ToolCallTracker::new(false);

@@ -143,8 +143,6 @@ fn every_input_byte_is_forwarded_once_in_order() {
     }
 }
 
-/// In `field` mode, every event whose JSON we changed is still valid JSON
-/// and differs from the original only by the added keys.
 /// `json` with every `\uD800`–`\uDFFF` escape made `\u0020` (an escaped
 /// backslash is skipped, so `\\ud83d` stays).
 fn without_surrogate_escapes(json: &str) -> String {
@@ -167,6 +165,8 @@ fn without_surrogate_escapes(json: &str) -> String {
     out
 }
 
+/// In `field` mode, every event whose JSON we changed is still valid JSON
+/// and differs from the original only by the added keys.
 #[test]
 fn field_injection_keeps_json_valid() {
     for (name, input) in fixtures() {

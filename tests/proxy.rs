@@ -1039,6 +1039,16 @@ async fn a_websocket_upgrade_is_refused_with_501() {
         "{error}"
     );
     assert!(upstream.requests().is_empty());
+    // Two Upgrade lines, the second a WebSocket: refused too.
+    let two = Request::get(proxy.url("/v1/realtime"))
+        .header("connection", "Upgrade")
+        .header("upgrade", "h2c")
+        .header("upgrade", "websocket")
+        .body(empty())
+        .expect("request");
+    let response = send(&client(), two).await;
+    assert_eq!(response.status(), StatusCode::NOT_IMPLEMENTED);
+    assert!(upstream.requests().is_empty());
     let response = send(&client(), request("h2c")).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(upstream.requests().len(), 1);

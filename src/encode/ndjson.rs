@@ -98,11 +98,16 @@ impl LineEncoder {
         choice: i64,
         text: &ChunkText<'_>,
     ) {
-        let mut carry = self
+        let carried = self
             .carries
             .iter()
-            .position(|&(c, f, _)| c == choice && f == field)
-            .map(|at| self.carries.swap_remove(at).2);
+            .position(|&(c, f, _)| c == choice && f == field);
+        if carried.is_none() && text.is_plain() {
+            // Nearly every fragment: its text is its literal's, borrowed.
+            self.text_line(out, field, choice, &text.get());
+            return;
+        }
+        let mut carry = carried.map(|at| self.carries.swap_remove(at).2);
         let mut fragment = std::mem::take(&mut self.text);
         fragment.clear();
         text.push_joined(&mut fragment, &mut carry);

@@ -325,6 +325,10 @@ pub(crate) fn decode_fragment_into(
     carry: &mut Option<u16>,
 ) -> Option<()> {
     let inner = json.strip_prefix('"')?.strip_suffix('"')?;
+    if inner.is_empty() {
+        // Nothing between the halves of a pair: the carry waits on.
+        return Some(());
+    }
     if plain(inner) {
         flush_high(carry, out);
         out.push_str(inner);
@@ -745,5 +749,36 @@ mod tests {
         for data in ollama {
             same_as_serde(Provider::OllamaChat, data, &mut DecoderState::default());
         }
+    }
+
+    /// Fragments of one text, joined: a pair cut between two fragments is
+    /// one character, also with an empty fragment between the halves; a
+    /// half left alone is U+FFFD (here by the caller, at the end).
+    #[test]
+    fn a_pair_cut_between_fragments_is_joined() {
+        let join = |fragments: &[&str]| {
+            let mut out = String::new();
+            let mut carry = None;
+            for fragment in fragments {
+                decode_fragment_into(fragment, &mut out, &mut carry).expect("a string");
+            }
+            (out, carry)
+        };
+        assert_eq!(
+            join(&[r#""a\ud83d""#, r#""\ude00b""#]),
+            ("a\u{1F600}b".to_owned(), None)
+        );
+        assert_eq!(
+            join(&[r#""a\ud83d""#, r#""""#, r#""\ude00b""#]),
+            ("a\u{1F600}b".to_owned(), None)
+        );
+        assert_eq!(
+            join(&[r#""\ud83d""#, r#""x""#, r#""\ud83d""#]),
+            ("\u{FFFD}x".to_owned(), Some(0xD83D))
+        );
+        assert_eq!(
+            join(&[r#""\ud83d""#, r#""\n""#]),
+            ("\u{FFFD}\n".to_owned(), None)
+        );
     }
 }

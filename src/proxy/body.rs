@@ -119,7 +119,9 @@ enum Phase {
     /// the connection's last write found the client's socket full
     /// ([`SocketFull`]: a client that reads slowly, or not now), bytes
     /// still wait, and the error waits another `FLUSH_GRACE`, up to the
-    /// idle timeout from the failure.
+    /// idle timeout from the failure. Over HTTP/2 this sees only the
+    /// socket: data h2 holds back for the client's flow-control window is
+    /// not in it, and the stream's reset drops it (a limit, see README).
     Flushing,
     /// Over: the end was yielded (or the error).
     Done,
@@ -386,13 +388,14 @@ impl Body for TapBody {
                     annotator
                         .collect_events(this.session.as_ref().is_some_and(StreamHandle::listened));
                     // A tool started executing (`tool:execute`): the calls
-                    // in progress are over, here as in the session.
+                    // in progress are over, here as in the session (whose
+                    // clear ended their spinners).
                     if this
                         .session
                         .as_ref()
                         .is_some_and(StreamHandle::take_cleared)
                     {
-                        annotator.tracker_mut().tool_execution_started();
+                        annotator.tracker_mut().tool_execution_started_elsewhere();
                     }
                     annotator.push(&data, Now::Clock(unix_ms), this.out.room_for(data.len()));
                     log_warnings(annotator, this.log);

@@ -44,6 +44,9 @@ pub(crate) struct Gate {
 struct GateShared {
     woken: AtomicBool,
     outer: Mutex<Option<Waker>>,
+    /// [`SocketFull`]'s flag: kept in this allocation, which each
+    /// connection has anyway, rather than in one of its own.
+    socket_full: AtomicBool,
 }
 
 impl std::task::Wake for GateShared {
@@ -119,13 +122,19 @@ impl Gate {
 /// that must end with an error (its upstream failed) waits while this is
 /// set: hyper drops what it has not written when the error reaches it
 /// (see `proxy::body`).
-#[derive(Debug, Clone, Default)]
-pub struct SocketFull(Arc<AtomicBool>);
+#[derive(Clone)]
+pub struct SocketFull(Arc<GateShared>);
+
+impl std::fmt::Debug for SocketFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("SocketFull").field(&self.get()).finish()
+    }
+}
 
 impl SocketFull {
     /// The connection's last write found the socket full.
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.0.socket_full.load(Ordering::Relaxed)
     }
 
     /// Notes how a write ended: full when it wrote nothing (`Pending`),
@@ -134,7 +143,7 @@ impl SocketFull {
     fn note<T>(&self, polled: &Poll<io::Result<T>>) {
         let full = polled.is_pending();
         if self.get() != full {
-            self.0.store(full, Ordering::Relaxed);
+            self.0.socket_full.store(full, Ordering::Relaxed);
         }
     }
 }
@@ -161,11 +170,13 @@ pub(crate) struct GatedRead<T> {
 
 impl<T> GatedRead<T> {
     pub(crate) fn new(io: T) -> GatedRead<T> {
+        let gate = Gate::new();
+        let socket_full = SocketFull(Arc::clone(&gate.shared));
         GatedRead {
             io,
-            gate: Gate::new(),
+            gate,
             unread: Bytes::new(),
-            socket_full: SocketFull::default(),
+            socket_full,
         }
     }
 

@@ -253,10 +253,15 @@ impl Proxy {
         // A WebSocket (say, a realtime API) would need a tunnel: said at
         // once, rather than forwarded as a plain request. `h2c` is no
         // such upgrade: a client that offers it takes HTTP/1.1 as well.
-        if let Some(upgrade) = req.headers().get(header::UPGRADE)
-            && !upgrade
-                .to_str()
-                .is_ok_and(|v| v.split(',').all(|p| p.trim().eq_ignore_ascii_case("h2c")))
+        if req
+            .headers()
+            .get_all(header::UPGRADE)
+            .iter()
+            .any(|upgrade| {
+                !upgrade
+                    .to_str()
+                    .is_ok_and(|v| v.split(',').all(|p| p.trim().eq_ignore_ascii_case("h2c")))
+            })
         {
             return Err(fail(
                 Fault::NotImplemented,

@@ -188,20 +188,25 @@ impl Upstream {
             .authority()
             .cloned()
             .ok_or_else(|| bad("it has no host"))?;
-        // What follows the host (after an IPv6 address's `]`).
+        if authority.as_str().contains('@') {
+            // They would be printed in logs and error bodies, and never
+            // sent: credentials belong in a header the client sends.
+            // Checked first: no other message may print such a URL.
+            return Err(UpstreamConfigError::Credentials);
+        }
+        // What follows the host (after an IPv6 address's `]`); an empty
+        // port is the scheme's (RFC 3986 §3.2.3).
         let after_host = authority
             .as_str()
             .rsplit_once(']')
             .map_or(authority.as_str(), |(_, rest)| rest);
-        if after_host.contains(':') && authority.port_u16().is_none() {
+        let port_given = after_host
+            .rsplit_once(':')
+            .is_some_and(|(_, port)| !port.is_empty());
+        if port_given && authority.port_u16().is_none() {
             // Left to the client, a port that does not fit in 16 bits is
             // dropped, and the request goes to the scheme's default port.
             return Err(bad("its port is not a number from 0 to 65535"));
-        }
-        if authority.as_str().contains('@') {
-            // They would be printed in logs and error bodies, and never
-            // sent: credentials belong in a header the client sends.
-            return Err(UpstreamConfigError::Credentials);
         }
         if uri.query().is_some() {
             return Err(bad(
@@ -233,7 +238,7 @@ impl Upstream {
     pub fn uri_for(&self, request: &Uri) -> Result<Uri, PathError> {
         let path = request.path();
         let prefix = self.path_prefix.as_str();
-        if !prefix.is_empty() && path.split('/').any(is_dot_segment) {
+        if !prefix.is_empty() && has_dot_segment(path) {
             return Err(PathError::DotSegment {
                 prefix: prefix.to_owned(),
             });
@@ -265,6 +270,41 @@ impl Upstream {
             .path_and_query(path_and_query)
             .build()?)
     }
+}
+
+/// Whether `path` has a `.` or `..` segment, with `\\`, `%2F` and `%5C` also
+/// taken for `/`: URL parsers of the WHATWG kind read `\\` as `/` in an
+/// http URL, and some servers decode `%2F` before they resolve dots.
+fn has_dot_segment(path: &str) -> bool {
+    // Without a dot or an escape, no segment is one (the common case).
+    if !path.contains(['.', '%']) {
+        return false;
+    }
+    let bytes = path.as_bytes();
+    let mut start = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        let separator = match bytes[i] {
+            b'/' | b'\\' => 1,
+            b'%' if path.get(i + 1..i + 3).is_some_and(|hex| {
+                hex.eq_ignore_ascii_case("2f") || hex.eq_ignore_ascii_case("5c")
+            }) =>
+            {
+                3
+            }
+            _ => 0,
+        };
+        if separator > 0 {
+            if is_dot_segment(&path[start..i]) {
+                return true;
+            }
+            i += separator;
+            start = i;
+        } else {
+            i += 1;
+        }
+    }
+    is_dot_segment(&path[start..])
 }
 
 /// `.` or `..`, either dot written as it is or as `%2e` / `%2E`.
@@ -532,6 +572,10 @@ mod tests {
             "/v1/.%2E/admin",
             "/v1/%2E./admin",
             "/v1/%2e/admin",
+            "/v1/..\\admin",
+            "/v1/..%2Fadmin",
+            "/v1/x%2f..%5cadmin",
+            "/v1/..%5Cadmin",
         ] {
             let err = up
                 .uri_for(&path.parse().expect("valid request uri"))
@@ -572,6 +616,14 @@ mod tests {
             ("not a url", "is not a URL"),
             ("http://user:secret@h:1", "must not contain credentials"),
             (
+                "https://user:sk-live-1@h/v1",
+                "must not contain credentials",
+            ),
+            (
+                "https://user:sk-live-1@h:99999",
+                "must not contain credentials",
+            ),
+            (
                 "http://127.0.0.1:99999",
                 "port is not a number from 0 to 65535",
             ),
@@ -579,7 +631,10 @@ mod tests {
         ] {
             let err = Upstream::parse(url).expect_err(url).to_string();
             assert!(err.contains(wanted), "{url}: {err}");
+            assert!(!err.contains("sk-live"), "{url}: a secret printed: {err}");
         }
+        // An empty port is the scheme's.
+        assert!(Upstream::parse("http://h:/v1").is_ok());
     }
 
     /// A header map of `pairs`, in order, repeats kept.

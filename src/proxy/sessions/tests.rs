@@ -477,6 +477,39 @@ fn each_tool_ends_with_its_last_count_after_a_burst() {
     );
 }
 
+/// A `tool-execute` clear ends the session's tools on the spinners; the
+/// stream then clears its own calls before its next read (`TapBody`, with
+/// `tool_execution_started_elsewhere`), and its next publish must not end
+/// them a second time.
+#[test]
+fn a_tool_execute_clear_ends_each_tool_once() {
+    let written = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(LockProbe {
+        registry: Arc::new(std::sync::OnceLock::new()),
+        written: Arc::clone(&written),
+    }));
+    let registry = SessionRegistry::with_display(Arc::new(display));
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = ToolCallTracker::new(false);
+    stream.keep_ended_calls(&mut tracker);
+    tracker.apply(&delta(0, "get_weather", "{\"c"), 1);
+    stream.publish(&mut tracker, &[]);
+    registry.tool_execution_started("s1");
+    // What the body does before its next read, then that read: text.
+    tracker.tool_execution_started_elsewhere();
+    stream.publish(&mut tracker, &[]);
+    tracker.text(StreamPhase::Answering);
+    stream.publish(&mut tracker, &[]);
+    drop(stream);
+    let written = written.lock().unwrap_or_else(|e| e.into_inner());
+    let finals = written
+        .iter()
+        .flat_map(|(text, _)| text.lines())
+        .filter(|l| l.starts_with('✓'))
+        .count();
+    assert_eq!(finals, 1, "{written:?}");
+}
+
 /// Without spinners, a stream's tracker keeps no ended calls.
 #[test]
 fn without_spinners_no_ended_call_is_kept() {
