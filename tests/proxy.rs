@@ -195,6 +195,15 @@ fn get(url: &str) -> Request<ClientBody> {
     Request::get(url).body(empty()).expect("request")
 }
 
+/// The calls in progress of session `id`: name and count.
+fn names_and_counts(sessions: &SessionRegistry, id: &str) -> Vec<(String, usize)> {
+    sessions
+        .snapshot(id)
+        .into_iter()
+        .map(|p| (p.name.to_string(), p.chars_accumulated))
+        .collect()
+}
+
 /// Sends `req`, failing the test if no response headers come in time.
 async fn send(client: &TestClient, req: Request<ClientBody>) -> Response<Incoming> {
     tokio::time::timeout(PATIENCE, client.request(req))
@@ -1115,13 +1124,7 @@ async fn a_head_request_leaves_the_running_streams_session_alone() {
     let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
     let sessions = proxy.sessions().clone();
     let client = client();
-    let progress = || -> Vec<(String, usize)> {
-        sessions
-            .snapshot("chat-7")
-            .into_iter()
-            .map(|p| (p.name.to_string(), p.chars_accumulated))
-            .collect()
-    };
+    let progress = || names_and_counts(&sessions, "chat-7");
     let open = |n: usize| annotate_open(&frames[..n], Framing::Sse, InjectMode::Field).0;
     let stream = Request::post(proxy.url("/v1/chat/completions"))
         .header("x-aalis-session", "chat-7")
@@ -1201,13 +1204,7 @@ async fn a_new_request_of_the_session_clears_the_previous_progress() {
             .body(full("{}"))
             .expect("request")
     };
-    let progress = |sessions: &SessionRegistry| -> Vec<(String, usize)> {
-        sessions
-            .snapshot("chat-7")
-            .into_iter()
-            .map(|p| (p.name.to_string(), p.chars_accumulated))
-            .collect()
-    };
+    let progress = |sessions: &SessionRegistry| names_and_counts(sessions, "chat-7");
     let open = |n: usize| annotate_open(&frames[..n], Framing::Sse, InjectMode::Field).0;
 
     let mut first = send(&client, request("/first")).await.into_body();

@@ -362,6 +362,31 @@ impl std::io::Write for LockProbe {
     }
 }
 
+/// What a [`LockProbe`] wrote: each write, and whether the registry's lock
+/// was held.
+type Written = Arc<Mutex<Vec<(String, bool)>>>;
+
+/// A registry whose spinners are plain lines, kept in what it returns.
+fn drawing_plain_lines() -> (SessionRegistry, Written) {
+    let written = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(LockProbe {
+        registry: Arc::new(std::sync::OnceLock::new()),
+        written: Arc::clone(&written),
+    }));
+    (SessionRegistry::with_display(Arc::new(display)), written)
+}
+
+/// The final lines (`✓`, `✗`) in `written`, without their elapsed time.
+fn final_lines(written: &Mutex<Vec<(String, bool)>>) -> Vec<String> {
+    let written = written.lock().unwrap_or_else(|e| e.into_inner());
+    written
+        .iter()
+        .flat_map(|(text, _)| text.lines())
+        .filter(|l| l.starts_with('✓') || l.starts_with('✗'))
+        .map(|l| l.split(" · ").next().unwrap_or_default().to_owned())
+        .collect()
+}
+
 /// A stream's last publish and the next request of its session race on
 /// two workers; the spinners must get their states in the order the
 /// registry made them, or the old tool, cleared by the new request, would
@@ -416,12 +441,7 @@ fn the_spinners_are_told_in_the_registrys_order() {
 /// is what clears the tool (as `serve` does when the upstream fails).
 #[test]
 fn a_failed_streams_tools_end_with_a_cross() {
-    let written = Arc::new(Mutex::new(Vec::new()));
-    let display = ProgressDisplay::plain(Box::new(LockProbe {
-        registry: Arc::new(std::sync::OnceLock::new()),
-        written: Arc::clone(&written),
-    }));
-    let registry = SessionRegistry::with_display(Arc::new(display));
+    let (registry, written) = drawing_plain_lines();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "get_weather", "abc")], 1);
     stream.publish(&mut tracker, &[]);
@@ -429,13 +449,7 @@ fn a_failed_streams_tools_end_with_a_cross() {
     tracker.end();
     stream.publish(&mut tracker, &[]);
     drop(stream);
-    let written = written.lock().unwrap_or_else(|e| e.into_inner());
-    let lines: String = written.iter().map(|(text, _)| text.as_str()).collect();
-    let last = lines.lines().last().unwrap_or_default();
-    assert!(
-        last.starts_with('✗') && last.contains("get_weather"),
-        "{lines}"
-    );
+    assert_eq!(final_lines(&written), ["✗ [s1] get_weather  3 chars"]);
 }
 
 /// `serve` publishes once per write to its client, and a burst read in
@@ -446,12 +460,7 @@ fn a_failed_streams_tools_end_with_a_cross() {
 /// drawn).
 #[test]
 fn each_tool_ends_with_its_last_count_after_a_burst() {
-    let written = Arc::new(Mutex::new(Vec::new()));
-    let display = ProgressDisplay::plain(Box::new(LockProbe {
-        registry: Arc::new(std::sync::OnceLock::new()),
-        written: Arc::clone(&written),
-    }));
-    let registry = SessionRegistry::with_display(Arc::new(display));
+    let (registry, written) = drawing_plain_lines();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = ToolCallTracker::new(false);
     stream.keep_ended_calls(&mut tracker);
@@ -463,17 +472,9 @@ fn each_tool_ends_with_its_last_count_after_a_burst() {
     tracker.text(StreamPhase::Answering);
     stream.publish(&mut tracker, &[]);
     drop(stream);
-    let written = written.lock().unwrap_or_else(|e| e.into_inner());
-    let lines: Vec<&str> = written.iter().flat_map(|(text, _)| text.lines()).collect();
-    let finals: Vec<&str> = lines
-        .iter()
-        .filter(|l| l.starts_with('✓') || l.starts_with('✗'))
-        .map(|l| l.split(" · ").next().unwrap_or_default())
-        .collect();
     assert_eq!(
-        finals,
-        ["✓ [s1] get_weather  16 chars", "✓ [s1] get_time  2 chars"],
-        "{lines:#?}"
+        final_lines(&written),
+        ["✓ [s1] get_weather  16 chars", "✓ [s1] get_time  2 chars"]
     );
 }
 
@@ -483,12 +484,7 @@ fn each_tool_ends_with_its_last_count_after_a_burst() {
 /// them a second time.
 #[test]
 fn a_tool_execute_clear_ends_each_tool_once() {
-    let written = Arc::new(Mutex::new(Vec::new()));
-    let display = ProgressDisplay::plain(Box::new(LockProbe {
-        registry: Arc::new(std::sync::OnceLock::new()),
-        written: Arc::clone(&written),
-    }));
-    let registry = SessionRegistry::with_display(Arc::new(display));
+    let (registry, written) = drawing_plain_lines();
     let mut stream = registry.begin_stream("s1");
     let mut tracker = ToolCallTracker::new(false);
     stream.keep_ended_calls(&mut tracker);
@@ -501,13 +497,7 @@ fn a_tool_execute_clear_ends_each_tool_once() {
     tracker.text(StreamPhase::Answering);
     stream.publish(&mut tracker, &[]);
     drop(stream);
-    let written = written.lock().unwrap_or_else(|e| e.into_inner());
-    let finals = written
-        .iter()
-        .flat_map(|(text, _)| text.lines())
-        .filter(|l| l.starts_with('✓'))
-        .count();
-    assert_eq!(finals, 1, "{written:?}");
+    assert_eq!(final_lines(&written), ["✓ [s1] get_weather  3 chars"]);
 }
 
 /// Without spinners, a stream's tracker keeps no ended calls.
