@@ -452,6 +452,18 @@ fn a_failed_streams_tools_end_with_a_cross() {
     assert_eq!(final_lines(&written), ["✗ [s1] get_weather  3 chars"]);
 }
 
+/// A stream of session `s1` that keeps its ended calls, as `serve` makes
+/// it when it draws spinners, with `get_weather` in progress (3 chars),
+/// published.
+fn get_weather_drawn(registry: &SessionRegistry) -> (StreamHandle, ToolCallTracker) {
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = ToolCallTracker::new(false);
+    stream.keep_ended_calls(&mut tracker);
+    tracker.apply(&delta(0, "get_weather", "{\"c"), 1);
+    stream.publish(&mut tracker, &[]);
+    (stream, tracker)
+}
+
 /// `serve` publishes once per write to its client, and a burst read in
 /// one piece can carry a call's last arguments, a whole second call and
 /// the text after them. Each tool still ends with its last count, the
@@ -461,11 +473,7 @@ fn a_failed_streams_tools_end_with_a_cross() {
 #[test]
 fn each_tool_ends_with_its_last_count_after_a_burst() {
     let (registry, written) = drawing_plain_lines();
-    let mut stream = registry.begin_stream("s1");
-    let mut tracker = ToolCallTracker::new(false);
-    stream.keep_ended_calls(&mut tracker);
-    tracker.apply(&delta(0, "get_weather", "{\"c"), 1);
-    stream.publish(&mut tracker, &[]);
+    let (mut stream, mut tracker) = get_weather_drawn(&registry);
     // One read: the rest of the first call, all of a second, then text.
     tracker.apply(&delta(0, "get_weather", "ity\":\"Paris\"}"), 2);
     tracker.apply(&delta(1, "get_time", "{}"), 2);
@@ -485,11 +493,7 @@ fn each_tool_ends_with_its_last_count_after_a_burst() {
 #[test]
 fn a_tool_execute_clear_ends_each_tool_once() {
     let (registry, written) = drawing_plain_lines();
-    let mut stream = registry.begin_stream("s1");
-    let mut tracker = ToolCallTracker::new(false);
-    stream.keep_ended_calls(&mut tracker);
-    tracker.apply(&delta(0, "get_weather", "{\"c"), 1);
-    stream.publish(&mut tracker, &[]);
+    let (mut stream, mut tracker) = get_weather_drawn(&registry);
     registry.tool_execution_started("s1");
     // What the body does before its next read, then that read: text.
     tracker.tool_execution_started_elsewhere();
