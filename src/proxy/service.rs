@@ -179,7 +179,7 @@ impl Proxy {
             .forward(req, &peer.socket_full, started, &mut unanswered.path)
             .await;
         unanswered.answered = true;
-        let method = unanswered.method.clone();
+        let method = std::mem::take(&mut unanswered.method);
         let path = std::mem::take(&mut unanswered.path);
         match forwarded {
             Ok(response) => response,
