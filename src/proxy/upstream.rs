@@ -248,6 +248,15 @@ impl Upstream {
             || path
                 .strip_prefix(prefix)
                 .is_some_and(|rest| rest.starts_with('/'));
+        // `OPTIONS *` asks about the server itself: its target goes as it
+        // is, under no prefix (RFC 9112 §3.2.4).
+        if path == "*" {
+            return Ok(Uri::builder()
+                .scheme(self.scheme.clone())
+                .authority(self.authority.clone())
+                .path_and_query(PathAndQuery::from_static("*"))
+                .build()?);
+        }
         let path_and_query = match request.path_and_query() {
             // The request's own path and query, shared rather than copied
             // (hyper's request head holds them; three allocations a
@@ -593,6 +602,8 @@ mod tests {
             assert_eq!(map("http://h/v1", path), mapped, "{path}");
         }
         assert_eq!(map("http://h", "/a/../b"), "http://h/a/../b");
+        // `OPTIONS *`: the server itself, under no prefix.
+        assert_eq!(map("http://h/v1", "*"), "http://h*");
     }
 
     /// `--upstream-ca` with an `http://` upstream is a mistake (a scheme
