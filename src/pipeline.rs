@@ -430,7 +430,17 @@ impl Annotator {
         if !state.deferred.is_empty() {
             state.line_end_tail(b"", out);
         }
-        state.tracker.end();
+        // The end of the input clears what was in progress: subscribers
+        // are told, as of any other clear (a stream cut by its upstream,
+        // or one that just stops, has no `[DONE]` to say it).
+        if let Applied::Cleared = state.tracker.end()
+            && state.collect_events
+        {
+            state
+                .events
+                .events
+                .push(StreamEvent::Cleared(ClearReason::StreamEnd));
+        }
         state.write_done(out);
         if state.undecodable > MAX_REPORTED {
             state.warnings.push(Warning::Suppressed {

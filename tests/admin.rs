@@ -733,6 +733,43 @@ async fn a_lagging_subscriber_starts_again_from_a_snapshot() {
     );
 }
 
+/// A stream that stops in the middle of a tool call (no finish, no
+/// `[DONE]`: an upstream cut, or one that just ends) clears the session,
+/// and its subscribers are told so, with reason `stream_end`. Before,
+/// they got no clear, and the status page kept the tool's card for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_stops_mid_call_tells_subscribers_it_cleared() {
+    let capture = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"\"}}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"city\"}}]}}]}\n\n",
+    );
+    let run = start_with(
+        vec![Capture::new("cut_call", capture.as_bytes())],
+        Duration::from_millis(50),
+    )
+    .await;
+    let mut frames = Frames::open(&run.proxy, "cut").await;
+    assert_eq!(frames.next().await["type"], "stream_resume");
+    let body = chat_body(&run.proxy, "cut", "cut_call").await;
+    tokio::time::timeout(PATIENCE, body.collect())
+        .await
+        .expect("in time")
+        .expect("body");
+    let seen = frames
+        .until(|f| f["type"] == "tool_call_progress_clear")
+        .await;
+    assert!(
+        seen.iter()
+            .any(|f| f["toolCallProgress"]["name"] == "get_weather"),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.last().map(|f| f["reason"].clone()),
+        Some("stream_end".into())
+    );
+    assert!(run.sessions.snapshot("cut").is_empty());
+}
+
 /// Non-JSON tool-execute posts (what a web page may send cross-site) and
 /// pages that rebound their own name to 127.0.0.1 are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
