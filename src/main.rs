@@ -67,7 +67,7 @@ fn main() -> ExitCode {
             if is_broken_pipe(&err) {
                 return ExitCode::SUCCESS;
             }
-            eprintln!("aalis-proxy: error: {err:#}");
+            say_error(format_args!("{err:#}"));
             ExitCode::from(EXIT_FAILURE)
         }
     }
@@ -86,10 +86,10 @@ fn usage_error(err: &clap::Error) -> ExitCode {
         }
         _ => {
             let args: Vec<String> = std::env::args().skip(1).collect();
-            eprintln!(
-                "aalis-proxy: error: {}",
+            say_error(format_args!(
+                "{}",
                 aalis_proxy::cli::usage_error_line(err, &args)
-            );
+            ));
             ExitCode::from(EXIT_USAGE)
         }
     }
@@ -97,8 +97,17 @@ fn usage_error(err: &clap::Error) -> ExitCode {
 
 /// A usage error found after parsing: one line, status 2.
 fn usage_error_text(message: &str, subcommand: &str) -> ExitCode {
-    eprintln!("aalis-proxy: error: {message} (see 'aalis-proxy {subcommand} --help')");
+    say_error(format_args!(
+        "{message} (see 'aalis-proxy {subcommand} --help')"
+    ));
     ExitCode::from(EXIT_USAGE)
+}
+
+/// `aalis-proxy: error: …` on stderr. A stderr that cannot be written (a
+/// closed pipe) loses the line, but not the exit status: `eprintln!`
+/// panicked there, and the status became 101.
+fn say_error(message: std::fmt::Arguments<'_>) {
+    let _ = writeln!(io::stderr(), "aalis-proxy: error: {message}");
 }
 
 fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {

@@ -765,3 +765,34 @@ fn data_after_the_end_names_the_end_of_its_kind() {
         assert!(stderr.contains(warning), "{stderr}");
     }
 }
+
+/// An error said to a stderr nobody reads (a closed pipe) still ends with
+/// its own status: 1 for an input that cannot be opened, 2 for a usage
+/// error. Before, the message's `eprintln!` panicked, and the status was
+/// 101.
+#[test]
+fn a_closed_stderr_keeps_the_exit_status() {
+    for (args, status) in [
+        (&["annotate", "no-such-file.sse"][..], 1),
+        (&["annotate", "--no-such-flag"][..], 2),
+        (
+            &[
+                "serve",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--idle-timeout",
+                "0",
+            ][..],
+            2,
+        ),
+    ] {
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        drop(reader);
+        let output = aalis_proxy_with(args)
+            .stdin(Stdio::null())
+            .stderr(writer)
+            .output()
+            .expect("runs");
+        assert_eq!(output.status.code(), Some(status), "{args:?}");
+    }
+}
