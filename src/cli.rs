@@ -333,7 +333,8 @@ pub struct ServeArgs {
     /// request body (.request.json; headers are never saved). File names
     /// are `<unix ms>-<session>-<n>`, with the session reduced to safe
     /// characters. Request bodies stream on as usual; their first MiB is
-    /// kept.
+    /// kept. A recording a write failed for (a full disk) stops there and
+    /// is kept as <name>.partial, without the other two files.
     ///
     /// Example: --record captures/
     #[arg(long, value_name = "DIR")]

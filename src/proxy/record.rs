@@ -104,13 +104,15 @@ impl Body for TeeBody {
 #[derive(Debug)]
 pub struct Recording {
     body: BufWriter<File>,
+    body_path: PathBuf,
     timing_path: PathBuf,
     request_path: PathBuf,
     request: RequestCopy,
     timing: Timing,
     started: Instant,
     bytes: u64,
-    /// A write failed (reported once).
+    /// A write failed (reported once): nothing more is written, and the
+    /// body is kept as `….partial`, never as a capture with a hole.
     failed: bool,
 }
 
@@ -156,6 +158,7 @@ impl Recorder {
         Ok(Recording {
             body,
             timing_path: Timing::sidecar(&body_path),
+            body_path,
             request_path: self.dir.join(format!("{stem}.request.json")),
             request,
             timing: Timing::default(),
@@ -174,13 +177,18 @@ fn create_new(path: &Path) -> std::io::Result<File> {
 impl Recording {
     /// A piece of the upstream body, as it arrived.
     pub fn data(&mut self, bytes: &[u8]) {
-        if bytes.is_empty() {
+        if bytes.is_empty() || self.failed {
             return;
         }
-        if let Err(err) = self.body.write_all(bytes)
-            && !std::mem::replace(&mut self.failed, true)
-        {
-            tracing::warn!("recording stopped writing: {err}");
+        if let Err(err) = self.body.write_all(bytes) {
+            // A later write that succeeds (space came back) would splice
+            // the capture: nothing more is written.
+            self.failed = true;
+            tracing::warn!(
+                "recording {} stopped writing, kept as .partial: {err}",
+                self.body_path.display()
+            );
+            return;
         }
         self.bytes += bytes.len() as u64;
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -190,7 +198,30 @@ impl Recording {
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        let flushed = self.body.flush();
+        let flushed = match self.failed {
+            true => Err(std::io::Error::other("an earlier write failed")),
+            false => self.body.flush(),
+        };
+        if let Err(err) = flushed {
+            // Visibly incomplete, never replayed as a whole capture (mock
+            // and the replay tools read `.sse` and `.ndjson`); no sidecars.
+            let body_path = std::mem::take(&mut self.body_path);
+            let mut partial = body_path.clone().into_os_string();
+            partial.push(".partial");
+            let failed_before = self.failed;
+            let keep = move || {
+                if let Err(rename) = std::fs::rename(&body_path, &partial) {
+                    tracing::warn!("cannot mark {} partial: {rename}", body_path.display());
+                } else if !failed_before {
+                    tracing::warn!("recording {} kept as .partial: {err}", body_path.display());
+                }
+            };
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn_blocking(keep)),
+                Err(_) => keep(),
+            }
+            return;
+        }
         let timing_path = std::mem::take(&mut self.timing_path);
         let timing = self.timing.render();
         let request_path = std::mem::take(&mut self.request_path);
@@ -201,7 +232,7 @@ impl Drop for Recording {
             let timing_written =
                 create_new(&timing_path).and_then(|mut f| f.write_all(timing.as_bytes()));
             let request_written = create_new(&request_path).and_then(|mut f| f.write_all(&request));
-            let written = flushed.and(timing_written).and(request_written);
+            let written = timing_written.and(request_written);
             if let Err(err) = written {
                 tracing::warn!(
                     "cannot finish the recording {}: {err}",
@@ -214,5 +245,45 @@ impl Drop for Recording {
             Ok(runtime) => drop(runtime.spawn_blocking(write)),
             Err(_) => write(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write that fails stops the recording: nothing more is written
+    /// (one that succeeds later, space come back, would splice the
+    /// capture), and the body is kept as `….partial`, without sidecars, so
+    /// that nothing replays it as a whole capture.
+    #[test]
+    fn a_failed_write_leaves_a_partial_body_and_no_sidecars() {
+        let dir = std::env::temp_dir().join(format!("aalis-record-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let recorder = Recorder::new(&dir);
+        let mut recording = recorder
+            .start("s", Framing::Sse, RequestCopy::default())
+            .expect("started");
+        // Its file, read-only from now on: every write to it fails.
+        recording.body = BufWriter::new(File::open(&recording.body_path).expect("opened"));
+        recording.data(&[b'x'; 16 * 1024]);
+        recording.data(b"data: more\n\n");
+        assert!(recording.failed);
+        assert!(recording.timing.marks.is_empty());
+        let name = recording
+            .body_path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(str::to_owned)
+            .expect("a name");
+        drop(recording);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("listed")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        left.sort();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(left, [format!("{name}.partial")]);
     }
 }
