@@ -334,7 +334,8 @@ pub struct ServeArgs {
     /// are `<unix ms>-<session>-<n>`, with the session reduced to safe
     /// characters. Request bodies stream on as usual; their first MiB is
     /// kept. A recording a write failed for (a full disk) stops there and
-    /// is kept as <name>.partial, without the other two files.
+    /// is kept with `.partial` added to its name, without the other two
+    /// files.
     ///
     /// Example: --record captures/
     #[arg(long, value_name = "DIR")]
