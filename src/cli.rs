@@ -395,6 +395,10 @@ impl ServeArgs {
 #[command(after_long_help = MOCK_EXAMPLES, display_name = "aalis-proxy")]
 pub struct MockArgs {
     /// Capture files (.sse or .ndjson bodies, as `annotate` reads them)
+    ///
+    /// What `serve --record` writes beside a capture (.timing, read with
+    /// it; .request.json) and a .partial recording are left out, with a
+    /// warning, so `mock captures/*` serves the captures alone.
     #[arg(value_name = "CAPTURE")]
     pub captures: Vec<PathBuf>,
 

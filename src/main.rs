@@ -241,10 +241,22 @@ fn serve_logged(
 }
 
 fn mock(args: &MockArgs) -> anyhow::Result<()> {
-    let captures = if args.captures.is_empty() {
+    // A recording's sidecars and partial bodies are left out (`mock
+    // captures/*` names them), and said so once the log is up.
+    let (skipped, given): (Vec<&std::path::PathBuf>, Vec<&std::path::PathBuf>) = args
+        .captures
+        .iter()
+        .partition(|path| aalis_proxy::mock::is_not_a_capture(path));
+    if given.is_empty() && !skipped.is_empty() {
+        anyhow::bail!(
+            "no capture among the files given: .timing, .request.json and .partial files \
+             are left out"
+        );
+    }
+    let captures: Vec<Capture> = if given.is_empty() {
         Capture::bundled()
     } else {
-        args.captures
+        given
             .iter()
             .map(|path| {
                 Capture::from_file(path).with_context(|| format!("cannot read {}", path.display()))
@@ -252,6 +264,17 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?
     };
     let log = stderr_log::init(args.verbose);
+    for path in &skipped {
+        tracing::warn!("left out {}: not a capture", path.display());
+    }
+    for (i, capture) in captures.iter().enumerate() {
+        if captures[..i].iter().any(|c| c.name == capture.name) {
+            tracing::warn!(
+                "two captures are named {}: requests for it get the first",
+                capture.name
+            );
+        }
+    }
     let result = runtime().and_then(|runtime| {
         runtime.block_on(async {
             let (listener, local) = listen(args.listen).await?;

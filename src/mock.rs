@@ -57,6 +57,19 @@ pub const BUNDLED: [(&str, &[u8]); 4] = [
     ),
 ];
 
+/// Whether `path` is one of the files `serve --record` writes beside a
+/// capture (`.timing`, `.request.json`) or a recording left incomplete
+/// (`.partial`): no capture to serve, though `mock captures/*` names it.
+pub fn is_not_a_capture(path: &Path) -> bool {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    [".timing", ".request.json", ".partial"]
+        .iter()
+        .any(|suffix| name.ends_with(suffix))
+}
+
 /// One capture: its bytes, and when each piece came if it was recorded.
 #[derive(Debug, Clone)]
 pub struct Capture {

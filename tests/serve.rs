@@ -1697,6 +1697,47 @@ fn a_request_whose_client_leaves_before_the_answer_is_logged() {
     drop(silent);
 }
 
+/// `mock captures/*` over a `serve --record` directory: the recordings'
+/// sidecars (`.timing`, `.request.json`) and partial bodies are left out,
+/// each said once, and only the capture is served. Before, each became a
+/// capture of its own (the request body served as an NDJSON stream).
+#[test]
+fn mock_leaves_out_what_is_not_a_capture() {
+    let dir = std::env::temp_dir().join(format!("aalis-mock-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let capture = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
+    let files = [
+        ("x.sse", &capture[..]),
+        ("x.sse.timing", &b"10 0\n"[..]),
+        ("x.request.json", &b"{\"model\":\"x\"}"[..]),
+        ("y.sse.partial", &capture[..]),
+    ];
+    let mut paths = Vec::new();
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).expect("written");
+        paths.push(path.to_string_lossy().into_owned());
+    }
+    let args: Vec<&str> = paths.iter().map(String::as_str).collect();
+    let mut mock = start_mock(&args, &[]);
+    let stderr = mock.wait_for_stderr("mock upstream on");
+    let serving = stderr
+        .lines()
+        .find(|l| l.contains("mock upstream on"))
+        .unwrap_or_default();
+    assert!(serving.ends_with(": x"), "{serving}");
+    for name in ["x.sse.timing", "x.request.json", "y.sse.partial"] {
+        let said = stderr
+            .lines()
+            .filter(|l| l.contains("left out") && l.contains(name))
+            .count();
+        assert_eq!(said, 1, "{name} in:\n{stderr}");
+    }
+    mock.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The mock's chat routes take POST: another method gets 405 with
 /// `Allow: POST` (RFC 9110 §15.5.6).
 #[test]
