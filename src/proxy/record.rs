@@ -216,10 +216,7 @@ impl Drop for Recording {
                     tracing::warn!("recording {} kept as .partial: {err}", body_path.display());
                 }
             };
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => drop(runtime.spawn_blocking(keep)),
-                Err(_) => keep(),
-            }
+            off_the_workers(keep);
             return;
         }
         let timing_path = std::mem::take(&mut self.timing_path);
@@ -240,11 +237,16 @@ impl Drop for Recording {
                 );
             }
         };
-        // Off the async workers when there are some.
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(write)),
-            Err(_) => write(),
-        }
+        off_the_workers(write);
+    }
+}
+
+/// Runs file work `f` off the async workers when there are some (on the
+/// runtime's blocking threads), here and now otherwise.
+fn off_the_workers(f: impl FnOnce() + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(f)),
+        Err(_) => f(),
     }
 }
 

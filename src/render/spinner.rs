@@ -436,16 +436,7 @@ impl Apart {
         let was_pending = *pending;
         if let Some(before) = sessions.get(session) {
             for ended in before.entries.iter().filter(|b| !has_tool(entries, b)) {
-                if finals.len() < MAX_WAITING_FINAL_LINES {
-                    finals.push(FinalLine {
-                        session: session.to_owned(),
-                        entry: ended.clone(),
-                        outcome,
-                        now_ms,
-                    });
-                } else {
-                    *dropped_finals += 1;
-                }
+                queue_final(finals, dropped_finals, session, ended, outcome, now_ms);
                 *pending = true;
             }
         }
@@ -480,20 +471,14 @@ impl Apart {
     fn ended(&self, session: &str, entry: &ProgressEntry, outcome: Outcome, now_ms: u64) {
         let mut state = lock(&self.state);
         let was_pending = state.pending;
-        if state.finals.len() < MAX_WAITING_FINAL_LINES {
-            state.finals.push(FinalLine {
-                session: session.to_owned(),
-                entry: entry.clone(),
-                outcome,
-                now_ms,
-            });
-        } else {
-            state.dropped_finals += 1;
-        }
+        let ApartState {
+            finals,
+            dropped_finals,
+            ..
+        } = &mut *state;
+        queue_final(finals, dropped_finals, session, entry, outcome, now_ms);
         if let Some(waiting) = state.sessions.get_mut(session) {
-            waiting
-                .entries
-                .retain(|e| !(e.choice == entry.choice && e.index == entry.index));
+            waiting.entries.retain(|e| !same_tool(e, entry));
             if waiting.entries.is_empty() {
                 state.sessions.remove(session);
             }
@@ -506,11 +491,36 @@ impl Apart {
     }
 }
 
-/// Whether `entries` has the tool of `entry` (the same choice and index).
+/// Queues the final line of `entry`, a tool of `session` that ended, or
+/// counts it past [`MAX_WAITING_FINAL_LINES`].
+fn queue_final(
+    finals: &mut Vec<FinalLine>,
+    dropped_finals: &mut usize,
+    session: &str,
+    entry: &ProgressEntry,
+    outcome: Outcome,
+    now_ms: u64,
+) {
+    if finals.len() < MAX_WAITING_FINAL_LINES {
+        finals.push(FinalLine {
+            session: session.to_owned(),
+            entry: entry.clone(),
+            outcome,
+            now_ms,
+        });
+    } else {
+        *dropped_finals += 1;
+    }
+}
+
+/// Whether `a` and `b` are the same tool (the same choice and index).
+fn same_tool(a: &ProgressEntry, b: &ProgressEntry) -> bool {
+    a.choice == b.choice && a.index == b.index
+}
+
+/// Whether `entries` has the tool of `entry`.
 fn has_tool(entries: &[ProgressEntry], entry: &ProgressEntry) -> bool {
-    entries
-        .iter()
-        .any(|e| e.choice == entry.choice && e.index == entry.index)
+    entries.iter().any(|e| same_tool(e, entry))
 }
 
 /// The drawing thread of [`ProgressDisplay::drawn_apart`]: takes what
