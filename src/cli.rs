@@ -293,7 +293,8 @@ pub struct ServeArgs {
     pub idle_timeout: Duration,
 
     /// After SIGINT or SIGTERM, how long open streams may go on (a second
-    /// signal cuts them at once)
+    /// signal cuts them at once; their --record files keep what came until
+    /// then)
     ///
     /// Example: --shutdown-grace 30s
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

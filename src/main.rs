@@ -204,11 +204,21 @@ fn serve_logged(
         let mut signals = Signals::install();
         let (first, stop) = tokio::sync::oneshot::channel::<()>();
         let log_at_exit = log.clone();
+        let recordings = proxy.open_recordings();
         tokio::spawn(async move {
             signals.next().await;
             let _ = first.send(());
             signals.next().await;
-            tracing::warn!("a second signal: exiting now, open streams are cut");
+            // What the open streams' recordings hold so far is kept, as
+            // when the grace period cuts them.
+            let kept = recordings.map_or(0, |open| open.finish_all());
+            match kept {
+                0 => tracing::warn!("a second signal: exiting now, open streams are cut"),
+                n => tracing::warn!(
+                    "a second signal: exiting now, open streams are cut; \
+                     recordings kept as they stood: {n}"
+                ),
+            }
             end_logging(log_at_exit.as_ref());
             std::process::exit(EXIT_INTERRUPTED);
         });

@@ -1394,6 +1394,79 @@ fn a_second_signal_stops_serve_at_once() {
     assert!(!body.contains("[DONE]"), "an end was invented:\n{body}");
 }
 
+/// A second signal does not lose `--record`'s open recordings: what the
+/// upstream sent until then is in the body file, with its timing and
+/// request sidecars, as when the grace period cuts a stream. On the code
+/// before, the body file was left empty and without sidecars (its buffered
+/// bytes were never written).
+#[test]
+fn a_second_signal_keeps_the_open_recordings() {
+    let dir = std::env::temp_dir().join(format!("aalis-second-signal-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let record = dir.to_string_lossy().into_owned();
+    let mock = start_mock(&["--delay-ms", "1000"], &[]);
+    let mut serve = start_serve(
+        mock.port,
+        &["--shutdown-grace", "60s", "--record", &record],
+        &[],
+    );
+    let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+    assert_eq!(stream.status, 200);
+    stream.read_until("the first event", has_first_event);
+    serve.signal(sig::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !serve.stderr().contains("shutting down") {
+        assert!(
+            Instant::now() < deadline,
+            "no shutdown line:\n{}",
+            serve.stderr()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    serve.signal(sig::SIGTERM);
+    let status = serve.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(130), "{status:?}\n{}", serve.stderr());
+    assert!(
+        serve.stderr().contains("recordings kept as they stood: 1"),
+        "{}",
+        serve.stderr()
+    );
+
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("the record dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let file = |suffix: &str| {
+        let name = names
+            .iter()
+            .find(|n| n.ends_with(suffix))
+            .unwrap_or_else(|| panic!("no *{suffix} in {names:?}"));
+        std::fs::read(dir.join(name)).expect("read")
+    };
+    let body = file(".sse");
+    let timing = String::from_utf8(file(".sse.timing")).expect("UTF-8");
+    let request = file(".request.json");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(names.len(), 3, "{names:?}");
+    // The events sent before the signals (the mock sends one a second):
+    // at least the first, and not the whole stream.
+    let whole = fixture(PARALLEL_FIXTURE);
+    assert!(has_first_event(&body), "{}", text(&body));
+    assert!(body.len() < whole.len(), "{}", text(&body));
+    assert!(whole.starts_with(&body), "not a prefix:\n{}", text(&body));
+    assert!(
+        timing
+            .lines()
+            .last()
+            .and_then(|mark| mark.split(' ').next())
+            == Some(body.len().to_string().as_str()),
+        "the timing does not reach the body's end ({} bytes):\n{timing}",
+        body.len()
+    );
+    assert_eq!(text(&request), PARALLEL_REQUEST);
+}
+
 // ---------------------------------------------------------------------------
 // 4. Startup errors
 

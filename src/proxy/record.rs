@@ -16,13 +16,17 @@
 //! name part ([`crate::capture::safe_file_part`]) so it cannot escape `DIR`
 //! or name a hidden file. Body writes are buffered and small; the closing
 //! writes (timing, request) go to the blocking pool.
+//!
+//! An exit that cannot wait for the open streams (`serve`'s second signal)
+//! finishes every recording still open first ([`OpenRecordings`]): what
+//! arrived until then is kept, with its sidecars, as when a stream is cut.
 
 use std::fs::File;
 use std::io::{BufWriter, ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
@@ -40,7 +44,13 @@ use crate::framing::Framing;
 pub struct Recorder {
     dir: PathBuf,
     counter: AtomicU64,
+    open: OpenRecordings,
 }
+
+/// The recordings a [`Recorder`] has open, so that an exit that does not
+/// wait for their streams can finish them ([`OpenRecordings::finish_all`]).
+#[derive(Debug, Clone, Default)]
+pub struct OpenRecordings(Arc<Mutex<Vec<Weak<Mutex<Open>>>>>);
 
 /// How much of a request body is kept for `.request.json`.
 pub const MAX_RECORDED_REQUEST_BYTES: usize = 1024 * 1024;
@@ -84,7 +94,7 @@ impl Body for TeeBody {
         if let Some(Ok(frame)) = &polled
             && let Some(data) = frame.data_ref()
         {
-            let mut copy = this.copy.0.lock().unwrap_or_else(|e| e.into_inner());
+            let mut copy = lock(&this.copy.0);
             let room = MAX_RECORDED_REQUEST_BYTES.saturating_sub(copy.len());
             copy.extend_from_slice(&data[..room.min(data.len())]);
         }
@@ -100,9 +110,14 @@ impl Body for TeeBody {
     }
 }
 
-/// One stream being recorded; finished when dropped.
+/// One stream being recorded; finished when dropped (or by
+/// [`OpenRecordings::finish_all`], whichever comes first).
 #[derive(Debug)]
-pub struct Recording {
+pub struct Recording(Arc<Mutex<Open>>);
+
+/// A recording's files and what is still to be written to them.
+#[derive(Debug)]
+struct Open {
     body: BufWriter<File>,
     body_path: PathBuf,
     timing_path: PathBuf,
@@ -114,6 +129,9 @@ pub struct Recording {
     /// A write failed (reported once): nothing more is written, and the
     /// body is kept as `….partial`, never as a capture with a hole.
     failed: bool,
+    /// Finished: the body flushed and the sidecars handed on; nothing more
+    /// is written.
+    finished: bool,
 }
 
 impl Recorder {
@@ -123,7 +141,13 @@ impl Recorder {
         Recorder {
             dir: dir.to_owned(),
             counter: AtomicU64::new(0),
+            open: OpenRecordings::default(),
         }
+    }
+
+    /// The recordings this recorder has open, now and later.
+    pub fn open_recordings(&self) -> OpenRecordings {
+        self.open.clone()
     }
 
     /// Starts recording a stream of `session` whose request body is being
@@ -155,7 +179,7 @@ impl Recorder {
             }
         };
         let body = BufWriter::new(file);
-        Ok(Recording {
+        let open = Arc::new(Mutex::new(Open {
             body,
             timing_path: Timing::sidecar(&body_path),
             body_path,
@@ -165,8 +189,46 @@ impl Recorder {
             started: Instant::now(),
             bytes: 0,
             failed: false,
-        })
+            finished: false,
+        }));
+        self.open.add(&open);
+        Ok(Recording(open))
     }
+}
+
+impl OpenRecordings {
+    fn add(&self, open: &Arc<Mutex<Open>>) {
+        let mut list = lock(&self.0);
+        // The ended recordings' entries go once the list would grow: it
+        // holds at most twice the recordings open.
+        if list.len() == list.capacity() {
+            list.retain(|entry| entry.strong_count() > 0);
+        }
+        list.push(Arc::downgrade(open));
+    }
+
+    /// Finishes every recording still open, here and now: each body is
+    /// flushed as it stands and its sidecars are written, as when its
+    /// stream is cut. For an exit that will not wait for the streams; a
+    /// stream that goes on writes nothing more to its recording. Returns
+    /// how many were finished.
+    pub fn finish_all(&self) -> usize {
+        let open: Vec<Arc<Mutex<Open>>> = lock(&self.0).iter().filter_map(Weak::upgrade).collect();
+        let mut finished = 0;
+        for recording in open {
+            if let Some(rest) = lock(&recording).finish() {
+                rest();
+                finished += 1;
+            }
+        }
+        finished
+    }
+}
+
+/// A lock that a panic elsewhere did not spoil (what it guards stays
+/// consistent between statements).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Creates `path`, which must not exist yet (not even as a link).
@@ -177,7 +239,26 @@ fn create_new(path: &Path) -> std::io::Result<File> {
 impl Recording {
     /// A piece of the upstream body, as it arrived.
     pub fn data(&mut self, bytes: &[u8]) {
-        if bytes.is_empty() || self.failed {
+        if !bytes.is_empty() {
+            lock(&self.0).data(bytes);
+        }
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        if let Some(rest) = lock(&self.0).finish() {
+            off_the_workers(rest);
+        }
+    }
+}
+
+/// The file work left when a recording is finished.
+type Rest = Box<dyn FnOnce() + Send>;
+
+impl Open {
+    fn data(&mut self, bytes: &[u8]) {
+        if self.failed || self.finished {
             return;
         }
         if let Err(err) = self.body.write_all(bytes) {
@@ -194,10 +275,13 @@ impl Recording {
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.timing.marks.push((self.bytes, ms));
     }
-}
 
-impl Drop for Recording {
-    fn drop(&mut self) {
+    /// Flushes the body and returns the rest of the file work (renaming
+    /// a failed body, or writing the sidecars), the first time only.
+    fn finish(&mut self) -> Option<Rest> {
+        if std::mem::replace(&mut self.finished, true) {
+            return None;
+        }
         let flushed = match self.failed {
             true => Err(std::io::Error::other("an earlier write failed")),
             false => self.body.flush(),
@@ -216,14 +300,12 @@ impl Drop for Recording {
                     tracing::warn!("recording {} kept as .partial: {err}", body_path.display());
                 }
             };
-            off_the_workers(keep);
-            return;
+            return Some(Box::new(keep));
         }
         let timing_path = std::mem::take(&mut self.timing_path);
         let timing = self.timing.render();
         let request_path = std::mem::take(&mut self.request_path);
-        let request =
-            std::mem::take(&mut *self.request.0.lock().unwrap_or_else(|e| e.into_inner()));
+        let request = std::mem::take(&mut *lock(&self.request.0));
         let write = move || {
             // Each is tried, whatever became of the others.
             let timing_written =
@@ -237,7 +319,7 @@ impl Drop for Recording {
                 );
             }
         };
-        off_the_workers(write);
+        Some(Box::new(write))
     }
 }
 
@@ -267,18 +349,23 @@ mod tests {
         let mut recording = recorder
             .start("s", Framing::Sse, RequestCopy::default())
             .expect("started");
-        // Its file, read-only from now on: every write to it fails.
-        recording.body = BufWriter::new(File::open(&recording.body_path).expect("opened"));
+        let name = {
+            let mut open = lock(&recording.0);
+            // Its file, read-only from now on: every write to it fails.
+            open.body = BufWriter::new(File::open(&open.body_path).expect("opened"));
+            open.body_path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_owned)
+                .expect("a name")
+        };
         recording.data(&[b'x'; 16 * 1024]);
         recording.data(b"data: more\n\n");
-        assert!(recording.failed);
-        assert!(recording.timing.marks.is_empty());
-        let name = recording
-            .body_path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .map(str::to_owned)
-            .expect("a name");
+        {
+            let open = lock(&recording.0);
+            assert!(open.failed);
+            assert!(open.timing.marks.is_empty());
+        }
         drop(recording);
         let mut left: Vec<String> = std::fs::read_dir(&dir)
             .expect("listed")

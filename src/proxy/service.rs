@@ -25,7 +25,7 @@ use super::body::{RequestLog, TapBody, log_safe};
 use super::gate::SocketFull;
 use super::h1::H1Error;
 use super::metrics::{Metrics, UpstreamErrorKind};
-use super::record::{self, Recorder};
+use super::record::{self, OpenRecordings, Recorder};
 use super::server::Peer;
 use super::sessions::SessionRegistry;
 use super::upstream::{
@@ -154,6 +154,12 @@ impl Proxy {
 
     pub fn sessions(&self) -> &SessionRegistry {
         &self.shared.sessions
+    }
+
+    /// `--record`'s open recordings, for an exit that will not wait for
+    /// their streams; `None` without `--record`.
+    pub fn open_recordings(&self) -> Option<OpenRecordings> {
+        self.shared.recorder.as_ref().map(Recorder::open_recordings)
     }
 
     /// Handles one request; never fails (errors become responses).
