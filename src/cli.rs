@@ -149,6 +149,7 @@ pub struct StreamFlags {
         value_enum,
         value_name = "WHEN",
         num_args = 0..=1,
+        require_equals = true,
         default_value_t = ProgressMode::Never,
         default_missing_value = "auto"
     )]
@@ -454,8 +455,16 @@ pub struct DemoArgs {
     /// Spinners on stderr: `always` (the default here) draws them on a
     /// terminal and prints plain lines otherwise
     ///
-    /// Example: --progress never
-    #[arg(long, value_enum, value_name = "WHEN", default_value_t = ProgressMode::Always)]
+    /// Example: --progress=never
+    #[arg(
+        long,
+        value_enum,
+        value_name = "WHEN",
+        num_args = 0..=1,
+        require_equals = true,
+        default_value_t = ProgressMode::Always,
+        default_missing_value = "auto"
+    )]
     pub progress: ProgressMode,
 }
 
@@ -529,17 +538,26 @@ pub fn parse_timeout(text: &str) -> Result<Duration, String> {
 const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
 
 /// A usage error as one line, for `aalis-proxy: error: …`: clap's message
-/// with its line breaks folded, and where to read more. Clap's own
-/// multi-line block (tip, usage, "for more information") is for help, not
-/// for errors in a log.
+/// with its line breaks folded, clap's tip if it has one (a similar flag or
+/// subcommand), and where to read more. The rest of clap's multi-line block
+/// (usage, "for more information") is for help, not for errors in a log.
 ///
 /// `args` are the words the user typed (without the program name): the
 /// subcommand among them says which `--help` to point to.
 pub fn usage_error_line(err: &clap::Error, args: &[String]) -> String {
     let rendered = err.render().to_string();
-    let message = rendered.split("\n\n").next().unwrap_or_default();
+    let mut paragraphs = rendered.split("\n\n");
+    let message = paragraphs.next().unwrap_or_default();
     let message = message.strip_prefix("error: ").unwrap_or(message);
     let mut line = message.split_whitespace().collect::<Vec<_>>().join(" ");
+    for tip in paragraphs
+        .flat_map(str::lines)
+        .map(str::trim)
+        .filter(|l| l.starts_with("tip: "))
+    {
+        line.push_str("; ");
+        line.push_str(&tip.split_whitespace().collect::<Vec<_>>().join(" "));
+    }
     let cmd = command();
     let subcommand = args
         .iter()
@@ -581,7 +599,8 @@ mod tests {
         };
         assert_eq!(
             line(&["aalis-proxy", "annotate", "--bogus"]),
-            "unexpected argument '--bogus' found (see 'aalis-proxy annotate --help')"
+            "unexpected argument '--bogus' found; tip: to pass '--bogus' as a value, use \
+             '-- --bogus' (see 'aalis-proxy annotate --help')"
         );
         assert_eq!(
             line(&["aalis-proxy", "annotate", "--format", "messages"]),
@@ -596,6 +615,55 @@ mod tests {
         assert_eq!(
             line(&["aalis-proxy", "frobnicate"]),
             "unrecognized subcommand 'frobnicate' (see 'aalis-proxy --help')"
+        );
+        // Clap's tip, when it has one, is kept on the line.
+        assert_eq!(
+            line(&["aalis-proxy", "annotate", "--formt"]),
+            "unexpected argument '--formt' found; tip: a similar argument exists: '--format' \
+             (see 'aalis-proxy annotate --help')"
+        );
+        assert_eq!(
+            line(&["aalis-proxy", "anotate"]),
+            "unrecognized subcommand 'anotate'; tip: a similar subcommand exists: 'annotate' \
+             (see 'aalis-proxy --help')"
+        );
+    }
+
+    /// `--progress` takes its value only after `=`: the word after it is
+    /// the input, as `annotate --help`'s example has it.
+    #[test]
+    fn progress_takes_its_value_only_after_an_equals_sign() {
+        let annotate = |args: &[&str]| match Cli::try_parse_from(args).expect("parses").command {
+            Command::Annotate(args) => args,
+            other => panic!("not annotate: {other:?}"),
+        };
+        let args = annotate(&[
+            "aalis-proxy",
+            "annotate",
+            "--realtime",
+            "--progress",
+            "x.sse",
+        ]);
+        assert_eq!(args.stream.progress, ProgressMode::Auto);
+        assert_eq!(args.input_path(), Some(std::path::Path::new("x.sse")));
+        let args = annotate(&["aalis-proxy", "annotate", "--progress=always", "x.sse"]);
+        assert_eq!(args.stream.progress, ProgressMode::Always);
+        assert_eq!(
+            annotate(&["aalis-proxy", "annotate"]).stream.progress,
+            ProgressMode::Never
+        );
+        let demo = |args: &[&str]| match Cli::try_parse_from(args).expect("parses").command {
+            Command::Demo(args) => args.progress,
+            other => panic!("not demo: {other:?}"),
+        };
+        assert_eq!(demo(&["aalis-proxy", "demo"]), ProgressMode::Always);
+        assert_eq!(
+            demo(&["aalis-proxy", "demo", "--progress=never"]),
+            ProgressMode::Never
+        );
+        assert_eq!(
+            demo(&["aalis-proxy", "demo", "--progress"]),
+            ProgressMode::Auto
         );
     }
 

@@ -21,6 +21,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
+
+/// What a failed write to the demo's output says.
+pub const CANNOT_WRITE: &str = "cannot write the output";
 use tokio::sync::oneshot;
 
 use crate::encode::OutputFormat;
@@ -94,7 +97,7 @@ pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::
         let status = response.status();
         let annotated = response.into_body().collect().await?.to_bytes();
         if options.stream {
-            out.write_all(&annotated)?;
+            out.write_all(&annotated).context(CANNOT_WRITE)?;
         }
         let summary = summarize(&annotated, capture.framing);
         tool_calls += summary.calls.len();
@@ -107,12 +110,14 @@ pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::
                 annotated.len(),
                 summary.annotated_events,
                 started.elapsed().as_secs_f64(),
-            )?;
+            )
+            .context(CANNOT_WRITE)?;
             for (name, chars) in &summary.calls {
-                writeln!(out, "    tool call {name}: {chars} chars of arguments")?;
+                writeln!(out, "    tool call {name}: {chars} chars of arguments")
+                    .context(CANNOT_WRITE)?;
             }
         }
-        out.flush()?;
+        out.flush().context(CANNOT_WRITE)?;
     }
     let _ = stop_proxy.send(());
     let _ = stop_mock.send(());

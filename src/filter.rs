@@ -409,7 +409,7 @@ mod tests {
         }
     }
 
-    /// The spinners' plain lines (`--progress always`, stderr not a
+    /// The spinners' plain lines (`--progress=always`, stderr not a
     /// terminal) when the stream's calls go on and end within one read:
     /// every tool gets its final line with its last count, a tool that
     /// began and ended in that read too. The two calls' first deltas come

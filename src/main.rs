@@ -81,11 +81,22 @@ fn usage_error(err: &clap::Error) -> ExitCode {
         ErrorKind::DisplayHelp
         | ErrorKind::DisplayVersion
         | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            let _ = err.print();
-            ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(EXIT_USAGE))
+            match err.print() {
+                // `--help | head -1`: done, as for any output.
+                Err(write) if write.kind() != io::ErrorKind::BrokenPipe => {
+                    say_error(format_args!("cannot write the output: {write}"));
+                    ExitCode::from(EXIT_FAILURE)
+                }
+                _ => ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(EXIT_USAGE)),
+            }
         }
         _ => {
-            let args: Vec<String> = std::env::args().skip(1).collect();
+            // Lossy: an argument that is not UTF-8 (the usual reason for
+            // the error) must not stop the message (`args()` panics on it).
+            let args: Vec<String> = std::env::args_os()
+                .skip(1)
+                .map(|arg| arg.to_string_lossy().into_owned())
+                .collect();
             say_error(format_args!(
                 "{}",
                 aalis_proxy::cli::usage_error_line(err, &args)
@@ -326,8 +337,9 @@ fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         writeln!(
             stdout,
             "{calls} tool calls streamed through the proxy, each with progress"
-        )?;
-        stdout.flush()?;
+        )
+        .and_then(|()| stdout.flush())
+        .context(aalis_proxy::demo::CANNOT_WRITE)?;
     }
     Ok(())
 }

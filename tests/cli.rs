@@ -373,6 +373,53 @@ fn write_error_names_its_cause_once() {
     );
 }
 
+/// `--help` and `demo` say so too, with status 1: the help's failed write
+/// was ignored (status 0, nothing said), and `demo` named only the cause.
+#[cfg(target_os = "linux")]
+#[test]
+fn help_and_demo_report_an_unwritable_output() {
+    for args in [
+        &["--help"][..],
+        &["annotate", "--help"],
+        &["demo", "--delay-ms", "0", "--progress=never"],
+    ] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("open /dev/full");
+        let mut cmd = aalis_proxy_with(args);
+        cmd.stdout(full);
+        let output = cmd.output().expect("run aalis-proxy");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stderr),
+            "aalis-proxy: error: cannot write the output: No space left on device (os error 28)\n",
+            "{args:?}"
+        );
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+    }
+}
+
+/// An argument that is not UTF-8 is a usage error like any other: one
+/// line and status 2 (the usage error's own message panicked on it,
+/// status 101).
+#[cfg(unix)]
+#[test]
+fn an_argument_that_is_not_utf8_is_a_usage_error() {
+    use std::os::unix::ffi::OsStrExt;
+    let output = aalis_proxy()
+        .args(["annotate", "--format", "messages", "--session"])
+        .arg(std::ffi::OsStr::from_bytes(b"\xff"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run aalis-proxy");
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        "aalis-proxy: error: invalid UTF-8 was detected in one or more arguments \
+         (see 'aalis-proxy annotate --help')\n"
+    );
+}
+
 // === Pipes and signals ===
 
 /// stdout closed by its reader (`| head -1`) ends `annotate` quietly:

@@ -52,7 +52,7 @@ fn the_demo_shows_every_tool_and_exits_0() {
 /// `--stream` writes the annotated streams themselves.
 #[test]
 fn the_demo_can_show_the_annotated_streams() {
-    let output = demo(&["--delay-ms", "0", "--stream", "--progress", "never"]);
+    let output = demo(&["--delay-ms", "0", "--stream", "--progress=never"]);
     assert!(output.status.success());
     assert!(
         output.stderr.is_empty(),
@@ -73,7 +73,7 @@ fn the_demo_can_show_the_annotated_streams() {
 fn a_closed_stdout_ends_the_demo_quietly() {
     for extra in [&[][..], &["--stream"][..]] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_aalis-proxy"))
-            .args(["demo", "--delay-ms", "0", "--progress", "never"])
+            .args(["demo", "--delay-ms", "0", "--progress=never"])
             .args(extra)
             .env_remove("RUST_LOG")
             .stdout(std::process::Stdio::piped())
