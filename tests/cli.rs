@@ -234,6 +234,42 @@ fn ndjson_output() {
     );
 }
 
+/// A high surrogate held back at a fragment's end (for the low one the
+/// next fragment may start with) is written where it was, before a line of
+/// another field or of progress: on the code before, its U+FFFD came after
+/// the content and the progress that followed it.
+#[test]
+fn a_lone_high_surrogate_keeps_its_place_among_the_lines() {
+    let event =
+        |delta: &str| format!(r#"data: {{"choices":[{{"index":0,"delta":{delta}}}]}}"#) + "\n\n";
+    let input = [
+        event(r#"{"reasoning_content":"think\ud83d"}"#),
+        event(r#"{"content":"Hi \ud83d"}"#),
+        event(r#"{"content":"\ude00!"}"#),
+        event(r#"{"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":"{}"}}]}"#),
+        "data: [DONE]\n\n".to_owned(),
+    ]
+    .concat();
+    let output = run_with_stdin(
+        aalis_proxy_with(&["annotate", "--format", "ndjson"]),
+        input.as_bytes(),
+    );
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        [
+            r#"{"reasoningDelta":"think"}"#,
+            "{\"reasoningDelta\":\"\u{FFFD}\"}",
+            r#"{"contentDelta":"Hi "}"#,
+            "{\"contentDelta\":\"\u{1F600}!\"}",
+            r#"{"toolCallProgress":{"index":0,"name":"f","charsAccumulated":2}}"#,
+            r#"{"done":true,"toolCalls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}],"incomplete":true}"#,
+            "",
+        ]
+        .join("\n")
+    );
+}
+
 /// `--format messages --session chat-42` on Ollama's NDJSON: reasoning
 /// deltas, one progress per whole tool call, `done`, each with the session.
 #[test]

@@ -90,7 +90,9 @@ impl LineEncoder {
     /// A `contentDelta` or `reasoningDelta` line, of one fragment of the
     /// choice's text: a surrogate pair cut between two fragments is joined
     /// (the high one held back from the first line), so that the lines'
-    /// texts, concatenated, are the upstream's text.
+    /// texts, concatenated, are the upstream's text. Only the next line
+    /// can complete a held-back surrogate: a line of another field or
+    /// choice writes it as U+FFFD first, in its place.
     pub fn text(
         &mut self,
         out: &mut impl Sink,
@@ -98,6 +100,9 @@ impl LineEncoder {
         choice: i64,
         text: &ChunkText<'_>,
     ) {
+        if !self.carries.is_empty() {
+            self.write_carries(out, |c, f| c != choice || f != field);
+        }
         let carried = self
             .carries
             .iter()
@@ -120,6 +125,23 @@ impl LineEncoder {
         self.text = fragment;
     }
 
+    /// Writes the held-back high surrogates that `which` picks, each as
+    /// a line of U+FFFD, and forgets them: a line of anything else (another
+    /// field or choice, progress, the end) comes between them and the
+    /// fragment that could have completed them, and the lines stay in
+    /// stream order.
+    fn write_carries(&mut self, out: &mut impl Sink, which: impl Fn(i64, TextField) -> bool) {
+        let mut i = 0;
+        while let Some(&(choice, field, _)) = self.carries.get(i) {
+            if which(choice, field) {
+                self.carries.remove(i);
+                self.text_line(out, field, choice, "\u{FFFD}");
+            } else {
+                i += 1;
+            }
+        }
+    }
+
     fn text_line(&mut self, out: &mut impl Sink, field: TextField, choice: i64, text: &str) {
         self.open();
         self.line.push_str(match field {
@@ -134,6 +156,9 @@ impl LineEncoder {
     /// A `toolCallProgress` line, from an object rendered by
     /// [`ProgressBatch`](super::ProgressBatch).
     pub fn progress(&mut self, out: &mut impl Sink, progress_json: &str) {
+        if !self.carries.is_empty() {
+            self.write_carries(out, |_, _| true);
+        }
         self.open();
         self.line.push_str("\"toolCallProgress\":");
         self.line.push_str(progress_json);
@@ -143,9 +168,7 @@ impl LineEncoder {
     /// The final `done` line(s), after a line of U+FFFD for each high
     /// surrogate still held back (no fragment completed it).
     pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker) {
-        for (choice, field, _) in std::mem::take(&mut self.carries) {
-            self.text_line(out, field, choice, "\u{FFFD}");
-        }
+        self.write_carries(out, |_, _| true);
         if matches!(self.format, LineFormat::Messages { .. }) {
             self.open();
             self.line.push_str("\"done\":true");
