@@ -264,10 +264,16 @@ impl Filter<'_> {
 
     /// Writes the pending warnings.
     fn warn(&mut self) {
+        if !self.annotator.has_warnings() {
+            return;
+        }
         for warning in self.annotator.take_warnings() {
             // A closed stderr must not stop the stream.
             let _ = writeln!(self.warnings, "aalis-proxy: warning: {warning}");
         }
+        // Each piece's warnings at once (above the spinners, the writer
+        // holds them until told).
+        let _ = self.warnings.flush();
     }
 }
 

@@ -158,26 +158,52 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
             }
         }
     };
-    let mut stdout = io::stdout().lock();
-    // Not locked for the run: the spinners' tick threads write to stderr
-    // too, and one waiting for a lock this thread holds, while holding
-    // the spinners' own lock this thread waits for, stops both for good.
-    let mut stderr = io::stderr();
+    let display = display(args.stream.progress, None);
+    let stdout = io::stdout().lock();
+    // Spinners on a terminal: the warnings, and an output that is a
+    // terminal too, are written above them (written past them, each was
+    // erased by the next redraw). Not locked for the run: the spinners'
+    // tick threads write to stderr too, and one waiting for a lock this
+    // thread holds, while holding the spinners' own lock this thread
+    // waits for, stops both for good.
+    let mut stderr = display.above(io::stderr());
+    let mut output: Box<dyn Write> = match display.is_terminal() && stdout.is_terminal() {
+        true => Box::new(display.above(stdout)),
+        false => Box::new(stdout),
+    };
     filter::run(
         source,
         &input_name,
-        &mut stdout,
+        &mut output,
         &mut stderr,
         args.annotator_config(),
-        &display(args.stream.progress, None),
+        &display,
         &mut filter::unix_ms,
     )?;
     Ok(())
 }
 
 fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
-    let log = stderr_log::init(args.verbose);
-    let result = serve_logged(args, config, log.clone());
+    // Spinners on a terminal are drawn by a thread of their own: a paused
+    // terminal must not stop the workers. The log is written above them
+    // (written past them, a line was erased by the next redraw); plain
+    // lines, without a terminal, go through the log's queue.
+    let mode = args.stream.progress;
+    let (log, spinners) = match mode.draws_on_a_terminal(io::stderr().is_terminal()) {
+        true => {
+            let spinners = display(mode, None).drawn_apart();
+            (
+                stderr_log::init_to(args.verbose, spinners.above(io::stderr())),
+                spinners,
+            )
+        }
+        false => {
+            let log = stderr_log::init(args.verbose);
+            let spinners = display(mode, log.as_ref()).drawn_apart();
+            (log, spinners)
+        }
+    };
+    let result = serve_logged(args, config, log.clone(), Arc::new(spinners));
     end_logging(log.as_ref());
     result
 }
@@ -186,6 +212,7 @@ fn serve_logged(
     args: &ServeArgs,
     config: ProxyConfig,
     log: Option<StderrLog>,
+    spinners: Arc<ProgressDisplay>,
 ) -> anyhow::Result<()> {
     if let Some(dir) = &config.record_dir {
         std::fs::create_dir_all(dir)
@@ -193,9 +220,6 @@ fn serve_logged(
     }
     // Everything that can fail on configuration (the CA file) fails before
     // the port is taken.
-    // Spinners on a terminal are drawn by a thread of their own: a paused
-    // terminal must not stop the workers.
-    let spinners = Arc::new(display(args.stream.progress, log.as_ref()).drawn_apart());
     let sessions = SessionRegistry::with_display(Arc::clone(&spinners));
     let proxy = Proxy::from_config(config, sessions)?;
     // Connections are accepted and served by the workers; this thread

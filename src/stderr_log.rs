@@ -321,7 +321,7 @@ const BATCH_KEEP: usize = 2 * BATCH_BYTES;
 /// Writes the lines taken so far, and forgets their bytes.
 fn write_batch<W: Write>(out: &mut W, batch: &mut Vec<u8>, queued: &Queued) {
     if !batch.is_empty() {
-        let _ = out.write_all(batch);
+        let _ = out.write_all(batch).and_then(|()| out.flush());
         queued.bytes.fetch_sub(batch.len(), Ordering::Relaxed);
         batch.clear();
         if batch.capacity() > BATCH_KEEP {
@@ -375,6 +375,12 @@ impl<'a> MakeWriter<'a> for StderrLog {
 /// NO_COLOR is set. Without a writer thread (the system refused one) the
 /// lines are written to stderr directly, as before this module.
 pub fn init(verbose: u8) -> Option<StderrLog> {
+    init_to(verbose, io::stderr())
+}
+
+/// [`init`], with the lines written to `out` (stderr above `serve`'s
+/// spinners: [`ProgressDisplay::above`](crate::render::spinner::ProgressDisplay::above)).
+pub fn init_to<W: Write + Send + 'static>(verbose: u8, out: W) -> Option<StderrLog> {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let default = match verbose {
@@ -390,7 +396,7 @@ pub fn init(verbose: u8) -> Option<StderrLog> {
         .with_env_filter(filter)
         .with_ansi(color)
         .with_target(false);
-    match StderrLog::spawn(io::stderr(), QUEUE_LINES, QUEUE_BYTES) {
+    match StderrLog::spawn(out, QUEUE_LINES, QUEUE_BYTES) {
         Ok(log) => {
             builder.with_writer(log.clone()).init();
             Some(log)

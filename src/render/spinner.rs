@@ -58,6 +58,15 @@ pub enum ProgressMode {
     Never,
 }
 
+impl ProgressMode {
+    /// Whether spinners are drawn on a terminal, given whether stderr is
+    /// one: then whatever else goes to that terminal goes through
+    /// [`ProgressDisplay::above`].
+    pub fn draws_on_a_terminal(self, stderr_is_terminal: bool) -> bool {
+        stderr_is_terminal && self != ProgressMode::Never
+    }
+}
+
 /// How a tool's generation ended, for its final line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -282,12 +291,12 @@ impl ProgressDisplay {
         plain: impl FnOnce() -> Box<dyn Write + Send>,
     ) -> ProgressDisplay {
         let target = match (mode, stderr_is_terminal) {
-            (ProgressMode::Never, _) | (ProgressMode::Auto, false) => Target::Off,
-            (ProgressMode::Auto | ProgressMode::Always, true) => Target::Terminal {
+            _ if mode.draws_on_a_terminal(stderr_is_terminal) => Target::Terminal {
                 multi: MultiProgress::with_draw_target(ProgressDrawTarget::stderr()),
                 color,
             },
             (ProgressMode::Always, false) => Target::Plain(plain()),
+            _ => Target::Off,
         };
         ProgressDisplay::with_target(target)
     }
@@ -369,6 +378,11 @@ impl ProgressDisplay {
         true
     }
 
+    /// True when spinners are drawn on a terminal.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.lock().target, Target::Terminal { .. })
+    }
+
     /// True when nothing is ever drawn (callers can skip the work).
     pub fn is_off(&self) -> bool {
         matches!(self.lock().target, Target::Off)
@@ -404,6 +418,76 @@ impl ProgressDisplay {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         lock(&self.inner)
+    }
+
+    /// `out`, for what shares the terminal with the spinners (warnings,
+    /// log lines, an output that is a terminal too): each flush's whole
+    /// lines are written with the spinners taken off the screen and drawn
+    /// again below them. Written straight through, the spinners' next
+    /// redraw moved the cursor up over those lines and erased them.
+    pub fn above<W: Write>(&self, out: W) -> Above<W> {
+        Above {
+            display: Arc::downgrade(&self.inner),
+            out,
+            held: Vec::new(),
+        }
+    }
+}
+
+/// The most of an unfinished line [`Above`] holds back.
+const MAX_HELD_BYTES: usize = 64 * 1024;
+
+/// A writer of lines above the spinners ([`ProgressDisplay::above`]).
+/// Bytes are held until a flush, then written up to their last line break
+/// (a spinner drawn after half a line would land on it); what follows that
+/// break waits for the next flush that completes its line, or for the
+/// display to draw nothing, or for the writer's end.
+pub struct Above<W: Write> {
+    display: std::sync::Weak<Mutex<Inner>>,
+    out: W,
+    held: Vec<u8>,
+}
+
+impl<W: Write> Write for Above<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.held.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let Above { display, out, held } = self;
+        let inner = display.upgrade();
+        let inner = inner.as_deref().map(lock);
+        let ready = match inner.as_deref().map(|inner| &inner.target) {
+            Some(Target::Terminal { .. }) => match held.iter().rposition(|&b| b == b'\n') {
+                Some(at) => at + 1,
+                // A line that never ends is not held without bound.
+                None if held.len() > MAX_HELD_BYTES => held.len(),
+                None => 0,
+            },
+            _ => held.len(),
+        };
+        if ready == 0 {
+            return Ok(());
+        }
+        let mut write = || out.write_all(&held[..ready]).and_then(|()| out.flush());
+        let written = match inner.as_deref().map(|inner| &inner.target) {
+            Some(Target::Terminal { multi, .. }) => multi.suspend(write),
+            _ => write(),
+        };
+        // Written or not (a closed stderr), the bytes go: nothing piles up.
+        held.drain(..ready);
+        written
+    }
+}
+
+impl<W: Write> Drop for Above<W> {
+    /// A last line without its break is written as it is.
+    fn drop(&mut self) {
+        if !self.held.is_empty() {
+            let _ = self.out.write_all(&self.held);
+            let _ = self.out.flush();
+        }
     }
 }
 

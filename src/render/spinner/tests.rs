@@ -456,3 +456,60 @@ fn drawn_apart_each_ended_tool_ends_once_with_its_last_count() {
         "{contents}"
     );
 }
+
+/// Text written to the in-memory terminal, as a program writes it to a
+/// real one (a line break returns the cursor too).
+struct TermWriter(InMemoryTerm);
+
+impl Write for TermWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let text = String::from_utf8_lossy(buf).replace('\n', "\r\n");
+        self.0.write_str(&text)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Lines written above the spinners stay on the screen, above them, and
+/// the spinners are drawn once, below: written straight to the terminal,
+/// each line was erased by the spinners' next redraw (the cursor moved up
+/// over it). A line is written only once it is whole.
+#[test]
+fn lines_written_above_the_spinners_stay() {
+    let term = InMemoryTerm::new(10, 80);
+    let display = ProgressDisplay::terminal(
+        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
+        false,
+    );
+    let now = 1_000_000;
+    let show = |chars| {
+        display.show(
+            "",
+            &[
+                entry(0, "get_weather", chars, now - 3200),
+                entry(1, "get_time", chars, now - 1200),
+            ],
+            Outcome::Done,
+            now,
+        );
+        std::thread::sleep(Duration::from_millis(30));
+    };
+    show(1);
+    let mut above = display.above(TermWriter(term.clone()));
+    write!(above, "aalis-proxy: warning: one\nand a half").expect("held");
+    above.flush().expect("written");
+    show(2);
+    above.write_all(b" line\n").expect("held");
+    above.flush().expect("written");
+    show(3);
+    let screen = term.contents();
+    let lines: Vec<&str> = screen.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 4, "{screen}");
+    assert_eq!(lines[0], "aalis-proxy: warning: one", "{screen}");
+    assert_eq!(lines[1], "and a half line", "{screen}");
+    assert!(lines[2].contains("get_weather  3 chars"), "{screen}");
+    assert!(lines[3].contains("get_time  3 chars"), "{screen}");
+}
