@@ -23,8 +23,9 @@ pub enum Chunk<'a> {
     Finish { choice: i64 },
     /// Token usage; the last one of a stream wins.
     Usage(Usage),
-    /// The provider reported an error inside the stream.
-    Error { message: String },
+    /// The provider reported an error inside the stream: its `error`
+    /// value as it came (JSON text), and the message read from it.
+    Error { raw: &'a str, message: String },
     /// The provider said the stream is over (`[DONE]`, Ollama `done: true`).
     Done,
 }

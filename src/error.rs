@@ -34,18 +34,30 @@ pub enum Warning {
     Upstream { at: Location, message: String },
     #[error(
         "stream ended inside SSE event {number} (byte {offset}) before its blank line: \
-         its data was not dispatched, passed on unchanged"
+         its data was not dispatched, {}",
+        passed_on(*lines, "passed on unchanged")
     )]
-    Unterminated { number: u64, offset: u64 },
+    Unterminated {
+        number: u64,
+        offset: u64,
+        /// The output is a line format, which leaves it out.
+        lines: bool,
+    },
     #[error(
         "{at}: data after the end of the stream ({}); passed on unchanged, not tracked",
         at.end_marker()
     )]
     AfterEnd { at: Location },
     #[error(
-        "{at}: larger than {max_bytes} bytes (--max-event-bytes); passed on as it streams, not parsed"
+        "{at}: larger than {max_bytes} bytes (--max-event-bytes); {}, not parsed",
+        passed_on(*lines, "passed on as it streams")
     )]
-    Oversized { at: Location, max_bytes: usize },
+    Oversized {
+        at: Location,
+        max_bytes: usize,
+        /// The output is a line format, which leaves it out.
+        lines: bool,
+    },
     #[error(
         "{at}: a tool call past the first {max_calls} of the stream (or a choice past as \
          many); it and any later new ones are passed on without progress"
@@ -55,6 +67,15 @@ pub enum Warning {
     Suppressed { count: u64 },
     #[error("--inject {mode} applies to SSE streams; NDJSON lines get `field` injection")]
     InjectModeNotForNdjson { mode: &'static str },
+}
+
+/// What became of a frame the output could not carry as it is: `sse`
+/// passes it on as `how` says; the line formats leave it out.
+fn passed_on(lines: bool, how: &'static str) -> &'static str {
+    match lines {
+        true => "left out of the lines (--format)",
+        false => how,
+    }
 }
 
 /// Where in a stream a frame is.

@@ -667,6 +667,7 @@ impl StreamState {
                     self.warnings.push(Warning::Unterminated {
                         number,
                         offset: block.offset,
+                        lines: self.output != OutputFormat::Sse,
                     });
                 }
                 self.forward(block.raw, out);
@@ -737,6 +738,7 @@ impl StreamState {
             self.warnings.push(Warning::Oversized {
                 at,
                 max_bytes: self.max_event_bytes,
+                lines: self.output != OutputFormat::Sse,
             });
         }
         self.forward(raw, out);
@@ -765,8 +767,11 @@ impl StreamState {
         // the next frame's sets it again.
         self.decoder_state.probed = frame.probed;
         let data = match frame.data {
-            Some(_) if self.ended => {
+            Some(data) if self.ended => {
                 self.warn_after_end(frame.at);
+                if self.output != OutputFormat::Sse {
+                    self.lines.unparsed(out, data);
+                }
                 None
             }
             data => data,
@@ -778,6 +783,9 @@ impl StreamState {
         let info = match decoded {
             Ok(info) => Some(info),
             Err(source) => {
+                if self.output != OutputFormat::Sse {
+                    self.lines.unparsed(out, data.unwrap_or_default());
+                }
                 self.undecodable += 1;
                 if self.undecodable <= MAX_REPORTED {
                     self.warnings.push(Warning::Undecodable {
@@ -891,7 +899,10 @@ impl StreamState {
                 Chunk::Reasoning { choice, text } if lines_out => {
                     lines.text(out, TextField::Reasoning, *choice, text)
                 }
-                Chunk::Error { message } => {
+                Chunk::Error { raw, message } => {
+                    if lines_out {
+                        lines.error(out, raw);
+                    }
                     upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));
                 }
                 Chunk::Done => done = true,

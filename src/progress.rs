@@ -873,6 +873,7 @@ mod tests {
             },
             Chunk::Done,
             Chunk::Error {
+                raw: "\"x\"",
                 message: "x".into(),
             },
         ] {

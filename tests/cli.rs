@@ -270,6 +270,64 @@ fn a_lone_high_surrogate_keeps_its_place_among_the_lines() {
     );
 }
 
+/// The line formats lose nothing either: an upstream's mid-stream error is
+/// an `error` line holding its `error` value (on one line, though the
+/// event spread it over two `data:` lines), and an event that cannot be
+/// read, or comes after `[DONE]`, an `unparsed` line holding its data. On
+/// the code before, both were only warned about, and the `done` line made
+/// the failed stream look whole.
+#[test]
+fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
+    let input = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n",
+        "data: {\"error\":\ndata: {\"message\":\"overloaded\",\"type\":\"server_error\"}}\n\n",
+        "data: {bad\n\n",
+        "data: [DONE]\n\n",
+        "data: late\n\n",
+    );
+    let output = run_with_stdin(
+        aalis_proxy_with(&["annotate", "--format", "ndjson"]),
+        input.as_bytes(),
+    );
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        concat!(
+            "{\"contentDelta\":\"Hi\"}\n",
+            "{\"error\":{\"message\":\"overloaded\",\"type\":\"server_error\"}}\n",
+            "{\"unparsed\":\"{bad\"}\n",
+            "{\"done\":true}\n",
+            "{\"unparsed\":\"late\"}\n",
+        )
+    );
+    let ollama = "{\"message\":{\"content\":\"a\"}}\n{\"error\":\"boom\"}\n";
+    let output = run_with_stdin(
+        aalis_proxy_with(&["annotate", "--format", "messages", "--session", "s"]),
+        ollama.as_bytes(),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        concat!(
+            "{\"sessionId\":\"s\",\"contentDelta\":\"a\"}\n",
+            "{\"sessionId\":\"s\",\"error\":\"boom\"}\n",
+            "{\"sessionId\":\"s\",\"done\":true}\n",
+        )
+    );
+    // An event too large to parse cannot be a line: the warning says it is
+    // left out, not that it was passed on.
+    let long = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a long one\"}}]}\n\n";
+    let output = run_with_stdin(
+        aalis_proxy_with(&["annotate", "--format", "ndjson", "--max-event-bytes", "16"]),
+        long.as_bytes(),
+    );
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "{\"done\":true}\n");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        "aalis-proxy: warning: SSE event 1 (byte 0): larger than 16 bytes (--max-event-bytes); \
+         left out of the lines (--format), not parsed\n"
+    );
+}
+
 /// `--format messages --session chat-42` on Ollama's NDJSON: reasoning
 /// deltas, one progress per whole tool call, `done`, each with the session.
 #[test]

@@ -14,6 +14,8 @@
 //! | `{"contentDelta":"…"}` | non-empty answer text |
 //! | `{"toolCallProgress":{"index":0,"name":"get_weather","charsAccumulated":42}}` | every entry of every `tool_calls` delta, after it is applied |
 //! | `{"done":true,"toolCalls":[…],"usage":{…}}` | once, at `[DONE]`, Ollama's `done: true`, or the end of input |
+//! | `{"error":{…}}` | the upstream reported an error inside the stream: its `error` value, as it came (on one line) |
+//! | `{"unparsed":"…"}` | an event or line that could not be read as JSON, or came after the end: its data, as a string (nothing is lost) |
 //!
 //! - `charsAccumulated` is the length of the arguments so far, unescaped, in
 //!   UTF-16 code units (JavaScript `String.length`); the name is not counted.
@@ -37,7 +39,8 @@
 //!
 //! The same lines, each starting with `"sessionId":"…"`, without `toolCalls`
 //! and `usage`: `{"sessionId":"s1","contentDelta":"…"}`,
-//! `{"sessionId":"s1","toolCallProgress":{…}}`, and a single
+//! `{"sessionId":"s1","toolCallProgress":{…}}`, `{"sessionId":"s1","error":{…}}`,
+//! `{"sessionId":"s1","unparsed":"…"}`, and a single
 //! `{"sessionId":"s1","done":true}` at the end.
 
 use std::fmt::Write;
@@ -162,6 +165,27 @@ impl LineEncoder {
         self.open();
         self.line.push_str("\"toolCallProgress\":");
         self.line.push_str(progress_json);
+        self.close(out);
+    }
+
+    /// An `error` line: the upstream's `error` value, as it came, on one
+    /// line (a raw line break can only lie between JSON tokens).
+    pub fn error(&mut self, out: &mut impl Sink, raw: &str) {
+        self.write_carries(out, |_, _| true);
+        self.open();
+        self.line.push_str("\"error\":");
+        self.line
+            .extend(raw.chars().filter(|&c| c != '\n' && c != '\r'));
+        self.close(out);
+    }
+
+    /// An `unparsed` line: the data of a frame that could not be read (or
+    /// came after the end), as a string, so that nothing is lost.
+    pub fn unparsed(&mut self, out: &mut impl Sink, data: &[u8]) {
+        self.write_carries(out, |_, _| true);
+        self.open();
+        self.line.push_str("\"unparsed\":");
+        push_string(&String::from_utf8_lossy(data), &mut self.line);
         self.close(out);
     }
 

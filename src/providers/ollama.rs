@@ -100,6 +100,7 @@ pub(super) fn decode_serde<'a>(
     info.set_finishes(done || is_set(view.done_reason));
     if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
         emit(Chunk::Error {
+            raw: error.get(),
             message: error_message(error.get()),
         });
     }
@@ -343,6 +344,7 @@ impl LineSpans {
         info.set_has_usage(self.done);
         if let Some(error) = raw(self.error) {
             emit(Chunk::Error {
+                raw: error,
                 message: error_message(error),
             });
         }

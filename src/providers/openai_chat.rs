@@ -203,6 +203,7 @@ pub(super) fn decode_serde<'a>(
     };
     if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
         emit(Chunk::Error {
+            raw: error.get(),
             message: error_message(error.get()),
         });
     }
@@ -937,6 +938,7 @@ impl Spans {
         let mut info = top.info(head, raw);
         if let Some(error) = raw(top.error) {
             emit(Chunk::Error {
+                raw: error,
                 message: error_message(error),
             });
         }
@@ -1327,6 +1329,7 @@ mod tests {
         assert_eq!(
             chunks(r#"{"error":{"message":"overloaded","type":"server_error"}}"#),
             vec![Chunk::Error {
+                raw: r#"{"message":"overloaded","type":"server_error"}"#,
                 message: "overloaded".into()
             }]
         );
