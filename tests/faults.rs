@@ -1287,6 +1287,137 @@ async fn request_bodies_reach_an_http_1_upstream_however_they_are_framed() {
     assert_no_foreign_panic();
 }
 
+/// An upstream that answers each request as soon as it has its head (with
+/// the next of `replies`, keep-alive), then waits for `go` before it
+/// reads the request's body (its `content-length`), and reports it.
+async fn early_answering_upstream(
+    replies: Vec<&'static [u8]>,
+    go: Arc<Notify>,
+) -> (SocketAddr, mpsc::UnboundedReceiver<Vec<u8>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = mpsc::unbounded_channel();
+    let replies = Arc::new(Mutex::new(replies.into_iter()));
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let (tx, replies, go) = (tx.clone(), replies.clone(), go.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let end = loop {
+                        if let Some(at) = find(&seen, b"\r\n\r\n") {
+                            break at + 4;
+                        }
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => seen.extend_from_slice(&buf[..k]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .and_then(|n| n.trim().parse().ok())
+                        .unwrap_or(0);
+                    seen.drain(..end);
+                    let reply = replies.lock().expect("replies").next();
+                    let Some(reply) = reply else { return };
+                    if stream.write_all(reply).await.is_err() {
+                        return;
+                    }
+                    go.notified().await;
+                    while seen.len() < length {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => seen.extend_from_slice(&buf[..k]),
+                        }
+                    }
+                    let body: Vec<u8> = seen.drain(..length.min(seen.len())).collect();
+                    let _ = tx.send(body);
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// Reads one response with a `content-length` from `stream`, whole.
+async fn read_sized_response(stream: &mut tokio::net::tcp::OwnedReadHalf) -> RawResponse {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    let read = tokio::time::timeout(PATIENCE, async {
+        loop {
+            if find(&got, b"\r\n\r\n").is_some() && RawResponse::parse(&got).complete {
+                return;
+            }
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(k) => got.extend_from_slice(&buf[..k]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no whole response in time");
+    RawResponse::parse(&got)
+}
+
+/// An upstream that answers (`202`, no body; then `200` with a body)
+/// before it has read the 5 MB request body the client sends in full,
+/// then reads it: every byte of it reaches the upstream, and the client
+/// has its answer before the upstream reads on. (Before, the rest of the request was dropped when the response
+/// ended: the upstream got a few MB of the 5.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_answered_early_still_reaches_the_upstream_whole() {
+    let go = Arc::new(Notify::new());
+    let (upstream, mut bodies) = early_answering_upstream(
+        vec![
+            b"HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+        ],
+        go.clone(),
+    )
+    .await;
+    let proxy = Served::start(proxy_config(&format!("http://{upstream}"))).await;
+    let size = 5_000_000;
+    for (round, (status, answer)) in [(202, &b""[..]), (200, b"ok")].into_iter().enumerate() {
+        let body: Vec<u8> = (0..size).map(|i| (i % 251) as u8 ^ round as u8).collect();
+        let mut request =
+            format!("POST /up HTTP/1.1\r\nhost: x\r\ncontent-length: {size}\r\n\r\n").into_bytes();
+        request.extend_from_slice(&body);
+        let stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        let (mut rd, mut wr) = stream.into_split();
+        let writer = tokio::spawn(async move {
+            wr.write_all(&request)
+                .await
+                .expect("the whole request written");
+            wr
+        });
+        let response = read_sized_response(&mut rd).await;
+        assert_eq!((response.status, &response.body[..]), (status, answer));
+        go.notify_one();
+        let read = tokio::time::timeout(PATIENCE, bodies.recv())
+            .await
+            .expect("the upstream read the body in time")
+            .expect("a body");
+        assert_eq!(read.len(), size, "round {round}: bytes the upstream got");
+        assert!(
+            read == body,
+            "round {round}: the body reached the upstream changed"
+        );
+        drop(
+            tokio::time::timeout(PATIENCE, writer)
+                .await
+                .expect("written"),
+        );
+        drop(rd);
+    }
+    assert_no_foreign_panic();
+}
+
 /// A stream whose upstream ends it with trailers, its last event not
 /// ended: that event is held until the trailers come, and goes out just
 /// before them. Every byte the client gets is counted in

@@ -103,6 +103,7 @@ impl TestProxy {
             &config.upstream,
             config.upstream_ca.as_deref(),
             config.connect_timeout,
+            config.idle_timeout,
         )
         .expect("upstream client");
         let grace = config.shutdown_grace;

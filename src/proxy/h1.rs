@@ -7,8 +7,9 @@
 //! found in one poll, so [`TapBody`](super::body::TapBody) sends them in one
 //! write. Nothing is read ahead of the client either: the socket is only
 //! read when the body is polled, that is when the client's side has room.
-//! Nothing is spawned, and there is no channel between the connection and
-//! the body.
+//! Nothing is spawned (but for the rest of a request whose response ended
+//! before it was sent, below), and there is no channel between the
+//! connection and the body.
 //!
 //! Until the eighteenth round (BENCHMARKS.md) this was hyper's client
 //! connection, polled by the body: its chunked decoder took a chunk-size
@@ -16,8 +17,11 @@
 //! as much again, about 2,000 instructions of an SSE event's 11,700 in
 //! all. The HTTP/1.1 framing it took over is in [`wire`]; what it does not
 //! do: tunnels (`101`, `CONNECT`), content codings (the proxy asks for
-//! `identity`), and a request body still being sent once the response body
-//! has ended (the rest of it is dropped, and the connection is not reused).
+//! `identity`). A request body still being sent once the response has
+//! ended (an upstream may answer before it has read it all) is sent to its
+//! end by a task of its own, as hyper's client goes on sending it: the
+//! response is not held back for it, and the connection is kept for reuse
+//! only once all of the request is written (see `send_rest`).
 //! After a poll of the socket that found nothing, the body does not poll it
 //! again until it was woken (`Gate`, in `proxy::gate`; nineteenth round).
 //!
@@ -339,6 +343,10 @@ pub enum BodyError {
 /// The pool and connector of plain-HTTP upstream connections.
 pub struct H1Pool {
     connector: HttpConnector,
+    /// How long the rest of a request whose response has ended may go
+    /// without progress (the proxy's idle timeout) before its connection
+    /// is given up.
+    rest_idle: Duration,
     /// Idle connections, one list per thread ([`own_shard`]) holding the
     /// connections that thread made (`Conn::home`): each connection's
     /// socket is registered with the reactor of the runtime that made it,
@@ -356,12 +364,16 @@ pub struct H1Pool {
 }
 
 impl H1Pool {
-    pub fn new(connect_timeout: Duration) -> Arc<H1Pool> {
+    /// A pool whose connections are made within `connect_timeout`, and
+    /// whose requests sent on after their response ended may stall for
+    /// `idle_timeout` at most.
+    pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Arc<H1Pool> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
         Arc::new(H1Pool {
             connector,
+            rest_idle: idle_timeout,
             idle: (0..SHARDS).map(|_| Mutex::new(Vec::new())).collect(),
             sweeping: AtomicBool::new(false),
             host: OnceLock::new(),
@@ -500,6 +512,18 @@ impl H1Pool {
             .sum()
     }
 
+    /// Sends the rest of a request whose response has ended, in a task of
+    /// its own; `conn` is kept for reuse once all of it is written, when
+    /// `reusable`. A send that fails, or makes no progress for
+    /// `rest_idle`, gives the connection up.
+    fn send_rest(self: &Arc<Self>, conn: Conn, sending: Sending, reusable: bool) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!("the rest of the request was not sent: no runtime");
+            return;
+        };
+        runtime.spawn(finish_sending(Arc::clone(self), conn, sending, reusable));
+    }
+
     async fn connect(&self, uri: Uri) -> Result<Conn, H1Error> {
         let io = self
             .connector
@@ -510,6 +534,42 @@ impl H1Pool {
         Ok(Conn::new(io.into_inner()))
     }
 }
+
+/// Writes the rest of `sending` on `conn` (see [`H1Pool::send_rest`]).
+async fn finish_sending(pool: Arc<H1Pool>, mut conn: Conn, mut sending: Sending, reusable: bool) {
+    let idle = pool.rest_idle;
+    let mut progress = sending.progress();
+    let stalled = tokio::time::sleep(idle);
+    tokio::pin!(stalled);
+    let sent = std::future::poll_fn(|cx| {
+        if let Poll::Ready(sent) = sending.poll_send(&mut conn.io, cx) {
+            return Poll::Ready(Some(sent));
+        }
+        if sending.progress() != progress {
+            progress = sending.progress();
+            let now = tokio::time::Instant::now();
+            stalled
+                .as_mut()
+                .reset(now.checked_add(idle).unwrap_or(now + FAR_FUTURE));
+        }
+        stalled.as_mut().poll(cx).map(|()| None)
+    })
+    .await;
+    match sent {
+        Some(Ok(())) => {
+            if reusable && conn.usable() {
+                pool.checkin(conn);
+            }
+        }
+        Some(Err(err)) => tracing::debug!("the rest of the request was not sent: {err}"),
+        None => tracing::debug!(
+            "the rest of the request was not sent: no progress for {idle:?} after its response"
+        ),
+    }
+}
+
+/// A deadline that never comes, for a huge idle timeout.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 // Short-lived, moved once: the request inside is the point.
 #[allow(clippy::large_enum_variant)]
@@ -606,8 +666,9 @@ fn request_framing(method: &Method, headers: &http::HeaderMap, body: &ProxyBody)
 
 /// A request on its way out: the bytes not yet written (the head first),
 /// and the body they come from. It is polled by the exchange until the
-/// response head comes, then by the response body, until the client's
-/// request body has ended and all of it is written (as hyper's client
+/// response head comes, then by the response body (then, if the response
+/// ends first, by a task of its own), until the client's request body has
+/// ended and all of it is written (as hyper's client
 /// does: the client's server side only sees its request body end when it
 /// is read to its end, and until then it does not notice a client that
 /// goes away).
@@ -620,6 +681,8 @@ struct Sending {
     at: usize,
     /// Body bytes framed so far (against a `content-length`).
     framed: u64,
+    /// Bytes written so far, head and framing included.
+    written: u64,
     trailers: Option<http::HeaderMap>,
 }
 
@@ -631,6 +694,7 @@ impl Sending {
             pending: head,
             at: 0,
             framed: 0,
+            written: 0,
             trailers: None,
         }
     }
@@ -664,7 +728,10 @@ impl Sending {
                     Ok(0) => {
                         return Poll::Ready(Err(H1Error::Write(io::ErrorKind::WriteZero.into())));
                     }
-                    Ok(n) => self.at += n,
+                    Ok(n) => {
+                        self.at += n;
+                        self.written += n as u64;
+                    }
                     Err(err) => return Poll::Ready(Err(H1Error::Write(err))),
                 }
             }
@@ -677,6 +744,11 @@ impl Sending {
                 return Poll::Pending;
             }
         }
+    }
+
+    /// How far it got: body bytes taken from the client, bytes written.
+    fn progress(&self) -> (u64, u64) {
+        (self.framed, self.written)
     }
 
     /// Frames one frame of the body into `pending`.
@@ -775,7 +847,8 @@ pub struct DrivenBody {
     /// `None` once back in the pool (or given up).
     conn: Option<Conn>,
     /// The rest of the request, when the response head came first: sent
-    /// before the response is read further.
+    /// as the response is read, and after its end by a task of its own
+    /// ([`H1Pool::send_rest`]).
     sending: Option<Sending>,
     /// The upstream keeps the connection open after this response.
     reusable: bool,
@@ -788,13 +861,16 @@ impl DrivenBody {
     /// another request is kept.
     fn release(&mut self) {
         self.reader = Reader::Done;
-        // A request not sent whole leaves the upstream reading it.
-        let sent = self.sending.take().is_none();
-        if let Some(mut conn) = self.conn.take()
-            && self.reusable
-            && sent
-            && conn.usable()
-        {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        // The upstream answered before it had read all of the request: the
+        // rest is still sent, without holding the response back.
+        if let Some(sending) = self.sending.take() {
+            self.pool.send_rest(conn, sending, self.reusable);
+            return;
+        }
+        if self.reusable && conn.usable() {
             self.pool.checkin(conn);
         }
     }
@@ -898,8 +974,10 @@ impl Body for DrivenBody {
             match filled {
                 Ok(0) => {
                     if matches!(this.reader, Reader::Close) {
-                        this.reader = Reader::Done;
-                        this.conn = None;
+                        // Its end: the upstream may still read the rest
+                        // of the request (the connection is not reused).
+                        this.reusable = false;
+                        this.release();
                         return Poll::Ready(None);
                     }
                     return this.fail(BodyError::Closed);
@@ -954,7 +1032,7 @@ mod tests {
     /// other authority (or the same in other letters) gets its own.
     #[test]
     fn the_pool_keeps_its_first_hosts_value() {
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         let first: Authority = "api.example.com:8080".parse().expect("authority");
         let letters: Authority = "API.example.com:8080".parse().expect("authority");
         let other: Authority = "Example.com:80".parse().expect("authority");
@@ -1067,13 +1145,146 @@ mod tests {
             let _ = stream.read(&mut [0u8; 1]).await;
         })
         .await;
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         for round in ["first", "second, on the same connection"] {
             tokio::time::timeout(Duration::from_secs(10), get_ok(&pool, addr))
                 .await
                 .unwrap_or_else(|_| panic!("{round} response not read in time"));
             assert_eq!(pool.idle_connections(), 1, "{round}: kept for reuse");
         }
+    }
+
+    /// A request of `body`, sent to `addr` by POST.
+    fn post(addr: SocketAddr, body: ProxyBody) -> Request<ProxyBody> {
+        Request::post(format!("http://{addr}/x"))
+            .body(body)
+            .expect("request")
+    }
+
+    /// Waits until `check` holds, polling every 10 ms, at most 10 s.
+    async fn eventually(mut check: impl FnMut() -> bool) -> bool {
+        for _ in 0..1000 {
+            if check() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        check()
+    }
+
+    /// An upstream that answers `202` as soon as it has a request's head,
+    /// then reads its 4 MiB body (more than the sockets hold): the rest of
+    /// the request is sent once the response has ended, and the connection
+    /// then goes back to the pool and carries the next request. (Before,
+    /// the rest was dropped with the connection.)
+    #[tokio::test]
+    async fn the_rest_of_a_request_answered_early_is_sent_and_its_connection_kept() {
+        let size = 4 << 20;
+        let (got, told) = oneshot::channel::<usize>();
+        let addr = upstream_script(move |mut stream| async move {
+            let mut seen = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            // Up to the next request's head (the body is all `x`), each
+            // byte looked at once.
+            let (mut from, mut start) = (0, None);
+            loop {
+                let end = seen[from..]
+                    .windows(4)
+                    .position(|w| w == b"\r\n\r\n")
+                    .map(|at| from + at + 4);
+                from = seen.len().saturating_sub(3);
+                match (start, end) {
+                    (None, Some(end)) => {
+                        start = Some(end);
+                        from = end;
+                        let reply = b"HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\n\r\n";
+                        if stream.write_all(reply).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    (Some(_), Some(_)) => break,
+                    _ => {}
+                }
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => seen.extend_from_slice(&buf[..n]),
+                }
+            }
+            let start = start.unwrap_or(seen.len());
+            let body = seen[start..].iter().take_while(|&&b| b == b'x').count();
+            let _ = got.send(body);
+            let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            if stream.write_all(reply).await.is_ok() {
+                let _ = stream.read(&mut [0u8; 1]).await;
+            }
+        })
+        .await;
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
+        let body = http_body_util::Full::new(Bytes::from(vec![b'x'; size]))
+            .map_err(|never| match never {})
+            .boxed();
+        let response = pool.request(post(addr, body)).await.expect("response");
+        assert_eq!(response.status(), 202);
+        assert!(whole(response).await.is_empty());
+        assert!(
+            eventually(|| pool.idle_connections() == 1).await,
+            "kept once the request was sent"
+        );
+        // The one connection the upstream serves carries the next one.
+        tokio::time::timeout(Duration::from_secs(10), get_ok(&pool, addr))
+            .await
+            .expect("the second request answered on the kept connection");
+        assert_eq!(told.await.expect("the upstream counted"), size);
+    }
+
+    /// A request body that stalls after its response has ended: its
+    /// connection is given up once it made no progress for the idle
+    /// timeout (the upstream sees it closed), not held forever.
+    #[tokio::test]
+    async fn the_rest_of_a_request_that_stalls_is_given_up() {
+        /// One frame, then nothing ever.
+        struct Stalls(bool);
+        impl Body for Stalls {
+            type Data = Bytes;
+            type Error = BoxError;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+                if std::mem::replace(&mut self.0, true) {
+                    Poll::Pending
+                } else {
+                    Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"part")))))
+                }
+            }
+        }
+        let (closed, seen_closed) = oneshot::channel::<()>();
+        let addr = upstream_script(move |mut stream| async move {
+            if !read_request_head(&mut stream).await {
+                return;
+            }
+            let reply = b"HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\n\r\n";
+            if stream.write_all(reply).await.is_err() {
+                return;
+            }
+            let mut buf = [0u8; 1024];
+            while let Ok(1..) = stream.read(&mut buf).await {}
+            let _ = closed.send(());
+        })
+        .await;
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_millis(200));
+        let mut req = post(addr, Stalls(false).boxed());
+        req.headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from_static("100"));
+        let response = pool.request(req).await.expect("response");
+        assert_eq!(response.status(), 202);
+        assert!(whole(response).await.is_empty());
+        tokio::time::timeout(Duration::from_secs(10), seen_closed)
+            .await
+            .expect("the connection given up in time")
+            .expect("the upstream saw it closed");
+        assert_eq!(pool.idle_connections(), 0);
     }
 
     /// Every response's body is read in delayed-ACK mode (`TCP_QUICKACK`
@@ -1098,7 +1309,7 @@ mod tests {
             let _ = stream.read(&mut [0u8; 1]).await;
         })
         .await;
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         for round in ["first", "second, on the same connection"] {
             let response = pool.request(get(addr)).await.expect("response");
             let io = &response.body().conn.as_ref().expect("a connection").io;
@@ -1151,7 +1362,7 @@ mod tests {
             let _ = stream.read(&mut [0u8; 1]).await;
         })
         .await;
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         let response = pool.request(get(addr)).await.expect("response");
         let mut body = response.into_body();
         // One frame, polled as hyper polls, and the socket polls that the
@@ -1208,7 +1419,7 @@ mod tests {
     #[tokio::test]
     async fn a_sweep_drops_only_the_idle_connections_the_upstream_closed() {
         let (addr, close) = upstream_once().await;
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         get_ok(&pool, addr).await;
         assert_eq!(pool.idle_connections(), 1, "kept for reuse");
         pool.sweep();
@@ -1230,7 +1441,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_on_a_connection_closed_under_it_comes_back_unsent() {
         let (addr, close) = upstream_once().await;
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         get_ok(&pool, addr).await;
         let mut conn = pool.idle[own_shard()]
             .lock()
@@ -1336,7 +1547,7 @@ mod tests {
     #[tokio::test]
     async fn an_idle_connection_goes_back_to_the_thread_that_made_it() {
         let addr = numbering_upstream().await;
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         let workers =
             super::super::server::Workers::start(std::num::NonZeroUsize::new(2).expect("2 > 0"))
                 .expect("workers");
@@ -1421,7 +1632,7 @@ mod tests {
     fn a_connection_taken_from_another_thread_is_woken_where_it_is_used() {
         let upstream = runtime::Runtime::new().expect("upstream runtime");
         let addr = upstream.block_on(numbering_upstream());
-        let pool = H1Pool::new(Duration::from_secs(1));
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         let current = || {
             runtime::Builder::new_current_thread()
                 .enable_all()

@@ -140,6 +140,7 @@ impl Proxy {
             &config.upstream,
             config.upstream_ca.as_deref(),
             config.connect_timeout,
+            config.idle_timeout,
         )?;
         Ok(Proxy::new(config, client, sessions))
     }

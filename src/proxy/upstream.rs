@@ -334,11 +334,14 @@ fn strip_encoded_dot(s: &str) -> Option<&str> {
         .map(|_| &s[3..])
 }
 
-/// Builds the upstream client.
+/// Builds the upstream client. `idle_timeout` bounds how long the rest of
+/// a request body may stall once its response has ended (plain-HTTP
+/// upstreams; see [`H1Pool`]).
 pub fn build_client(
     upstream: &Upstream,
     extra_ca: Option<&Path>,
     connect_timeout: Duration,
+    idle_timeout: Duration,
 ) -> Result<UpstreamClient, UpstreamConfigError> {
     if upstream.scheme == Scheme::HTTP {
         if let Some(path) = extra_ca {
@@ -348,7 +351,10 @@ pub fn build_client(
                 reason: "it applies to an https:// upstream, and this one is http://".into(),
             });
         }
-        return Ok(UpstreamClient::Plain(H1Pool::new(connect_timeout)));
+        return Ok(UpstreamClient::Plain(H1Pool::new(
+            connect_timeout,
+            idle_timeout,
+        )));
     }
     let mut roots = rustls::RootCertStore {
         roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
@@ -611,10 +617,15 @@ mod tests {
     #[test]
     fn an_upstream_ca_for_an_http_upstream_is_refused() {
         let up = Upstream::parse("http://h:1").expect("valid upstream");
-        let err = build_client(&up, Some(Path::new("ca.pem")), Duration::from_secs(1))
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let err = build_client(
+            &up,
+            Some(Path::new("ca.pem")),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
         assert!(err.contains("applies to an https:// upstream"), "{err}");
     }
 
