@@ -1092,6 +1092,112 @@ async fn a_large_request_head_passes_over_http_2_as_over_http_1() {
     }
 }
 
+/// An upstream that answers one request (`ok`, closing) and hands over
+/// its head as it came.
+async fn head_recording_upstream() -> (SocketAddr, oneshot::Receiver<Vec<u8>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            return;
+        };
+        let Some(head) = read_request_head(&mut stream).await else {
+            return;
+        };
+        let _ = tx.send(head);
+        let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
+        let _ = stream.write_all(reply).await;
+    });
+    (addr, rx)
+}
+
+/// The `cookie` lines of a raw request head, each without its name.
+fn cookie_lines(head: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(head)
+        .split("\r\n")
+        .filter_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("cookie")
+                .then(|| value.trim().to_owned())
+        })
+        .collect()
+}
+
+/// An HTTP/2 client sends each cookie as a field of its own (as browsers
+/// do); an HTTP/1.1 upstream gets them as one `cookie` line joined by
+/// `; ` (RFC 9113 §8.2.3), over plain HTTP (the proxy's own client) and
+/// over TLS (hyper's). (Before, it got one `cookie` line each, which
+/// many servers read as only the first.) An HTTP/1.1 client's single
+/// line passes as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cookies_from_an_http_2_client_reach_an_http_1_upstream_as_one_line() {
+    let h2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let with_cookies = |url: String| {
+        Request::get(url)
+            .header("cookie", "a=1")
+            .header("x-other", "kept")
+            .header("cookie", "b=2")
+            .header("cookie", "c=3")
+            .body(empty())
+            .expect("request")
+    };
+    let (upstream, head) = head_recording_upstream().await;
+    let proxy = TestProxy::start(proxy_config(&format!("http://{upstream}"))).await;
+    let response = send(&h2, with_cookies(proxy.url("/v1/models"))).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let head = tokio::time::timeout(PATIENCE, head)
+        .await
+        .expect("a head in time")
+        .expect("a head");
+    assert_eq!(cookie_lines(&head), ["a=1; b=2; c=3"]);
+    assert!(
+        String::from_utf8_lossy(&head).contains("x-other: kept\r\n"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+
+    let (upstream, head) = head_recording_upstream().await;
+    let proxy = TestProxy::start(proxy_config(&format!("http://{upstream}"))).await;
+    let req = Request::get(proxy.url("/v1/models"))
+        .header("cookie", "a=1; b=2")
+        .body(empty())
+        .expect("request");
+    assert_eq!(send(&client(), req).await.status(), StatusCode::OK);
+    let head = tokio::time::timeout(PATIENCE, head)
+        .await
+        .expect("a head in time")
+        .expect("a head");
+    assert_eq!(cookie_lines(&head), ["a=1; b=2"]);
+
+    // Over TLS, to an upstream that speaks HTTP/1.1 only.
+    let pki = test_pki();
+    let ca_path = std::env::temp_dir().join(format!(
+        "aalis-proxy-test-ca-cookies-{}-{}.pem",
+        std::process::id(),
+        unix_ms()
+    ));
+    std::fs::write(&ca_path, &pki.ca_pem).expect("write CA");
+    let mut server = (*pki.server).clone();
+    server.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = FakeUpstream::start_on(listener, Some(Arc::new(server)), |_| {
+        Reply::new(200).body("ok")
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
+    config.upstream_ca = Some(ca_path.clone());
+    let proxy = TestProxy::start(config).await;
+    let response = send(&h2, with_cookies(proxy.url("/v1/models"))).await;
+    let _ = std::fs::remove_file(&ca_path);
+    assert_eq!(response.status(), StatusCode::OK);
+    let seen = &upstream.requests()[0];
+    assert_eq!(seen.version, Version::HTTP_11);
+    let cookies: Vec<_> = seen.headers.get_all("cookie").iter().collect();
+    assert_eq!(cookies, ["a=1; b=2; c=3"]);
+}
+
 /// A HEAD of a stream's path, on the session of a stream that runs: its
 /// answer has the stream's type but no body, so it is no stream of its
 /// own. The running stream keeps its session, its progress stays, and

@@ -293,6 +293,9 @@ impl Proxy {
         })?;
         // The client may speak HTTP/2 to us and the upstream HTTP/1.1, or
         // the reverse: the client library picks per connection.
+        if parts.version == http::Version::HTTP_2 {
+            join_cookies(&mut parts.headers);
+        }
         parts.version = http::Version::HTTP_11;
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(header::HOST);
@@ -492,6 +495,33 @@ fn session_id(prefix: &str, n: u64) -> String {
     id.push_str(prefix);
     id.push_str(n);
     id
+}
+
+/// An HTTP/2 request's `cookie` fields as one, joined by `; ` (RFC 9113
+/// §8.2.3): an HTTP/2 client may send each cookie as a field of its own,
+/// and they must be one field before an HTTP/1.1 hop, where many servers
+/// keep only the first `Cookie` line or join them with `, `. (An HTTP/2
+/// upstream takes the joined field as well.) One field or none is left
+/// as it is, without an allocation.
+fn join_cookies(headers: &mut http::HeaderMap) {
+    let mut values = headers.get_all(header::COOKIE).iter();
+    if values.next().is_none() || values.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    let mut sensitive = false;
+    for (i, value) in headers.get_all(header::COOKIE).iter().enumerate() {
+        if i > 0 {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(value.as_bytes());
+        sensitive |= value.is_sensitive();
+    }
+    // Each part is a valid value, and so is `; `: this cannot fail.
+    if let Ok(mut value) = HeaderValue::from_bytes(&joined) {
+        value.set_sensitive(sensitive);
+        headers.insert(header::COOKIE, value);
+    }
 }
 
 /// The framing of a response the proxy can read, or `None` to pass it
@@ -708,6 +738,36 @@ mod tests {
             ])),
             None
         );
+    }
+
+    /// Several `cookie` fields become one, in their order, joined by
+    /// `; `; one field, or none, is left alone, and other fields keep
+    /// their values.
+    #[test]
+    fn cookie_fields_are_joined() {
+        let mut headers = http::HeaderMap::new();
+        headers.append(header::COOKIE, HeaderValue::from_static("a=1"));
+        headers.append(header::ACCEPT, HeaderValue::from_static("*/*"));
+        headers.append(header::COOKIE, HeaderValue::from_static("b=2"));
+        headers.append(header::COOKIE, HeaderValue::from_static("c=3; d=4"));
+        join_cookies(&mut headers);
+        let cookies: Vec<_> = headers.get_all(header::COOKIE).iter().collect();
+        assert_eq!(cookies, ["a=1; b=2; c=3; d=4"]);
+        assert_eq!(
+            headers.get(header::ACCEPT).map(|v| v.as_bytes()),
+            Some(&b"*/*"[..])
+        );
+
+        let mut one = http::HeaderMap::new();
+        one.append(header::COOKIE, HeaderValue::from_static("a=1, b=2"));
+        join_cookies(&mut one);
+        assert_eq!(
+            one.get(header::COOKIE).map(|v| v.as_bytes()),
+            Some(&b"a=1, b=2"[..])
+        );
+        let mut none = http::HeaderMap::new();
+        join_cookies(&mut none);
+        assert!(none.is_empty());
     }
 
     #[test]
