@@ -225,8 +225,8 @@ impl AnnotateArgs {
 /// absent).
 ///
 /// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
-/// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled),
-/// 502 when the upstream is unreachable, 504 when it sends no response
+/// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
+/// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
 /// headers in time; a request head over 64 KiB gets 431. SIGINT or SIGTERM stops accepting connections and lets open
 /// streams finish for --shutdown-grace, then exits 0.
 ///

@@ -1287,6 +1287,54 @@ async fn request_bodies_reach_an_http_1_upstream_however_they_are_framed() {
     assert_no_foreign_panic();
 }
 
+/// A request body in a transfer coding other than `chunked` (`gzip,
+/// chunked` in one field, or `gzip` and `chunked` in two) is a `501` with
+/// the proxy's JSON error, and never reaches the upstream (RFC 9112
+/// §6.1). (Before, hyper took it as chunked, and the gzip-coded bytes
+/// went upstream as a plain chunked body.) Plain `chunked`, in any case,
+/// still passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_an_unknown_transfer_coding_is_a_501() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let body = "5\r\nhello\r\n0\r\n\r\n";
+    for codings in [
+        &["gzip, chunked"][..],
+        &["gzip", "chunked"],
+        &["deflate , Chunked"],
+        &["x-custom,chunked"],
+    ] {
+        let mut request = b"POST /coded HTTP/1.1\r\nhost: x\r\nconnection: close\r\n".to_vec();
+        for coding in codings {
+            request.extend_from_slice(format!("transfer-encoding: {coding}\r\n").as_bytes());
+        }
+        request.extend_from_slice(format!("\r\n{body}").as_bytes());
+        let answer = RawResponse::parse(&raw_exchange(proxy.addr, &request).await);
+        assert_eq!(answer.status, 501, "{codings:?}");
+        let error: Value = serde_json::from_slice(&answer.body).expect("a JSON error");
+        assert_eq!(error["error"]["type"], "not_implemented", "{codings:?}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("transfer coding")),
+            "{error}"
+        );
+    }
+    assert!(
+        upstream.requests().is_empty(),
+        "a coded body reached the upstream"
+    );
+    let plain = format!(
+        "POST /plain HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: Chunked\r\n\r\n{body}"
+    );
+    let answer = RawResponse::parse(&raw_exchange(proxy.addr, plain.as_bytes()).await);
+    assert_eq!(answer.status, 200);
+    let requests = upstream.requests();
+    assert_eq!(requests.len(), 1);
+    assert_eq!(&requests[0].body[..], b"hello");
+    assert_no_foreign_panic();
+}
+
 /// An upstream that answers each request as soon as it has its head (with
 /// the next of `replies`, keep-alive), then waits for `go` before it
 /// reads the request's body (its `content-length`), and reports it.

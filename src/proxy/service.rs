@@ -85,7 +85,8 @@ enum Fault {
     /// the upstream's.
     ClientAborted,
     /// The client asked for a protocol upgrade (WebSocket), which the
-    /// proxy does not tunnel.
+    /// proxy does not tunnel, or sent its body in a transfer coding other
+    /// than `chunked`.
     NotImplemented,
 }
 
@@ -274,6 +275,22 @@ impl Proxy {
                 Fault::NotImplemented,
                 "aalis-proxy does not tunnel protocol upgrades (Upgrade: websocket and the \
                  like); connect to the upstream directly for them"
+                    .to_owned(),
+            ));
+        }
+        // RFC 9112 §6.1: a transfer coding the proxy does not know (say
+        // `gzip, chunked`) is a 501. hyper takes the body as chunked when
+        // chunked comes last, and forwarded so, it would lose its coding.
+        if req
+            .headers()
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .any(|codings| !only_chunked(codings))
+        {
+            return Err(fail(
+                Fault::NotImplemented,
+                "aalis-proxy does not implement a transfer coding other than chunked \
+                 (Transfer-Encoding); send the body chunked, or with a Content-Length"
                     .to_owned(),
             ));
         }
@@ -495,6 +512,17 @@ fn session_id(prefix: &str, n: u64) -> String {
     id.push_str(prefix);
     id.push_str(n);
     id
+}
+
+/// Whether a `Transfer-Encoding` value names no coding but `chunked`
+/// (empty list elements, which RFC 9110 §5.6.1 allows, are skipped).
+fn only_chunked(codings: &HeaderValue) -> bool {
+    codings.to_str().is_ok_and(|codings| {
+        codings
+            .split(',')
+            .map(str::trim)
+            .all(|coding| coding.is_empty() || coding.eq_ignore_ascii_case("chunked"))
+    })
 }
 
 /// An HTTP/2 request's `cookie` fields as one, joined by `; ` (RFC 9113
@@ -768,6 +796,27 @@ mod tests {
         let mut none = http::HeaderMap::new();
         join_cookies(&mut none);
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn only_chunked_is_a_known_transfer_coding() {
+        for known in ["chunked", "Chunked", " chunked ", "chunked,", ", chunked"] {
+            assert!(only_chunked(&HeaderValue::from_static(known)), "{known:?}");
+        }
+        for unknown in [
+            "gzip, chunked",
+            "gzip",
+            "deflate,chunked",
+            "chunked;q=1",
+            "x",
+        ] {
+            assert!(
+                !only_chunked(&HeaderValue::from_static(unknown)),
+                "{unknown:?}"
+            );
+        }
+        let not_text = HeaderValue::from_bytes(b"chunked\xff").expect("value");
+        assert!(!only_chunked(&not_text));
     }
 
     #[test]
