@@ -1287,6 +1287,62 @@ async fn request_bodies_reach_an_http_1_upstream_however_they_are_framed() {
     assert_no_foreign_panic();
 }
 
+/// A chunked request whose trailer section carries fields a trailer may
+/// not (framing, routing, authentication, request modifiers, hop-by-hop)
+/// beside one it may: only that one reaches an HTTP/1.1 upstream, after
+/// the body, which is whole. (Before, every trailer line went on as the
+/// client wrote it: an upstream that merges trailers into the head would
+/// have taken `host: evil` or `content-length: 99` for the request's own.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_trailers_that_may_not_be_trailers_stop_at_the_proxy() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = listener.local_addr().expect("addr");
+    let (tx, seen) = oneshot::channel::<Vec<u8>>();
+    tokio::spawn(async move {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            return;
+        };
+        // The whole request: its head, its last chunk, its trailers.
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let complete = |got: &[u8]| {
+            find(got, b"\r\n0\r\n").is_some_and(|at| find(&got[at + 2..], b"\r\n\r\n").is_some())
+        };
+        while !complete(&got) {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(k) => got.extend_from_slice(&buf[..k]),
+            }
+        }
+        let _ = tx.send(got);
+        let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
+        let _ = stream.write_all(reply).await;
+    });
+    let proxy = Served::start(proxy_config(&format!("http://{upstream}"))).await;
+    let request = b"POST /t HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+        transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
+        x-checksum: 1\r\ncontent-length: 99\r\nauthorization: Bearer x\r\nhost: evil\r\n\
+        cookie: a=1\r\nproxy-authorization: Basic eA==\r\ntransfer-encoding: gzip\r\n\
+        te: trailers\r\ntrailer: x\r\ncontent-type: text/plain\r\nexpect: 100-continue\r\n\
+        cache-control: no-cache\r\nmax-forwards: 1\r\nx-after: 2\r\n\r\n";
+    let answer = RawResponse::parse(&raw_exchange(proxy.addr, request).await);
+    assert_eq!(answer.status, 200);
+    let got = tokio::time::timeout(PATIENCE, seen)
+        .await
+        .expect("the request in time")
+        .expect("the request");
+    let body_at = find(&got, b"\r\n\r\n").expect("a head") + 4;
+    let (body, complete, trailers) = dechunk_with_trailers(&got[body_at..]);
+    assert!(complete, "{}", String::from_utf8_lossy(&got));
+    assert_eq!(&body[..], b"hello");
+    let trailers: Vec<String> = trailers
+        .iter()
+        .map(|line| String::from_utf8_lossy(line).into_owned())
+        .collect();
+    assert_eq!(trailers, ["x-checksum: 1", "x-after: 2"]);
+    assert_no_foreign_panic();
+}
+
 /// A request body in a transfer coding other than `chunked` (`gzip,
 /// chunked` in one field, or `gzip` and `chunked` in two) is a `501` with
 /// the proxy's JSON error, and never reaches the upstream (RFC 9112

@@ -787,7 +787,8 @@ impl Sending {
         match self.framing {
             RequestFraming::Chunked => {
                 self.pending.extend_from_slice(b"0\r\n");
-                for (name, value) in self.trailers.iter().flatten() {
+                let trailers = self.trailers.iter().flatten();
+                for (name, value) in trailers.filter(|(name, _)| wire::allowed_in_trailers(name)) {
                     self.pending.extend_from_slice(name.as_str().as_bytes());
                     self.pending.extend_from_slice(b": ");
                     self.pending.extend_from_slice(value.as_bytes());

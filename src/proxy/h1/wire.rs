@@ -240,6 +240,46 @@ pub fn write_head(
     out.extend_from_slice(b"\r\n");
 }
 
+/// Fields a request's trailer section may not carry on to the upstream
+/// (RFC 9110 §6.5.1): those that frame the message, route it,
+/// authenticate it or modify the request (controls and conditionals), and
+/// the hop-by-hop ones. An upstream that merged trailers into the header
+/// section would take them for the request's own.
+static NOT_IN_TRAILERS: [HeaderName; 25] = [
+    header::AUTHORIZATION,
+    header::CACHE_CONTROL,
+    header::CONNECTION,
+    header::CONTENT_ENCODING,
+    header::CONTENT_LENGTH,
+    header::CONTENT_RANGE,
+    header::CONTENT_TYPE,
+    header::COOKIE,
+    header::EXPECT,
+    header::HOST,
+    header::IF_MATCH,
+    header::IF_MODIFIED_SINCE,
+    header::IF_NONE_MATCH,
+    header::IF_RANGE,
+    header::IF_UNMODIFIED_SINCE,
+    HeaderName::from_static("keep-alive"),
+    header::MAX_FORWARDS,
+    header::PRAGMA,
+    header::RANGE,
+    header::SET_COOKIE,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::WWW_AUTHENTICATE,
+];
+
+/// Whether a request trailer field may go on to the upstream: not one of
+/// `NOT_IN_TRAILERS`, nor a `proxy-` field (`Proxy-Authorization`,
+/// `Proxy-Connection`, …).
+pub fn allowed_in_trailers(name: &HeaderName) -> bool {
+    !name.as_str().starts_with("proxy-") && !NOT_IN_TRAILERS.contains(name)
+}
+
 /// Appends the size line of a chunk of `len` bytes (`len` > 0): its
 /// length in lower-case hexadecimal and a CRLF, written digit by digit (no
 /// formatting machinery, no allocation).

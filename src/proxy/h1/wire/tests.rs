@@ -454,3 +454,44 @@ fn a_trailer_section_over_the_limit_fails_the_same_however_it_arrives() {
         );
     }
 }
+
+/// Fields a trailer section may not carry stop; others pass, whatever
+/// their name looks like.
+#[test]
+fn only_fields_allowed_in_trailers_pass() {
+    for stopped in [
+        "content-length",
+        "transfer-encoding",
+        "host",
+        "authorization",
+        "te",
+        "trailer",
+        "connection",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "upgrade",
+        "cookie",
+        "content-type",
+        "content-encoding",
+        "content-range",
+        "expect",
+        "max-forwards",
+        "cache-control",
+        "if-none-match",
+        "range",
+    ] {
+        let name = HeaderName::from_static(stopped);
+        assert!(!allowed_in_trailers(&name), "{stopped}");
+    }
+    for passed in [
+        "x-checksum",
+        "server-timing",
+        "digest",
+        "x-proxy-id",
+        "etag",
+    ] {
+        let name = HeaderName::from_static(passed);
+        assert!(allowed_in_trailers(&name), "{passed}");
+    }
+}
