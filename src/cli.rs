@@ -227,7 +227,9 @@ impl AnnotateArgs {
 /// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
 /// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
-/// headers in time; a request head over 64 KiB gets 431. SIGINT or SIGTERM stops accepting connections and lets open
+/// headers in time; a request head over 64 KiB gets 431. A client
+/// connection that sends no whole HTTP/1.1 request head within 30 s (of its
+/// start, or of its last response's end) is closed. SIGINT or SIGTERM stops accepting connections and lets open
 /// streams finish for --shutdown-grace, then exits 0.
 ///
 /// The log and the --progress spinners are written to stderr by threads of

@@ -143,7 +143,15 @@ impl MockUpstream {
             let mock = self.clone();
             async move { mock.handle(req).await }
         };
-        server::serve(listener, handler, shutdown, Duration::from_secs(1), &[]).await;
+        server::serve(
+            listener,
+            handler,
+            shutdown,
+            Duration::from_secs(1),
+            server::HEAD_READ_TIMEOUT,
+            &[],
+        )
+        .await;
     }
 
     /// Answers one request.

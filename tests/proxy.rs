@@ -96,6 +96,11 @@ impl TestProxy {
     /// `proxy::run` does, with the connections on two worker threads, the
     /// way `aalis-proxy serve` does.
     async fn start(config: ProxyConfig) -> TestProxy {
+        TestProxy::start_with_head_timeout(config, server::HEAD_READ_TIMEOUT).await
+    }
+
+    /// [`TestProxy::start`], with `head_timeout` for a client's request heads.
+    async fn start_with_head_timeout(config: ProxyConfig, head_timeout: Duration) -> TestProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");
         let sessions = SessionRegistry::new();
@@ -123,6 +128,7 @@ impl TestProxy {
                     let _ = rx.await;
                 },
                 grace,
+                head_timeout,
                 &handles,
             )
             .await;
@@ -1196,6 +1202,77 @@ async fn cookies_from_an_http_2_client_reach_an_http_1_upstream_as_one_line() {
     assert_eq!(seen.version, Version::HTTP_11);
     let cookies: Vec<_> = seen.headers.get_all("cookie").iter().collect();
     assert_eq!(cookies, ["a=1; b=2; c=3"]);
+}
+
+/// Reads `stream` until the proxy closes it (an end or a reset), at most
+/// `limit`: what came, or `None` if it stayed open.
+async fn read_until_closed(stream: &mut TcpStream, limit: Duration) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(limit, async {
+        while let Ok(n @ 1..) = stream.read(&mut buf).await {
+            got.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .ok()
+    .map(|()| got)
+}
+
+/// Client connections that do not send a whole request head in time are
+/// closed (here with a head deadline of 300 ms; 30 s in `serve`): one that
+/// sends nothing, one that sends a byte, half a head, or the start of
+/// HTTP/2's preface, and a keep-alive connection left idle after its
+/// response. Each is closed within 10 s, and the one that sent its request
+/// in time got its answer. (Before, each stayed open for ever: a client
+/// could hold a task and a descriptor per connection without sending a
+/// request.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_without_a_whole_request_head_in_time_are_closed() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let proxy = TestProxy::start_with_head_timeout(
+        proxy_config(&upstream.url("")),
+        Duration::from_millis(300),
+    )
+    .await;
+    let whole = b"GET /v1/models HTTP/1.1\r\nhost: a\r\n\r\n";
+    let sends: [&[u8]; 5] = [
+        b"",
+        b"G",
+        b"GET /v1/models HTTP/1.1\r\nhost: a\r\n",
+        b"PRI * HTTP/2",
+        whole,
+    ];
+    let mut waits = tokio::task::JoinSet::new();
+    for (i, send) in sends.into_iter().enumerate() {
+        let addr = proxy.addr;
+        waits.spawn(async move {
+            let mut stream = TcpStream::connect(addr).await.expect("connect");
+            stream.write_all(send).await.expect("write");
+            let got = read_until_closed(&mut stream, Duration::from_secs(10)).await;
+            (i, got)
+        });
+    }
+    while let Some(joined) = waits.join_next().await {
+        let (i, got) = joined.expect("no panic");
+        let sent = String::from_utf8_lossy(sends[i]);
+        let got = got.unwrap_or_else(|| panic!("{sent:?}: still open after 10 s"));
+        if sends[i] == whole {
+            assert!(
+                got.starts_with(b"HTTP/1.1 200 OK\r\n") && got.windows(2).any(|w| w == b"ok"),
+                "{}",
+                String::from_utf8_lossy(&got)
+            );
+        } else {
+            assert!(
+                got.is_empty(),
+                "{sent:?}: {}",
+                String::from_utf8_lossy(&got)
+            );
+        }
+    }
+    assert_eq!(upstream.requests().len(), 1);
 }
 
 /// A HEAD of a stream's path, on the session of a stream that runs: its

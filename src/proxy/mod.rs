@@ -121,7 +121,15 @@ pub async fn serve_proxy_on(
         let proxy = proxy.clone();
         async move { proxy.handle(req, peer).await }
     };
-    server::serve(listener, handler, shutdown, grace, workers).await;
+    server::serve(
+        listener,
+        handler,
+        shutdown,
+        grace,
+        server::HEAD_READ_TIMEOUT,
+        workers,
+    )
+    .await;
 }
 
 /// Moves an empty `buf` back to the start of its allocation when no piece

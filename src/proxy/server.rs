@@ -36,7 +36,7 @@ use hyper::body::Incoming;
 
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::{self, Handle};
@@ -55,21 +55,41 @@ pub struct Peer {
     pub socket_full: SocketFull,
 }
 
+/// How long a client has to send a whole HTTP/1.1 request head, from the
+/// connection's start or from the end of its last response (hyper's
+/// default, once it is given a timer): a connection that sends nothing, or
+/// half a head, is closed then, rather than holding a task and a
+/// descriptor for ever. The first read, which tells HTTP/2 from HTTP/1.1,
+/// has the same deadline.
+pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains.
 /// The handler never fails: errors are responses. Each of `workers`
 /// accepts its own connections from the listener (see `accept_loop`), or
-/// the current runtime does when there are none.
+/// the current runtime does when there are none. A client connection
+/// gets `head_timeout` (see [`HEAD_READ_TIMEOUT`]) for each request head.
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
+    head_timeout: Duration,
     workers: &[Handle],
 ) where
     H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut http1 = http1::Builder::new();
+    // A head that does not come whole in time closes the connection, as
+    // does a keep-alive connection idle that long (hyper's timer runs
+    // from the moment it waits for a head). hyper sets the timer once a
+    // head and does nothing with it per event of a response; but while a
+    // connection of a worker waits for a head, its pending timer puts
+    // that worker's parks on tokio's timed path (a clock read and a
+    // timeout each): about 145 instructions a paced event, 1.7 %, in
+    // `scripts/bench/callgrind_serve.sh`'s drive (TESTING.md).
+    http1.timer(TokioTimer::new());
+    http1.header_read_timeout(head_timeout);
     // hyper queues a response's frames up to its buffer size before it
     // stops polling the body. Its default (about 400 KiB) let each slow
     // client hold that much of coalesced output; 64 KiB keeps a slow
@@ -111,6 +131,7 @@ pub async fn serve<H, F>(
         handler,
         http1,
         http2,
+        head_timeout,
         graceful: graceful.clone(),
         loads,
     });
@@ -169,6 +190,9 @@ struct Shared<H> {
     handler: H,
     http1: http1::Builder,
     http2: http2::Builder<TokioExecutor>,
+    /// The deadline of the first read (hyper's `http1` has it for the
+    /// heads after).
+    head_timeout: Duration,
     graceful: Drain,
     loads: Arc<Loads>,
 }
@@ -383,10 +407,20 @@ where
 {
     let mut io = GatedRead::new(stream);
     let h2 = tokio::select! {
+        // The read first: a request that came with its connection is
+        // taken without the deadline's timer being set.
+        biased;
         read = io.read_first(H2_PREFACE) => read?,
         // A connection that has sent nothing when the server drains is
         // closed, as hyper closes an idle one.
         () = watcher.draining() => return Ok(()),
+        () = tokio::time::sleep(shared.head_timeout) => {
+            return Err(format!(
+                "no request within {:?} of the connection's start",
+                shared.head_timeout
+            )
+            .into());
+        }
     };
     let handler = shared.handler.clone();
     let socket_full = io.socket_full().clone();
@@ -671,6 +705,7 @@ mod tests {
                 handler,
                 shutdown,
                 Duration::from_secs(5),
+                HEAD_READ_TIMEOUT,
                 &handles,
             )
             .await;
