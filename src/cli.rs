@@ -41,8 +41,10 @@ pub struct Cli {
 const EXIT_STATUS: &str = "\
 Exit status:
   0    success, also when stdout is closed early (e.g. `| head -1`)
-  1    the input could not be opened or read, or the output written
-  2    usage error: unknown flag, bad value, missing argument
+  1    the input could not be opened or read, or the output written; serve
+       or mock could not start (the port taken, a CA or capture file)
+  2    usage error: unknown flag, bad value, missing argument, flags that
+       cannot go together
   130  annotate interrupted by SIGINT (serve and mock shut down gracefully
        on SIGINT or SIGTERM and exit 0; a second signal stops serve at
        once, its open streams cut, with 130)";
@@ -254,7 +256,7 @@ pub struct ServeArgs {
     /// Address to listen on; anything but loopback must be given here
     ///
     /// Example: --listen 127.0.0.1:9000
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8787")]
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8787", value_parser = parse_listen)]
     pub listen: SocketAddr,
 
     /// How progress is added to streams (a request may choose with the
@@ -327,7 +329,7 @@ pub struct ServeArgs {
     /// `Authorization: Bearer TOKEN` (without it they get 403)
     ///
     /// Example: --admin-token "$(openssl rand -hex 16)"
-    #[arg(long, value_name = "TOKEN")]
+    #[arg(long, value_name = "TOKEN", value_parser = parse_token)]
     pub admin_token: Option<String>,
 
     /// Save every streamed upstream response in DIR as a replayable capture
@@ -369,8 +371,12 @@ Examples:
 impl ServeArgs {
     /// The proxy configuration these flags ask for.
     pub fn proxy_config(&self) -> Result<ProxyConfig, UpstreamConfigError> {
+        let upstream = Upstream::parse(&self.upstream)?;
+        if self.upstream_ca.is_some() && upstream.is_plain_http() {
+            return Err(UpstreamConfigError::CaForHttp);
+        }
         Ok(ProxyConfig {
-            upstream: Upstream::parse(&self.upstream)?,
+            upstream,
             upstream_ca: self.upstream_ca.clone(),
             inject: self.inject,
             connect_timeout: self.connect_timeout,
@@ -409,7 +415,7 @@ pub struct MockArgs {
     /// Address to listen on
     ///
     /// Example: --listen 127.0.0.1:9001
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8788")]
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8788", value_parser = parse_listen)]
     pub listen: SocketAddr,
 
     /// Pause between two events of a replay, in milliseconds
@@ -533,6 +539,27 @@ pub fn parse_timeout(text: &str) -> Result<Duration, String> {
             text.trim()
         )),
         duration => Ok(duration),
+    }
+}
+
+/// Parses `--listen`: an IP address and a port (host names are not looked
+/// up: which address a name gives is not the user's choice to leave to a
+/// resolver, for a proxy that must stay on loopback unless told).
+fn parse_listen(text: &str) -> Result<SocketAddr, String> {
+    text.trim().parse().map_err(|_| {
+        format!(
+            "{text:?} is not an IP address and port (examples: 127.0.0.1:8787, [::1]:8787, \
+             0.0.0.0:8787; host names are not looked up)"
+        )
+    })
+}
+
+/// Parses `--admin-token`: not empty (no request could send it, so the
+/// routes would be closed to every client off loopback, silently).
+fn parse_token(text: &str) -> Result<String, String> {
+    match text.is_empty() {
+        true => Err("an empty token lets no one in; give a token, or leave the flag out".into()),
+        false => Ok(text.to_owned()),
     }
 }
 

@@ -51,7 +51,8 @@ fn main() -> ExitCode {
             Err(
                 err @ (UpstreamConfigError::BadUrl { .. }
                 | UpstreamConfigError::BadScheme { .. }
-                | UpstreamConfigError::Credentials),
+                | UpstreamConfigError::Credentials
+                | UpstreamConfigError::CaForHttp),
             ) => {
                 return usage_error_text(&err.to_string(), "serve");
             }
@@ -214,14 +215,16 @@ fn serve_logged(
     log: Option<StderrLog>,
     spinners: Arc<ProgressDisplay>,
 ) -> anyhow::Result<()> {
-    if let Some(dir) = &config.record_dir {
+    // Everything that can fail on configuration (the CA file, then the
+    // --record directory, made only once the rest holds) fails before the
+    // port is taken.
+    let record_dir = config.record_dir.clone();
+    let sessions = SessionRegistry::with_display(Arc::clone(&spinners));
+    let proxy = Proxy::from_config(config, sessions)?;
+    if let Some(dir) = &record_dir {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the --record directory {}", dir.display()))?;
     }
-    // Everything that can fail on configuration (the CA file) fails before
-    // the port is taken.
-    let sessions = SessionRegistry::with_display(Arc::clone(&spinners));
-    let proxy = Proxy::from_config(config, sessions)?;
     // Connections are accepted and served by the workers; this thread
     // waits for the signal to stop.
     let threads = args
@@ -339,7 +342,7 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
 /// The spinners `--progress` asks for, given this process's stderr; plain
 /// lines go through `log`'s queue when there is one (`serve`).
 fn display(mode: ProgressMode, log: Option<&StderrLog>) -> ProgressDisplay {
-    let color = std::env::var_os("NO_COLOR").is_none();
+    let color = !stderr_log::no_color();
     let terminal = io::stderr().is_terminal();
     match log {
         Some(log) => {

@@ -100,7 +100,14 @@ impl Capture {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
         let mut capture = Capture::new(&name, &bytes);
-        capture.timing = Timing::load_for(path)?;
+        // Its own name in the message: the capture itself was read.
+        capture.timing = Timing::load_for(path).map_err(|err| {
+            let sidecar = Timing::sidecar(path);
+            std::io::Error::new(
+                err.kind(),
+                format!("cannot read {}: {err}", sidecar.display()),
+            )
+        })?;
         Ok(capture)
     }
 

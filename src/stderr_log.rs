@@ -370,6 +370,11 @@ impl<'a> MakeWriter<'a> for StderrLog {
     }
 }
 
+/// Whether `NO_COLOR` asks for no colour: set and not empty (no-color.org).
+pub fn no_color() -> bool {
+    std::env::var_os("NO_COLOR").is_some_and(|value| !value.is_empty())
+}
+
 /// Installs the `tracing` subscriber of `serve` and `mock`: info by
 /// default, more with -v, or as RUST_LOG says; colored on a terminal unless
 /// NO_COLOR is set. Without a writer thread (the system refused one) the
@@ -389,7 +394,7 @@ pub fn init_to<W: Write + Send + 'static>(verbose: u8, out: W) -> Option<StderrL
         _ => "trace",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let color = io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let color = io::stderr().is_terminal() && !no_color();
     let builder = tracing_subscriber::fmt()
         .fmt_fields(LogFields)
         .with_timer(LogTime)

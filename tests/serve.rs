@@ -1574,6 +1574,83 @@ fn startup_errors() {
         line.starts_with("aalis-proxy: error: cannot read /nonexistent.sse: "),
         "{line}"
     );
+
+    // Flags that cannot go together, or values that cannot work, are
+    // usage errors (status 2) that say why; a failed start leaves no
+    // --record directory behind.
+    let record = std::env::temp_dir().join(format!("aalis-startup-{}", std::process::id()));
+    let record = record.to_string_lossy().into_owned();
+    for (args, says) in [
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--upstream-ca",
+                "/x.pem",
+                "--record",
+                &record,
+            ][..],
+            "--upstream-ca applies to an https:// upstream, and --upstream is http://; leave one \
+             out",
+        ),
+        (
+            &["--upstream", "http://127.0.0.1:9/v1#part"],
+            "--upstream \"http://127.0.0.1:9/v1#part\" is not a URL: it has a fragment (#…); \
+             give only scheme, host and path",
+        ),
+        (
+            &["--upstream", "http://127.0.0.1:9", "--admin-token", ""],
+            "invalid value '' for '--admin-token <TOKEN>': an empty token lets no one in; give \
+             a token, or leave the flag out",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--listen",
+                "localhost:8787",
+            ],
+            "invalid value 'localhost:8787' for '--listen <ADDR>': \"localhost:8787\" is not an \
+             IP address and port (examples: 127.0.0.1:8787, [::1]:8787, 0.0.0.0:8787; host \
+             names are not looked up)",
+        ),
+    ] {
+        let out = run_to_end(&[&["serve"][..], args].concat());
+        assert_eq!(status_code(&out), Some(2), "{args:?}: {:?}", out.status);
+        assert_eq!(
+            one_line_stderr(&out),
+            format!("aalis-proxy: error: {says} (see 'aalis-proxy serve --help')"),
+        );
+    }
+    assert!(!std::path::Path::new(&record).exists(), "{record} was made");
+    let out = run_to_end(&[
+        "serve",
+        "--upstream",
+        "https://127.0.0.1:9",
+        "--upstream-ca",
+        "/nonexistent",
+        "--record",
+        &record,
+    ]);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    assert!(!std::path::Path::new(&record).exists(), "{record} was made");
+
+    // A capture's timing file that cannot be read is named as such.
+    let dir = std::env::temp_dir().join(format!("aalis-timing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("x.sse.timing")).expect("a directory in its place");
+    std::fs::write(dir.join("x.sse"), fixture(PARALLEL_FIXTURE)).expect("written");
+    let capture = dir.join("x.sse").to_string_lossy().into_owned();
+    let out = run_to_end(&["mock", &capture, "--listen", "127.0.0.1:0"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    assert_eq!(
+        one_line_stderr(&out),
+        format!(
+            "aalis-proxy: error: cannot read {capture}: cannot read {capture}.timing: Is a \
+             directory (os error 21)"
+        )
+    );
 }
 
 /// A bad `--upstream-ca` is a startup error like the others: one line, and

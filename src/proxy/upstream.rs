@@ -137,6 +137,11 @@ pub enum UpstreamConfigError {
          its Authorization header, which is forwarded"
     )]
     Credentials,
+    #[error(
+        "--upstream-ca applies to an https:// upstream, and --upstream is http://; \
+         leave one out"
+    )]
+    CaForHttp,
     #[error("cannot read --upstream-ca {path}: {reason}")]
     BadCa { path: String, reason: String },
     #[error("TLS setup failed: {0}")]
@@ -213,12 +218,23 @@ impl Upstream {
                 "it has a query string; give only scheme, host and path",
             ));
         }
+        if url.contains('#') {
+            // The parser drops it silently.
+            return Err(bad(
+                "it has a fragment (#…); give only scheme, host and path",
+            ));
+        }
         let path_prefix = uri.path().trim_end_matches('/').to_owned();
         Ok(Upstream {
             scheme,
             authority,
             path_prefix,
         })
+    }
+
+    /// `http://`: the proxy's own client, no TLS.
+    pub fn is_plain_http(&self) -> bool {
+        self.scheme == Scheme::HTTP
     }
 
     /// `host:port` as given, for messages.
