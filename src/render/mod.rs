@@ -8,17 +8,21 @@
 pub mod spinner;
 
 /// A character that must not reach a terminal as it is: a control
-/// character (escape sequences start with one), a bidi control that would
-/// reorder the line, or an invisible zero-width one. Model text and stream
-/// excerpts are checked with it before they are printed.
+/// character (escape sequences start with one), a line or paragraph
+/// separator (a line break to some terminals), a bidi control that would
+/// reorder the line, or an invisible one (zero-width characters, the soft
+/// hyphen, tag characters, which can hide text from the reader). Model
+/// text and stream excerpts are checked with it before they are printed.
 pub fn is_hostile(c: char) -> bool {
     c.is_control()
         || matches!(
             c,
-            '\u{200B}'..='\u{200F}'
-                | '\u{202A}'..='\u{202E}'
+            '\u{00AD}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{2028}'..='\u{202E}'
                 | '\u{2060}'..='\u{2069}'
                 | '\u{061C}'
                 | '\u{FEFF}'
+                | '\u{E0000}'..='\u{E007F}'
         )
 }

@@ -97,7 +97,7 @@ impl Outcome {
 /// `<icon> <name>  <chars> chars · <elapsed>s`, with the name neutralized
 /// ([`sanitize_name`]) and the elapsed time with one decimal.
 pub fn status_line(icon: &str, name: &str, chars: usize, elapsed: Duration) -> String {
-    render_line(icon, &shown_name("", name), chars, elapsed)
+    render_line(icon, &shown_name("", 0, name), chars, elapsed)
 }
 
 /// A line from a name already made safe by [`shown_name`].
@@ -116,13 +116,18 @@ const MAX_SESSION_CHARS: usize = 24;
 /// The name as shown: sanitized and cut on its own, and in `serve`
 /// prefixed with the session, cut shorter, so a long session id never
 /// hides the tool's name.
-fn shown_name(session: &str, name: &str) -> String {
+fn shown_name(session: &str, choice: i64, name: &str) -> String {
     let name = sanitize_name(name);
-    let name = if name.is_empty() {
+    let mut name = if name.is_empty() {
         "(unnamed)".to_owned()
     } else {
         name
     };
+    // With `n` > 1, each choice's calls have lines of their own, told
+    // apart (choice 0, nearly every stream's only one, is left plain).
+    if choice != 0 {
+        name.push_str(&format!(" (choice {choice})"));
+    }
     if session.is_empty() {
         return name;
     }
@@ -682,7 +687,7 @@ impl Inner {
 
     fn update(&mut self, key: Key, entry: &ProgressEntry, now_ms: u64) {
         let elapsed = Duration::from_millis(now_ms.saturating_sub(entry.started_at_ms));
-        let label = shown_name(&key.0, &entry.name);
+        let label = shown_name(&key.0, key.1, &entry.name);
         if let Some(line) = self.lines.get_mut(&key) {
             if *line.name == *entry.name && line.chars == entry.chars_accumulated {
                 return;
@@ -773,7 +778,7 @@ impl Inner {
         let elapsed = Duration::from_millis(now_ms.saturating_sub(line.started_at_ms));
         let text = render_line(
             outcome.icon(),
-            &shown_name(&key.0, &line.name),
+            &shown_name(&key.0, key.1, &line.name),
             line.chars,
             elapsed,
         );

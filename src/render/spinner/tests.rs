@@ -37,6 +37,15 @@ fn hostile_names_are_neutralized() {
     let line = status_line("⠙", name, 3, Duration::from_millis(1500));
     assert!(!line.chars().any(|c| c.is_control()), "{line:?}");
     insta::assert_snapshot!(line, @"⠙ rm[2Jfdp_all now  3 chars · 1.5s");
+    // Separators some terminals break lines at, and invisible characters
+    // that can hide text: the soft hyphen, tag characters.
+    let line = status_line(
+        "⠙",
+        "a\u{2028}b\u{2029}c\u{AD}d\u{E0041}\u{E007F}e",
+        1,
+        Duration::ZERO,
+    );
+    insta::assert_snapshot!(line, @"⠙ abcde  1 chars · 0.0s");
     // Long names are cut at a character boundary.
     let long = "é".repeat(60);
     let shown = sanitize_name(&long);
@@ -512,4 +521,30 @@ fn lines_written_above_the_spinners_stay() {
     assert_eq!(lines[1], "and a half line", "{screen}");
     assert!(lines[2].contains("get_weather  3 chars"), "{screen}");
     assert!(lines[3].contains("get_time  3 chars"), "{screen}");
+}
+
+/// With `n` > 1, the same tool called by two choices gets two lines that
+/// say which is which (they were the same line twice).
+#[test]
+fn a_choice_past_the_first_is_named() {
+    let buffer = Arc::new(Mutex::new(Vec::new()));
+    let display = ProgressDisplay::plain(Box::new(SharedBuffer(buffer.clone())));
+    let second = ProgressEntry {
+        choice: 1,
+        ..entry(0, "lookup_word", 7, 0)
+    };
+    display.show(
+        "",
+        &[entry(0, "lookup_word", 5, 0), second],
+        Outcome::Done,
+        300,
+    );
+    display.show("", &[], Outcome::Done, 400);
+    let text = String::from_utf8(buffer.lock().expect("lock").clone()).expect("UTF-8");
+    insta::assert_snapshot!(text, @r"
+    ⠿ lookup_word  5 chars · 0.3s
+    ⠿ lookup_word (choice 1)  7 chars · 0.3s
+    ✓ lookup_word  5 chars · 0.4s
+    ✓ lookup_word (choice 1)  7 chars · 0.4s
+    ");
 }
