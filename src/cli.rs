@@ -229,7 +229,7 @@ impl AnnotateArgs {
 /// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
 /// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
-/// headers in time; a request head over 64 KiB gets 431. A client
+/// headers in time, 408 when the client stops sending its request body; a request head over 64 KiB gets 431. A client
 /// connection that sends no whole HTTP/1.1 request head within 30 s (of its
 /// start, or of its last response's end) is closed. SIGINT or SIGTERM stops accepting connections and lets open
 /// streams finish for --shutdown-grace, then exits 0.
@@ -283,6 +283,11 @@ pub struct ServeArgs {
     pub connect_timeout: Duration,
 
     /// Deadline for the upstream's response headers; past it, 504
+    ///
+    /// It counts from the request's end: while the request body is still
+    /// being sent, it starts again each time the body moves. A client that
+    /// stops sending its body for as long gets 408, an upstream that stops
+    /// reading it 504.
     ///
     /// Example: --response-timeout 2m
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_timeout)]

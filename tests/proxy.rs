@@ -1523,6 +1523,51 @@ async fn an_upstream_that_never_answers_is_a_504_after_the_response_timeout() {
     );
 }
 
+/// `response_timeout` counts from the request's end: a client that stops
+/// sending its body is a `408` that says so (not a `504` blamed on the
+/// upstream, as before), and an upload that keeps moving for longer than
+/// the timeout is no timeout at all (before, a `504` once the timeout
+/// passed, however the upload went).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_response_timeout_counts_from_the_requests_end() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = FakeUpstream::start(|_| Reply::new(200)).await;
+    let mut config = proxy_config(&upstream.url(""));
+    config.response_timeout = Duration::from_millis(300);
+    let proxy = TestProxy::start(config).await;
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
+                content-type: application/json\r\ncontent-length: 16\r\n\r\n";
+
+    // Half a body, then nothing.
+    let mut stalled = TcpStream::connect(proxy.addr).await.expect("connect");
+    stalled
+        .write_all(format!("{head}{{\"stream\":").as_bytes())
+        .await
+        .expect("written");
+    let got = read_until_closed(&mut stalled, Duration::from_secs(10))
+        .await
+        .expect("answered and closed");
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 408 "), "{got}");
+    assert!(
+        got.contains("the client sent no more of its request body for 300ms"),
+        "{got}"
+    );
+
+    // The whole body, a byte every 60 ms: about a second, past the 300 ms.
+    let mut slow = TcpStream::connect(proxy.addr).await.expect("connect");
+    slow.write_all(head.as_bytes()).await.expect("written");
+    for byte in b"{\"stream\":false}" {
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        slow.write_all(&[*byte]).await.expect("written");
+    }
+    let got = read_until_closed(&mut slow, Duration::from_secs(10))
+        .await
+        .expect("answered and closed");
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 200 "), "{got}");
+}
+
 /// An upstream whose TCP connect hangs (a listener with backlog 0 whose
 /// queue a first connection fills, never accepted, so the kernel drops
 /// further SYNs): `504` (`upstream_timeout`) after `connect_timeout`

@@ -7,9 +7,11 @@
 //!
 //! Read [`Proxy::handle`] first.
 
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::ValueEnum;
@@ -84,6 +86,9 @@ enum Fault {
     /// client went away, or sent less than it announced): its fault, not
     /// the upstream's.
     ClientAborted,
+    /// The client stopped sending its request body, and sent no more of
+    /// it within `--response-timeout`.
+    ClientTimeout,
     /// The client asked for a protocol upgrade (WebSocket), which the
     /// proxy does not tunnel, or sent its body in a transfer coding other
     /// than `chunked`.
@@ -94,6 +99,7 @@ impl Fault {
     fn status(self) -> StatusCode {
         match self {
             Fault::BadRequest | Fault::ClientAborted => StatusCode::BAD_REQUEST,
+            Fault::ClientTimeout => StatusCode::REQUEST_TIMEOUT,
             Fault::UpstreamUnreachable | Fault::UpstreamError => StatusCode::BAD_GATEWAY,
             Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Fault::NotImplemented => StatusCode::NOT_IMPLEMENTED,
@@ -102,7 +108,9 @@ impl Fault {
 
     fn kind(self) -> &'static str {
         match self {
-            Fault::BadRequest | Fault::ClientAborted => "invalid_request_error",
+            Fault::BadRequest | Fault::ClientAborted | Fault::ClientTimeout => {
+                "invalid_request_error"
+            }
             Fault::UpstreamUnreachable => "upstream_unreachable",
             Fault::UpstreamTimeout => "upstream_timeout",
             Fault::UpstreamError => "upstream_error",
@@ -200,7 +208,10 @@ impl Proxy {
                         self.metrics().upstream_error(UpstreamErrorKind::Timeout)
                     }
                     Fault::UpstreamError => self.metrics().upstream_error(UpstreamErrorKind::Error),
-                    Fault::BadRequest | Fault::ClientAborted | Fault::NotImplemented => {}
+                    Fault::BadRequest
+                    | Fault::ClientAborted
+                    | Fault::ClientTimeout
+                    | Fault::NotImplemented => {}
                 }
                 let mut response = error_response(fault, &message);
                 let log = RequestLog {
@@ -214,6 +225,7 @@ impl Proxy {
                 let outcome = match fault {
                     // The same word as a stream whose client went away.
                     Fault::ClientAborted => "cancelled",
+                    Fault::ClientTimeout => "client-timeout",
                     Fault::BadRequest
                     | Fault::NotImplemented
                     | Fault::UpstreamUnreachable
@@ -229,7 +241,10 @@ impl Proxy {
                     Fault::UpstreamUnreachable | Fault::UpstreamTimeout | Fault::UpstreamError => {
                         tracing::warn!(session = %log.session_id, path = %log.path, "{message}");
                     }
-                    Fault::BadRequest | Fault::ClientAborted | Fault::NotImplemented => {
+                    Fault::BadRequest
+                    | Fault::ClientAborted
+                    | Fault::ClientTimeout
+                    | Fault::NotImplemented => {
                         tracing::debug!(peer = %peer.addr, "request failed: {message}");
                     }
                 }
@@ -331,23 +346,49 @@ impl Proxy {
                 (body.map_err(BoxError::from).boxed(), Some(copy))
             }
         };
+        // A body still to come is watched, for the deadline below.
+        let (body, watch) = match body.is_end_stream() {
+            true => (body, None),
+            false => {
+                let watch = Arc::new(BodyWatch::default());
+                let body = WatchedBody {
+                    inner: body,
+                    watch: Arc::clone(&watch),
+                };
+                (body.boxed(), Some(watch))
+            }
+        };
         let upstream_req = Request::from_parts(parts, body);
 
         // Phase 3: send, with a deadline for the response headers.
-        let sent = tokio::time::timeout(
-            config.response_timeout,
+        let timeout = config.response_timeout;
+        let sent = with_deadline(
             self.shared.client.request(upstream_req),
+            watch.as_deref(),
+            timeout,
         )
         .await;
         let upstream = config.upstream.authority();
         let response = match sent {
-            Err(_) => {
+            Err(Late::Response) => {
                 return Err(fail(
                     Fault::UpstreamTimeout,
                     format!(
-                        "upstream {upstream} sent no response headers within {:?}",
-                        config.response_timeout
+                        "upstream {upstream} sent no response headers within {timeout:?} of \
+                         the request's end"
                     ),
+                ));
+            }
+            Err(Late::Upstream) => {
+                return Err(fail(
+                    Fault::UpstreamTimeout,
+                    format!("upstream {upstream} took no more of the request body for {timeout:?}"),
+                ));
+            }
+            Err(Late::Client) => {
+                return Err(fail(
+                    Fault::ClientTimeout,
+                    format!("the client sent no more of its request body for {timeout:?}"),
                 ));
             }
             Ok(Err(err)) => {
@@ -604,6 +645,105 @@ fn parse_inject(value: &HeaderValue) -> Result<InjectMode, String> {
         // this message).
         "X-Aalis-Inject is not one of field, comment, event, chunk, none".to_owned()
     })
+}
+
+/// How the sending of a request body goes, for [`with_deadline`].
+#[derive(Debug, Default)]
+struct BodyWatch {
+    /// Frames taken from the client, and its end: the body moved.
+    moves: AtomicU64,
+    /// The last poll found the client had sent nothing more.
+    waiting_on_client: AtomicBool,
+    /// All of it was taken.
+    ended: AtomicBool,
+}
+
+pin_project_lite::pin_project! {
+    /// A request body, watched ([`BodyWatch`]) as it is sent.
+    struct WatchedBody {
+        #[pin]
+        inner: ProxyBody,
+        watch: Arc<BodyWatch>,
+    }
+}
+
+impl http_body::Body for WatchedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        let watch = &this.watch;
+        watch
+            .waiting_on_client
+            .store(polled.is_pending(), Ordering::Relaxed);
+        if let Poll::Ready(frame) = &polled {
+            watch.moves.fetch_add(1, Ordering::Relaxed);
+            if frame.is_none() {
+                watch.ended.store(true, Ordering::Relaxed);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Who let a request's deadline pass.
+#[derive(Debug, PartialEq, Eq)]
+enum Late {
+    /// The request was sent whole, and no response head came.
+    Response,
+    /// The upstream took no more of the request body.
+    Upstream,
+    /// The client sent no more of its request body.
+    Client,
+}
+
+/// `request`, with a deadline of `timeout` for the response head that
+/// starts again while the request body (`watch`) moves: it counts from
+/// the request's end, so a long upload is no upstream timeout, and a
+/// client that stops sending its body is told from an upstream that stops
+/// reading it. (A window in which the body moved is followed by another:
+/// the head gets between one and two `timeout`s after the body's end.)
+async fn with_deadline<F: std::future::Future>(
+    request: F,
+    watch: Option<&BodyWatch>,
+    timeout: Duration,
+) -> Result<F::Output, Late> {
+    tokio::pin!(request);
+    let moves = |watch: &BodyWatch| watch.moves.load(Ordering::Relaxed);
+    let mut seen = watch.map(moves);
+    loop {
+        if let Ok(out) = tokio::time::timeout(timeout, &mut request).await {
+            return Ok(out);
+        }
+        let Some(watch) = watch else {
+            return Err(Late::Response);
+        };
+        let now = moves(watch);
+        if seen != Some(now) {
+            seen = Some(now);
+            continue;
+        }
+        return Err(if watch.ended.load(Ordering::Relaxed) {
+            Late::Response
+        } else if watch.waiting_on_client.load(Ordering::Relaxed) {
+            Late::Client
+        } else {
+            Late::Upstream
+        });
+    }
 }
 
 /// Which fault a client error is, and how to say it.
