@@ -44,10 +44,15 @@ pub enum Warning {
         lines: bool,
     },
     #[error(
-        "{at}: data after the end of the stream ({}); passed on unchanged, not tracked",
-        at.end_marker()
+        "{at}: data after the end of the stream ({}); {}, not tracked",
+        at.end_marker(),
+        passed_on(*lines, "passed on unchanged")
     )]
-    AfterEnd { at: Location },
+    AfterEnd {
+        at: Location,
+        /// The output is a line format, which ends with its done line(s).
+        lines: bool,
+    },
     #[error(
         "{at}: larger than {max_bytes} bytes (--max-event-bytes); {}, not parsed",
         passed_on(*lines, "passed on as it streams")

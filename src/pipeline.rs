@@ -767,11 +767,10 @@ impl StreamState {
         // the next frame's sets it again.
         self.decoder_state.probed = frame.probed;
         let data = match frame.data {
-            Some(data) if self.ended => {
+            // The line formats end with their done line(s): what comes
+            // after is left out of them (and said so).
+            Some(_) if self.ended => {
                 self.warn_after_end(frame.at);
-                if self.output != OutputFormat::Sse {
-                    self.lines.unparsed(out, data);
-                }
                 None
             }
             data => data,
@@ -867,7 +866,10 @@ impl StreamState {
     /// Reports, once, that frames came after the end of the stream.
     fn warn_after_end(&mut self, at: Location) {
         if !std::mem::replace(&mut self.ended_warned, true) {
-            self.warnings.push(Warning::AfterEnd { at });
+            self.warnings.push(Warning::AfterEnd {
+                at,
+                lines: self.output != OutputFormat::Sse,
+            });
         }
     }
 

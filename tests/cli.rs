@@ -273,9 +273,10 @@ fn a_lone_high_surrogate_keeps_its_place_among_the_lines() {
 /// The line formats lose nothing either: an upstream's mid-stream error is
 /// an `error` line holding its `error` value (on one line, though the
 /// event spread it over two `data:` lines), and an event that cannot be
-/// read, or comes after `[DONE]`, an `unparsed` line holding its data. On
-/// the code before, both were only warned about, and the `done` line made
-/// the failed stream look whole.
+/// read an `unparsed` line holding its data. On the code before, both were
+/// only warned about, and the `done` line made the failed stream look
+/// whole. What comes after `[DONE]` is left out (the done line stays
+/// last), and the warning says so.
 #[test]
 fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
     let input = concat!(
@@ -297,8 +298,15 @@ fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
             "{\"error\":{\"message\":\"overloaded\",\"type\":\"server_error\"}}\n",
             "{\"unparsed\":\"{bad\"}\n",
             "{\"done\":true}\n",
-            "{\"unparsed\":\"late\"}\n",
         )
+    );
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains(
+            "SSE event 5 (byte 155): data after the end of the stream ([DONE]); left out of the \
+             lines (--format), not tracked"
+        ),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
     );
     let ollama = "{\"message\":{\"content\":\"a\"}}\n{\"error\":\"boom\"}\n";
     let output = run_with_stdin(

@@ -15,7 +15,7 @@
 //! | `{"toolCallProgress":{"index":0,"name":"get_weather","charsAccumulated":42}}` | every entry of every `tool_calls` delta, after it is applied |
 //! | `{"done":true,"toolCalls":[…],"usage":{…}}` | once, at `[DONE]`, Ollama's `done: true`, or the end of input |
 //! | `{"error":{…}}` | the upstream reported an error inside the stream: its `error` value, as it came (on one line) |
-//! | `{"unparsed":"…"}` | an event or line that could not be read as JSON, or came after the end: its data, as a string (nothing is lost) |
+//! | `{"unparsed":"…"}` | an event or line that could not be read as JSON: its data, as a string (nothing is lost; what comes after the end is left out, the done line(s) stay last) |
 //!
 //! - `charsAccumulated` is the length of the arguments so far, unescaped, in
 //!   UTF-16 code units (JavaScript `String.length`); the name is not counted.
@@ -169,7 +169,9 @@ impl LineEncoder {
     }
 
     /// An `error` line: the upstream's `error` value, as it came, on one
-    /// line (a raw line break can only lie between JSON tokens).
+    /// line (a raw line break can only lie between JSON tokens). As it
+    /// came: what JavaScript reads and serde_json does not (a lone
+    /// surrogate's escape, `1E400`) stays.
     pub fn error(&mut self, out: &mut impl Sink, raw: &str) {
         self.write_carries(out, |_, _| true);
         self.open();
@@ -179,8 +181,8 @@ impl LineEncoder {
         self.close(out);
     }
 
-    /// An `unparsed` line: the data of a frame that could not be read (or
-    /// came after the end), as a string, so that nothing is lost.
+    /// An `unparsed` line: the data of a frame that could not be read, as
+    /// a string, so that nothing is lost.
     pub fn unparsed(&mut self, out: &mut impl Sink, data: &[u8]) {
         self.write_carries(out, |_, _| true);
         self.open();
