@@ -51,6 +51,13 @@ fn run_with_stdin(cmd: Command, stdin: &[u8]) -> std::process::Output {
         .expect("run aalis-proxy")
 }
 
+/// `annotate` with `args` on `input`, which must exit 0.
+fn annotate_ok(args: &[&str], input: &[u8]) -> std::process::Output {
+    let output = run_with_stdin(aalis_proxy_with(&[&["annotate"][..], args].concat()), input);
+    assert_eq!(output.status.code(), Some(0), "{args:?}");
+    output
+}
+
 /// Runs `cmd` to the end with no input.
 fn run(cmd: Command) -> std::process::Output {
     run_with_stdin(cmd, b"")
@@ -250,11 +257,7 @@ fn a_lone_high_surrogate_keeps_its_place_among_the_lines() {
         "data: [DONE]\n\n".to_owned(),
     ]
     .concat();
-    let output = run_with_stdin(
-        aalis_proxy_with(&["annotate", "--format", "ndjson"]),
-        input.as_bytes(),
-    );
-    assert_eq!(output.status.code(), Some(0));
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
     assert_eq!(
         String::from_utf8_lossy(&output.stdout),
         [
@@ -286,11 +289,7 @@ fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
         "data: [DONE]\n\n",
         "data: late\n\n",
     );
-    let output = run_with_stdin(
-        aalis_proxy_with(&["annotate", "--format", "ndjson"]),
-        input.as_bytes(),
-    );
-    assert_eq!(output.status.code(), Some(0));
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
     assert_eq!(
         String::from_utf8_lossy(&output.stdout),
         concat!(
@@ -309,8 +308,8 @@ fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
         String::from_utf8_lossy(&output.stderr)
     );
     let ollama = "{\"message\":{\"content\":\"a\"}}\n{\"error\":\"boom\"}\n";
-    let output = run_with_stdin(
-        aalis_proxy_with(&["annotate", "--format", "messages", "--session", "s"]),
+    let output = annotate_ok(
+        &["--format", "messages", "--session", "s"],
         ollama.as_bytes(),
     );
     assert_eq!(
@@ -324,8 +323,8 @@ fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
     // An event too large to parse cannot be a line: the warning says it is
     // left out, not that it was passed on.
     let long = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a long one\"}}]}\n\n";
-    let output = run_with_stdin(
-        aalis_proxy_with(&["annotate", "--format", "ndjson", "--max-event-bytes", "16"]),
+    let output = annotate_ok(
+        &["--format", "ndjson", "--max-event-bytes", "16"],
         long.as_bytes(),
     );
     assert_eq!(String::from_utf8_lossy(&output.stdout), "{\"done\":true}\n");

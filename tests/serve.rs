@@ -1360,14 +1360,17 @@ fn a_stream_longer_than_the_grace_period_is_cut() {
     assert!(has_first_event(body.as_bytes()));
 }
 
-/// A second SIGTERM while open streams drain (`--shutdown-grace 60s`)
-/// stops `serve` at once: exit status 130, the stream cut (no invented
-/// end), and a warning that says why. Without it, the stream (14 events a
-/// second apart) holds the process past the test's 10 s wait.
-#[test]
-fn a_second_signal_stops_serve_at_once() {
+/// A stream through `serve` (with `extra` flags and a 60 s grace) of
+/// events a second apart, cut by a second SIGTERM once the first one's
+/// shutdown has begun: `serve` has exited with status 130. Returns the
+/// mock (kept running), `serve` and the client's stream.
+fn cut_by_a_second_signal(extra: &[&str]) -> (Running, Running, HttpResponse) {
     let mock = start_mock(&["--delay-ms", "1000"], &[]);
-    let mut serve = start_serve(mock.port, &["--shutdown-grace", "60s"], &[]);
+    let mut serve = start_serve(
+        mock.port,
+        &[&["--shutdown-grace", "60s"][..], extra].concat(),
+        &[],
+    );
     let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
     assert_eq!(stream.status, 200);
     stream.read_until("the first event", has_first_event);
@@ -1384,6 +1387,16 @@ fn a_second_signal_stops_serve_at_once() {
     serve.signal(sig::SIGTERM);
     let status = serve.wait_exit(Duration::from_secs(10));
     assert_eq!(status.code(), Some(130), "{status:?}\n{}", serve.stderr());
+    (mock, serve, stream)
+}
+
+/// A second SIGTERM while open streams drain (`--shutdown-grace 60s`)
+/// stops `serve` at once: exit status 130, the stream cut (no invented
+/// end), and a warning that says why. Without it, the stream (14 events a
+/// second apart) holds the process past the test's 10 s wait.
+#[test]
+fn a_second_signal_stops_serve_at_once() {
+    let (_mock, serve, mut stream) = cut_by_a_second_signal(&[]);
     assert!(
         serve.stderr().contains("a second signal: exiting now"),
         "{}",
@@ -1404,28 +1417,7 @@ fn a_second_signal_keeps_the_open_recordings() {
     let dir = std::env::temp_dir().join(format!("aalis-second-signal-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let record = dir.to_string_lossy().into_owned();
-    let mock = start_mock(&["--delay-ms", "1000"], &[]);
-    let mut serve = start_serve(
-        mock.port,
-        &["--shutdown-grace", "60s", "--record", &record],
-        &[],
-    );
-    let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
-    assert_eq!(stream.status, 200);
-    stream.read_until("the first event", has_first_event);
-    serve.signal(sig::SIGTERM);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !serve.stderr().contains("shutting down") {
-        assert!(
-            Instant::now() < deadline,
-            "no shutdown line:\n{}",
-            serve.stderr()
-        );
-        thread::sleep(Duration::from_millis(5));
-    }
-    serve.signal(sig::SIGTERM);
-    let status = serve.wait_exit(Duration::from_secs(10));
-    assert_eq!(status.code(), Some(130), "{status:?}\n{}", serve.stderr());
+    let (_mock, serve, _stream) = cut_by_a_second_signal(&["--record", &record]);
     assert!(
         serve.stderr().contains("recordings kept as they stood: 1"),
         "{}",
