@@ -1568,6 +1568,41 @@ async fn the_response_timeout_counts_from_the_requests_end() {
     assert!(got.starts_with("HTTP/1.1 200 "), "{got}");
 }
 
+/// A POST whose body went whole to an `https://` upstream (hyper's client,
+/// which does not ask a body for its end once it says it has none left)
+/// that never answers: a `504` that says no response came, not that the
+/// upstream stopped reading the body (as the first build of the request's
+/// deadline said).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_upstream_that_never_answers_a_post_is_a_504_for_its_response() {
+    let pki = test_pki();
+    let ca_path = std::env::temp_dir().join(format!(
+        "aalis-proxy-test-ca-post-{}-{}.pem",
+        std::process::id(),
+        unix_ms()
+    ));
+    std::fs::write(&ca_path, &pki.ca_pem).expect("write CA");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
+        Reply::new(200).before_headers(Step::Hang)
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
+    config.upstream_ca = Some(ca_path.clone());
+    config.response_timeout = Duration::from_millis(300);
+    let proxy = TestProxy::start(config).await;
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full(r#"{"model":"x"}"#))
+        .expect("request");
+    let (status, _, value) = json_body(send(&client(), req).await).await;
+    let _ = std::fs::remove_file(&ca_path);
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{value}");
+    let message = openai_error(&value, "upstream_timeout");
+    assert!(
+        message.contains("sent no response headers within 300ms of the request's end"),
+        "{message}"
+    );
+}
+
 /// An upstream whose TCP connect hangs (a listener with backlog 0 whose
 /// queue a first connection fills, never accepted, so the kernel drops
 /// further SYNs): `504` (`upstream_timeout`) after `connect_timeout`

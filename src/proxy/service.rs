@@ -350,7 +350,7 @@ impl Proxy {
         let (body, watch) = match body.is_end_stream() {
             true => (body, None),
             false => {
-                let watch = Arc::new(BodyWatch::default());
+                let watch = Arc::new(BodyWatch::new());
                 let body = WatchedBody {
                     inner: body,
                     watch: Arc::clone(&watch),
@@ -648,14 +648,38 @@ fn parse_inject(value: &HeaderValue) -> Result<InjectMode, String> {
 }
 
 /// How the sending of a request body goes, for [`with_deadline`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct BodyWatch {
-    /// Frames taken from the client, and its end: the body moved.
-    moves: AtomicU64,
+    /// When it was made: `last_move` counts from here.
+    since: Instant,
+    /// When the body last moved (a frame taken from the client, or its
+    /// end), in microseconds since `since`.
+    last_move: AtomicU64,
     /// The last poll found the client had sent nothing more.
     waiting_on_client: AtomicBool,
     /// All of it was taken.
     ended: AtomicBool,
+}
+
+impl BodyWatch {
+    fn new() -> BodyWatch {
+        BodyWatch {
+            since: Instant::now(),
+            last_move: AtomicU64::new(0),
+            waiting_on_client: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    fn moved(&self) {
+        let micros = u64::try_from(self.since.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.last_move.store(micros, Ordering::Relaxed);
+    }
+
+    /// When the body last moved.
+    fn last_move(&self) -> Instant {
+        self.since + Duration::from_micros(self.last_move.load(Ordering::Relaxed))
+    }
 }
 
 pin_project_lite::pin_project! {
@@ -675,15 +699,17 @@ impl http_body::Body for WatchedBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        let this = self.project();
-        let polled = this.inner.poll_frame(cx);
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_frame(cx);
         let watch = &this.watch;
         watch
             .waiting_on_client
             .store(polled.is_pending(), Ordering::Relaxed);
         if let Poll::Ready(frame) = &polled {
-            watch.moves.fetch_add(1, Ordering::Relaxed);
-            if frame.is_none() {
+            watch.moved();
+            // hyper's clients stop polling a body that says it has ended
+            // after its last frame: its `None` may never be asked for.
+            if frame.is_none() || this.inner.is_end_stream() {
                 watch.ended.store(true, Ordering::Relaxed);
             }
         }
@@ -711,29 +737,28 @@ enum Late {
 }
 
 /// `request`, with a deadline of `timeout` for the response head that
-/// starts again while the request body (`watch`) moves: it counts from
-/// the request's end, so a long upload is no upstream timeout, and a
-/// client that stops sending its body is told from an upstream that stops
-/// reading it. (A window in which the body moved is followed by another:
-/// the head gets between one and two `timeout`s after the body's end.)
+/// counts from the last time the request body (`watch`) moved: from the
+/// request's end, so a long upload is no upstream timeout, and a client
+/// that stops sending its body is told from an upstream that stops
+/// reading it.
 async fn with_deadline<F: std::future::Future>(
     request: F,
     watch: Option<&BodyWatch>,
     timeout: Duration,
 ) -> Result<F::Output, Late> {
     tokio::pin!(request);
-    let moves = |watch: &BodyWatch| watch.moves.load(Ordering::Relaxed);
-    let mut seen = watch.map(moves);
+    let mut deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if let Ok(out) = tokio::time::timeout(timeout, &mut request).await {
+        if let Ok(out) = tokio::time::timeout_at(deadline, &mut request).await {
             return Ok(out);
         }
         let Some(watch) = watch else {
             return Err(Late::Response);
         };
-        let now = moves(watch);
-        if seen != Some(now) {
-            seen = Some(now);
+        // The body moved since the deadline was set: it runs from then.
+        let moved = tokio::time::Instant::from_std(watch.last_move()) + timeout;
+        if moved > deadline {
+            deadline = moved;
             continue;
         }
         return Err(if watch.ended.load(Ordering::Relaxed) {
