@@ -169,7 +169,7 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     // waits for, stops both for good.
     let mut stderr = display.above(io::stderr());
     let mut output: Box<dyn Write> = match display.is_terminal() && stdout.is_terminal() {
-        true => Box::new(display.above(stdout)),
+        true => Box::new(display.above_as_is(stdout)),
         false => Box::new(stdout),
     };
     filter::run(

@@ -425,17 +425,27 @@ impl ProgressDisplay {
         lock(&self.inner)
     }
 
-    /// `out`, for what shares the terminal with the spinners (warnings,
-    /// log lines, an output that is a terminal too): each flush's whole
-    /// lines are written with the spinners taken off the screen and drawn
-    /// again below them. Written straight through, the spinners' next
-    /// redraw moved the cursor up over those lines and erased them.
+    /// `out`, for lines that share the terminal with the spinners
+    /// (warnings, log lines): each flush's whole lines are written with
+    /// the spinners taken off the screen; their next tick draws them again
+    /// below. Written straight through, the spinners' next redraw moved
+    /// the cursor up over those lines and erased them.
     pub fn above<W: Write>(&self, out: W) -> Above<W> {
         Above {
             display: Arc::downgrade(&self.inner),
             out,
             held: Vec::new(),
+            whole_lines: true,
         }
+    }
+
+    /// [`above`](Self::above) for an output (stdout on the same
+    /// terminal): every flush writes all it has, a line not ended yet
+    /// included, since the data must go out as it comes.
+    pub fn above_as_is<W: Write>(&self, out: W) -> Above<W> {
+        let mut above = self.above(out);
+        above.whole_lines = false;
+        above
     }
 }
 
@@ -446,11 +456,13 @@ const MAX_HELD_BYTES: usize = 64 * 1024;
 /// Bytes are held until a flush, then written up to their last line break
 /// (a spinner drawn after half a line would land on it); what follows that
 /// break waits for the next flush that completes its line, or for the
-/// display to draw nothing, or for the writer's end.
+/// display to draw nothing, or for the writer's end. An output
+/// ([`ProgressDisplay::above_as_is`]) writes all it has at each flush.
 pub struct Above<W: Write> {
     display: std::sync::Weak<Mutex<Inner>>,
     out: W,
     held: Vec<u8>,
+    whole_lines: bool,
 }
 
 impl<W: Write> Write for Above<W> {
@@ -460,26 +472,34 @@ impl<W: Write> Write for Above<W> {
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        let Above { display, out, held } = self;
+        let Above {
+            display,
+            out,
+            held,
+            whole_lines,
+        } = self;
         let inner = display.upgrade();
         let inner = inner.as_deref().map(lock);
         let ready = match inner.as_deref().map(|inner| &inner.target) {
-            Some(Target::Terminal { .. }) => match held.iter().rposition(|&b| b == b'\n') {
-                Some(at) => at + 1,
-                // A line that never ends is not held without bound.
-                None if held.len() > MAX_HELD_BYTES => held.len(),
-                None => 0,
-            },
+            Some(Target::Terminal { .. }) if *whole_lines => {
+                match held.iter().rposition(|&b| b == b'\n') {
+                    Some(at) => at + 1,
+                    // A line that never ends is not held without bound.
+                    None if held.len() > MAX_HELD_BYTES => held.len(),
+                    None => 0,
+                }
+            }
             _ => held.len(),
         };
         if ready == 0 {
             return Ok(());
         }
-        let mut write = || out.write_all(&held[..ready]).and_then(|()| out.flush());
-        let written = match inner.as_deref().map(|inner| &inner.target) {
-            Some(Target::Terminal { multi, .. }) => multi.suspend(write),
-            _ => write(),
-        };
+        if let Some(Target::Terminal { multi, .. }) = inner.as_deref().map(|inner| &inner.target) {
+            // Not `suspend`, which panics when the terminal fails (a
+            // closed one): a failed clear is the write's to report.
+            let _ = multi.clear();
+        }
+        let written = out.write_all(&held[..ready]).and_then(|()| out.flush());
         // Written or not (a closed stderr), the bytes go: nothing piles up.
         held.drain(..ready);
         written
