@@ -138,6 +138,11 @@ struct EventLog {
     /// Input was handled while collecting was off since the increments
     /// were last taken or emptied: they are not all of what changed.
     missed: bool,
+    /// High surrogates a text ended with, by choice and field (reasoning
+    /// or not), held back for the low one the next text may start with,
+    /// as the line formats hold them (`LineEncoder`): written alone, each
+    /// half would be a U+FFFD.
+    carries: Vec<(i64, bool, u16)>,
 }
 
 /// Strings an [`EventLog`] keeps for texts to come: a read holds a few text
@@ -150,6 +155,18 @@ const SPARE_TEXT_BYTES: usize = 256;
 impl EventLog {
     /// What subscribers hear of one applied chunk.
     fn record(&mut self, chunk: &Chunk<'_>, applied: &Applied<'_>) {
+        if !self.carries.is_empty() {
+            // Only the choice's next text of the same field can complete a
+            // held-back half: before its other field, its progress, an
+            // error or the end, it is a U+FFFD (as in `LineEncoder`).
+            match (chunk, applied) {
+                (Chunk::Text { choice, .. }, _) => self.end_carries(|c, r| c == *choice && r),
+                (Chunk::Reasoning { choice, .. }, _) => self.end_carries(|c, r| c == *choice && !r),
+                (_, Applied::Progress(p)) => self.end_carries(|c, _| c == p.choice),
+                (Chunk::Done | Chunk::Error { .. }, _) => self.end_carries(|_, _| true),
+                _ => {}
+            }
+        }
         if let Applied::Cleared = applied {
             let reason = match chunk {
                 Chunk::Text { .. } | Chunk::Reasoning { .. } => ClearReason::Text,
@@ -169,18 +186,20 @@ impl EventLog {
                 started_at_ms: p.started_at_ms,
             })),
             (Chunk::Text { choice, text }, _) => {
-                let text = self.owned(text);
-                self.events.push(StreamEvent::Content {
-                    choice: *choice,
-                    text,
-                });
+                if let Some(text) = self.owned(*choice, false, text) {
+                    self.events.push(StreamEvent::Content {
+                        choice: *choice,
+                        text,
+                    });
+                }
             }
             (Chunk::Reasoning { choice, text }, _) => {
-                let text = self.owned(text);
-                self.events.push(StreamEvent::Reasoning {
-                    choice: *choice,
-                    text,
-                });
+                if let Some(text) = self.owned(*choice, true, text) {
+                    self.events.push(StreamEvent::Reasoning {
+                        choice: *choice,
+                        text,
+                    });
+                }
             }
             (Chunk::Done, _) => self.events.push(StreamEvent::Done),
             (
@@ -193,12 +212,48 @@ impl EventLog {
         }
     }
 
-    /// A text event's text, in a string a published one left if any.
-    fn owned(&mut self, text: &ChunkText<'_>) -> String {
+    /// A text event's text, in a string a published one left if any; a
+    /// surrogate pair cut between two texts of a choice's field joined
+    /// (`None` when all there was is a held-back half).
+    fn owned(&mut self, choice: i64, reasoning: bool, text: &ChunkText<'_>) -> Option<String> {
         self.has_texts = true;
         let mut owned = self.spare_texts.pop().unwrap_or_default();
-        text.push_to(&mut owned);
-        owned
+        let carried = self
+            .carries
+            .iter()
+            .position(|&(c, r, _)| c == choice && r == reasoning);
+        if carried.is_none() && text.is_plain() {
+            text.push_to(&mut owned);
+            return Some(owned);
+        }
+        let mut carry = carried.map(|at| self.carries.swap_remove(at).2);
+        text.push_joined(&mut owned, &mut carry);
+        if let Some(high) = carry {
+            self.carries.push((choice, reasoning, high));
+        }
+        if owned.is_empty() {
+            self.spare_texts.push(owned);
+            return None;
+        }
+        Some(owned)
+    }
+
+    /// Ends the held-back halves `which` picks, each as a text of U+FFFD.
+    fn end_carries(&mut self, which: impl Fn(i64, bool) -> bool) {
+        let mut i = 0;
+        while let Some(&(choice, reasoning, _)) = self.carries.get(i) {
+            if !which(choice, reasoning) {
+                i += 1;
+                continue;
+            }
+            self.carries.remove(i);
+            self.has_texts = true;
+            let text = char::REPLACEMENT_CHARACTER.to_string();
+            self.events.push(match reasoning {
+                true => StreamEvent::Reasoning { choice, text },
+                false => StreamEvent::Content { choice, text },
+            });
+        }
     }
 
     /// Empties the increments, keeping their texts' strings (emptied) for
@@ -448,6 +503,9 @@ impl Annotator {
         // The end of the input clears what was in progress: subscribers
         // are told, as of any other clear (a stream cut by its upstream,
         // or one that just stops, has no `[DONE]` to say it).
+        if state.collect_events {
+            state.events.end_carries(|_, _| true);
+        }
         if let Applied::Cleared = state.tracker.end()
             && state.collect_events
         {
@@ -480,6 +538,10 @@ impl Annotator {
     #[inline]
     pub fn collect_events(&mut self, on: bool) {
         let state = &mut self.state;
+        if !on {
+            // The next text collected may not follow the last one.
+            state.events.carries.clear();
+        }
         state.collect_events = on;
         state.unread = Unread::of(state.output, state.inject, on);
     }
@@ -922,7 +984,7 @@ impl StreamState {
                 Applied::Progress(p) if render => {
                     batch.push(&p);
                     if lines_out && let Some(json) = batch.last() {
-                        lines.progress(out, json);
+                        lines.progress(out, p.choice, json);
                     }
                 }
                 Applied::Progress(_) | Applied::Cleared | Applied::Unchanged => {}
@@ -1011,5 +1073,60 @@ mod tests {
         assert_eq!(out.len(), sent + event.len());
         assert!(out.ends_with(event));
         assert_eq!(annotator.frames(), 1);
+    }
+}
+
+#[cfg(test)]
+mod event_tests {
+    use super::*;
+
+    /// The increments `serve`'s events route sends join a surrogate pair
+    /// cut between two texts, as the line formats do; a half that the next
+    /// text does not complete is a U+FFFD in its place. (They were two
+    /// U+FFFD, the second one after the text that came between.)
+    #[test]
+    fn texts_join_a_surrogate_pair_cut_between_them() {
+        let event = |delta: &str| {
+            format!(r#"data: {{"choices":[{{"index":0,"delta":{delta}}}]}}"#) + "\n\n"
+        };
+        let input = [
+            event(r#"{"reasoning_content":"think\ud83d"}"#),
+            event(r#"{"content":"Hi \ud83d"}"#),
+            event(r#"{"content":"\ude00!"}"#),
+            event(r#"{"content":"\ud83d"}"#),
+            // Another choice between the halves leaves them joined.
+            r#"data: {"choices":[{"index":1,"delta":{"content":"x"}}]}"#.to_owned() + "\n\n",
+            event(r#"{"content":"\ude00"}"#),
+            event(r#"{"content":"\ud83d"}"#),
+        ]
+        .concat();
+        let mut annotator = Annotator::new(AnnotatorConfig {
+            collect_events: true,
+            ..AnnotatorConfig::default()
+        });
+        let mut out = Vec::new();
+        annotator.push(input.as_bytes(), 0, &mut out);
+        annotator.finish(0, &mut out);
+        let texts: Vec<String> = annotator
+            .take_events()
+            .into_iter()
+            .filter_map(|event| match event {
+                StreamEvent::Content { text, .. } => Some(format!("content {text}")),
+                StreamEvent::Reasoning { text, .. } => Some(format!("reasoning {text}")),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            texts,
+            [
+                "reasoning think",
+                "reasoning \u{FFFD}",
+                "content Hi ",
+                "content \u{1F600}!",
+                "content x",
+                "content \u{1F600}",
+                "content \u{FFFD}",
+            ]
+        );
     }
 }

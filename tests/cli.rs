@@ -273,6 +273,33 @@ fn a_lone_high_surrogate_keeps_its_place_among_the_lines() {
     );
 }
 
+/// With `n` > 1 the choices take turns: a line of another choice between
+/// the halves of a pair leaves the pair joined.
+#[test]
+fn a_pair_cut_between_a_choices_texts_is_joined_across_another_choice() {
+    let event = |choice: u8, content: &str| {
+        format!(r#"data: {{"choices":[{{"index":{choice},"delta":{{"content":"{content}"}}}}]}}"#)
+            + "\n\n"
+    };
+    let input = [
+        event(0, r"Hi \ud83d"),
+        event(1, "x"),
+        event(0, r"\ude00!"),
+        "data: [DONE]\n\n".to_owned(),
+    ]
+    .concat();
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        concat!(
+            "{\"contentDelta\":\"Hi \"}\n",
+            "{\"contentDelta\":\"x\",\"choice\":1}\n",
+            "{\"contentDelta\":\"\u{1F600}!\"}\n",
+            "{\"done\":true}\n",
+        )
+    );
+}
+
 /// The line formats lose nothing either: an upstream's mid-stream error is
 /// an `error` line holding its `error` value (on one line, though the
 /// event spread it over two `data:` lines), and an event that cannot be

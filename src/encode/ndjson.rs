@@ -93,9 +93,10 @@ impl LineEncoder {
     /// A `contentDelta` or `reasoningDelta` line, of one fragment of the
     /// choice's text: a surrogate pair cut between two fragments is joined
     /// (the high one held back from the first line), so that the lines'
-    /// texts, concatenated, are the upstream's text. Only the next line
-    /// can complete a held-back surrogate: a line of another field or
-    /// choice writes it as U+FFFD first, in its place.
+    /// texts, concatenated, are the upstream's text. Only the choice's
+    /// next line can complete a held-back surrogate: a line of another of
+    /// its fields, or of its progress, writes it as U+FFFD first, in its
+    /// place.
     pub fn text(
         &mut self,
         out: &mut impl Sink,
@@ -104,7 +105,7 @@ impl LineEncoder {
         text: &ChunkText<'_>,
     ) {
         if !self.carries.is_empty() {
-            self.write_carries(out, |c, f| c != choice || f != field);
+            self.write_carries(out, |c, f| c == choice && f != field);
         }
         let carried = self
             .carries
@@ -129,10 +130,12 @@ impl LineEncoder {
     }
 
     /// Writes the held-back high surrogates that `which` picks, each as
-    /// a line of U+FFFD, and forgets them: a line of anything else (another
-    /// field or choice, progress, the end) comes between them and the
-    /// fragment that could have completed them, and the lines stay in
-    /// stream order.
+    /// a line of U+FFFD, and forgets them: a line of anything else of
+    /// their choice (another field, progress) or of the stream (an error,
+    /// the end) comes between them and the fragment that could have
+    /// completed them, and the lines stay in stream order. (Choices take
+    /// turns in a stream with `n` > 1: a line of another choice leaves
+    /// them held.)
     fn write_carries(&mut self, out: &mut impl Sink, which: impl Fn(i64, TextField) -> bool) {
         let mut i = 0;
         while let Some(&(choice, field, _)) = self.carries.get(i) {
@@ -158,9 +161,9 @@ impl LineEncoder {
 
     /// A `toolCallProgress` line, from an object rendered by
     /// [`ProgressBatch`](super::ProgressBatch).
-    pub fn progress(&mut self, out: &mut impl Sink, progress_json: &str) {
+    pub fn progress(&mut self, out: &mut impl Sink, choice: i64, progress_json: &str) {
         if !self.carries.is_empty() {
-            self.write_carries(out, |_, _| true);
+            self.write_carries(out, |c, _| c == choice);
         }
         self.open();
         self.line.push_str("\"toolCallProgress\":");
