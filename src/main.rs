@@ -215,16 +215,12 @@ fn serve_logged(
     log: Option<StderrLog>,
     spinners: Arc<ProgressDisplay>,
 ) -> anyhow::Result<()> {
-    // Everything that can fail on configuration (the CA file, then the
-    // --record directory, made only once the rest holds) fails before the
-    // port is taken.
+    // Everything that can fail on configuration (the CA file) fails before
+    // the port is taken; the --record directory is made once the port is
+    // ours, so that a failed start leaves none behind.
     let record_dir = config.record_dir.clone();
     let sessions = SessionRegistry::with_display(Arc::clone(&spinners));
     let proxy = Proxy::from_config(config, sessions)?;
-    if let Some(dir) = &record_dir {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create the --record directory {}", dir.display()))?;
-    }
     // Connections are accepted and served by the workers; this thread
     // waits for the signal to stop.
     let threads = args
@@ -236,6 +232,11 @@ fn serve_logged(
     let workers = Workers::start(threads).context("cannot start the worker threads")?;
     let result = current_thread_runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
+        if let Some(dir) = &record_dir {
+            std::fs::create_dir_all(dir).with_context(|| {
+                format!("cannot create the --record directory {}", dir.display())
+            })?;
+        }
         // The first signal drains (open streams finish within
         // --shutdown-grace); a second ends the process at once, as a user
         // who presses Ctrl-C again means.

@@ -461,9 +461,16 @@ impl Annotator {
                 // still too short to tell a BOM, the new piece decides
                 // (sniffing the whole again cost the square of a long
                 // blank start).
-                let whole = seen.len() < 3;
-                seen.extend_from_slice(input);
-                let sniffed = Framing::sniff(if whole { seen } else { input });
+                let sniffed = match seen.len() < 3 {
+                    true => {
+                        seen.extend_from_slice(input);
+                        Framing::sniff(seen)
+                    }
+                    false => {
+                        seen.extend_from_slice(input);
+                        Framing::sniff_after_start(input)
+                    }
+                };
                 // Past MAX_BLANK_START bytes of whitespace, the stream is
                 // taken for SSE (which forwards blank lines as they are),
                 // so that memory stays bounded whatever the input.
@@ -1050,6 +1057,23 @@ mod tests {
         assert!(matches!(annotator.framer, Framer::Ndjson(_)));
         annotator.finish(0, &mut out);
         assert_eq!(out, input);
+    }
+
+    /// A BOM after the start is no BOM, wherever the reads fall: framed
+    /// alike in one read and cut after the blank lines (cut, it was taken
+    /// for NDJSON, whole for SSE).
+    #[test]
+    fn a_bom_after_the_start_is_framed_alike_however_it_is_cut() {
+        let input = b"\n\n\n\xEF\xBB\xBF{\"message\":{\"content\":\"a\"}}\n";
+        for cut in [input.len(), 1, 3, 4] {
+            let mut annotator = forwarding();
+            let mut out = Vec::new();
+            annotator.push(&input[..cut], 0, &mut out);
+            annotator.push(&input[cut..], 0, &mut out);
+            assert!(matches!(annotator.framer, Framer::Sse(_)), "cut at {cut}");
+            annotator.finish(0, &mut out);
+            assert_eq!(out, input, "cut at {cut}");
+        }
     }
 
     /// Past `MAX_BLANK_START` bytes of whitespace the stream is framed as

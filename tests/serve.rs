@@ -1502,6 +1502,9 @@ fn startup_errors() {
     // The listen address is taken (by this test).
     let taken = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     let addr = taken.local_addr().expect("local addr").to_string();
+    // A failed start leaves no --record directory behind.
+    let unmade = std::env::temp_dir().join(format!("aalis-unmade-{}", std::process::id()));
+    let unmade = unmade.to_string_lossy().into_owned();
     for args in [
         vec![
             "serve",
@@ -1509,6 +1512,8 @@ fn startup_errors() {
             "http://127.0.0.1:9",
             "--listen",
             &addr,
+            "--record",
+            &unmade,
         ],
         vec!["mock", "--listen", &addr],
     ] {
@@ -1521,6 +1526,7 @@ fn startup_errors() {
         );
     }
     drop(taken);
+    assert!(!std::path::Path::new(&unmade).exists(), "{unmade} was made");
 
     // A CA file that does not exist.
     let out = run_to_end(&[

@@ -30,8 +30,13 @@ impl Framing {
         if start.len() < BOM.len() && BOM.starts_with(start) {
             return None;
         }
-        let start = start.strip_prefix(BOM).unwrap_or(start);
-        let first = start.iter().find(|b| !b.is_ascii_whitespace())?;
+        Framing::sniff_after_start(start.strip_prefix(BOM).unwrap_or(start))
+    }
+
+    /// [`sniff`](Self::sniff) for bytes after a stream's start (a BOM
+    /// there is no BOM): the first byte that is not whitespace decides.
+    pub fn sniff_after_start(bytes: &[u8]) -> Option<Framing> {
+        let first = bytes.iter().find(|b| !b.is_ascii_whitespace())?;
         Some(if *first == b'{' {
             Framing::Ndjson
         } else {
