@@ -176,15 +176,30 @@ impl AnnotateArgs {
     /// Checks what clap cannot express: --session means something only with
     /// --format messages, so anywhere else it is a mistake worth saying.
     pub fn validate(&self) -> Result<(), clap::Error> {
-        if self.session.is_some() && self.format != OutputFormat::Messages {
-            let kind = clap::error::ErrorKind::ArgumentConflict;
-            let message = "--session applies only to --format messages";
+        let error = |kind, message: &str| {
             let mut cmd = command();
             cmd.build();
-            return Err(match cmd.find_subcommand_mut("annotate") {
+            match cmd.find_subcommand_mut("annotate") {
                 Some(annotate) => annotate.error(kind, message),
                 None => cmd.error(kind, message),
-            });
+            }
+        };
+        if self.session.is_some() && self.format != OutputFormat::Messages {
+            let kind = clap::error::ErrorKind::ArgumentConflict;
+            return Err(error(kind, "--session applies only to --format messages"));
+        }
+        // `--progress always` reads a file named `always`: said, unless
+        // there is one.
+        if let Some(file) = self.input_path().and_then(|p| p.to_str())
+            && self.stream.progress == ProgressMode::Auto
+            && ["auto", "always", "never"].contains(&file)
+            && !std::path::Path::new(file).exists()
+        {
+            let kind = clap::error::ErrorKind::InvalidValue;
+            let message = format!(
+                "no input file {file:?}; give --progress its value with '=': --progress={file}"
+            );
+            return Err(error(kind, &message));
         }
         Ok(())
     }
@@ -229,9 +244,11 @@ impl AnnotateArgs {
 /// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
 /// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
-/// headers in time, 408 when the client stops sending its request body; a request head over 64 KiB gets 431. A client
-/// connection that sends no whole HTTP/1.1 request head within 30 s (of its
-/// start, or of its last response's end) is closed. SIGINT or SIGTERM stops accepting connections and lets open
+/// headers in time, 408 when the client stops sending its request body; a
+/// request head over 64 KiB gets 431. A client connection that sends nothing
+/// within 30 s is closed, as is one whose HTTP/1.1 request head does not
+/// come whole within 30 s of its first bytes (or of its last response's
+/// end). SIGINT or SIGTERM stops accepting connections and lets open
 /// streams finish for --shutdown-grace, then exits 0.
 ///
 /// The log and the --progress spinners are written to stderr by threads of
@@ -592,6 +609,18 @@ pub fn usage_error_line(err: &clap::Error, args: &[String]) -> String {
         line.push_str("; ");
         line.push_str(&tip.split_whitespace().collect::<Vec<_>>().join(" "));
     }
+    // `--progress always`: the value takes an `=` (a word after the flag
+    // is an argument of its own).
+    if let Some(when) = args
+        .windows(2)
+        .find(|w| w[0] == "--progress" && ["auto", "always", "never"].contains(&w[1].as_str()))
+        .map(|w| &w[1])
+        && err.kind() == clap::error::ErrorKind::UnknownArgument
+    {
+        line.push_str(&format!(
+            "; tip: give --progress its value with '=': --progress={when}"
+        ));
+    }
     let cmd = command();
     let subcommand = args
         .iter()
@@ -649,6 +678,18 @@ mod tests {
         assert_eq!(
             line(&["aalis-proxy", "frobnicate"]),
             "unrecognized subcommand 'frobnicate' (see 'aalis-proxy --help')"
+        );
+        assert_eq!(
+            line(&[
+                "aalis-proxy",
+                "serve",
+                "--upstream",
+                "http://h",
+                "--progress",
+                "always"
+            ]),
+            "unexpected argument 'always' found; tip: give --progress its value with '=': \
+             --progress=always (see 'aalis-proxy serve --help')"
         );
         // Clap's tip, when it has one, is kept on the line.
         assert_eq!(
@@ -742,6 +783,22 @@ mod tests {
             assert!(err.contains("must be longer than 0"), "{zero}: {err}");
         }
         assert_eq!(parse_timeout("1ms"), Ok(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn a_progress_value_after_a_space_is_explained() {
+        let cli = Cli::try_parse_from(["aalis-proxy", "annotate", "--progress", "always"])
+            .expect("parses: always is the input file");
+        let Command::Annotate(args) = cli.command else {
+            panic!("annotate parses as annotate");
+        };
+        let err = args.validate().expect_err("no file named always");
+        let line = usage_error_line(&err, &[]);
+        assert_eq!(
+            line,
+            "no input file \"always\"; give --progress its value with '=': --progress=always \
+             (see 'aalis-proxy --help')"
+        );
     }
 
     #[test]

@@ -23,12 +23,17 @@ pub const EXIT_INTERRUPTED: i32 = 130;
 /// Something in a stream that could not be understood; see the module docs.
 #[derive(Debug, thiserror::Error)]
 pub enum Warning {
-    #[error("{at}: {source}; passed on unchanged: {excerpt}")]
+    #[error(
+        "{at}: {source}; {}: {excerpt}",
+        if *lines { "passed on as an unparsed line" } else { "passed on unchanged" }
+    )]
     Undecodable {
         at: Location,
         source: FrameError,
         /// The start of the frame's data, sanitized for a terminal.
         excerpt: String,
+        /// The output is a line format (an `unparsed` line).
+        lines: bool,
     },
     #[error("{at}: upstream error: {message}")]
     Upstream { at: Location, message: String },

@@ -860,6 +860,7 @@ impl StreamState {
                         at: frame.at,
                         source,
                         excerpt: excerpt(data.unwrap_or_default(), EXCERPT_CHARS),
+                        lines: self.output != OutputFormat::Sse,
                     });
                 }
                 None

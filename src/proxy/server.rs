@@ -55,12 +55,13 @@ pub struct Peer {
     pub socket_full: SocketFull,
 }
 
-/// How long a client has to send a whole HTTP/1.1 request head, from the
-/// connection's start or from the end of its last response (hyper's
-/// default, once it is given a timer): a connection that sends nothing, or
-/// half a head, is closed then, rather than holding a task and a
-/// descriptor for ever. The first read, which tells HTTP/2 from HTTP/1.1,
-/// has the same deadline.
+/// How long a client has to send its first bytes, from the connection's
+/// start (the first read, which tells HTTP/2 from HTTP/1.1), and then a
+/// whole HTTP/1.1 request head, from those bytes or from the end of its
+/// last response (hyper's header-read timeout, once it is given a timer):
+/// a connection that sends nothing, or half a head, is closed then, rather
+/// than holding a task and a descriptor for ever. (The two add up: a head
+/// begun just before the first deadline has another 30 s.)
 pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains.
