@@ -1180,12 +1180,7 @@ async fn cookies_from_an_http_2_client_reach_an_http_1_upstream_as_one_line() {
 
     // Over TLS, to an upstream that speaks HTTP/1.1 only.
     let pki = test_pki();
-    let ca_path = std::env::temp_dir().join(format!(
-        "aalis-proxy-test-ca-cookies-{}-{}.pem",
-        std::process::id(),
-        unix_ms()
-    ));
-    std::fs::write(&ca_path, &pki.ca_pem).expect("write CA");
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-cookies");
     let mut server = (*pki.server).clone();
     server.alpn_protocols = vec![b"http/1.1".to_vec()];
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -1576,12 +1571,7 @@ async fn the_response_timeout_counts_from_the_requests_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_upstream_that_never_answers_a_post_is_a_504_for_its_response() {
     let pki = test_pki();
-    let ca_path = std::env::temp_dir().join(format!(
-        "aalis-proxy-test-ca-post-{}-{}.pem",
-        std::process::id(),
-        unix_ms()
-    ));
-    std::fs::write(&ca_path, &pki.ca_pem).expect("write CA");
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-post");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let upstream = FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
         Reply::new(200).before_headers(Step::Hang)
@@ -2369,6 +2359,15 @@ struct TestPki {
     server: Arc<rustls::ServerConfig>,
 }
 
+/// The test CA of `pki`, written to a temp file named after `name`, for
+/// `upstream_ca` (the caller removes it).
+fn write_test_ca(pki: &TestPki, name: &str) -> std::path::PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("{name}-{}-{}.pem", std::process::id(), unix_ms()));
+    std::fs::write(&path, &pki.ca_pem).expect("write CA");
+    path
+}
+
 fn test_pki() -> TestPki {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
@@ -2421,12 +2420,7 @@ fn test_pki() -> TestPki {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
     let pki = test_pki();
-    let ca_path = std::env::temp_dir().join(format!(
-        "aalis-proxy-test-ca-{}-{}.pem",
-        std::process::id(),
-        unix_ms()
-    ));
-    std::fs::write(&ca_path, &pki.ca_pem).expect("write CA");
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca");
     let stream = fixture(SINGLE_CALL);
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let upstream = FakeUpstream::start_on(listener, Some(pki.server.clone()), move |_| {
