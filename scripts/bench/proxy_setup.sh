@@ -25,6 +25,8 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { timeout "${2:-10}" bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null; do sleep 0.05; done"; }
 
+# A work directory used before holds the last run's port: not read.
+rm -f "$work/upstream.out"
 "$loadgen" upstream --events "$sample" --max-seconds 600 >"$work/upstream.out" 2>/dev/null &
 pids+=($!)
 timeout 10 bash -c "until [ -s '$work/upstream.out' ]; do sleep 0.05; done"
