@@ -188,10 +188,31 @@ impl AnnotateArgs {
             let kind = clap::error::ErrorKind::ArgumentConflict;
             return Err(error(kind, "--session applies only to --format messages"));
         }
-        // `--progress always` reads a file named `always`: said, unless
-        // there is one.
+        Ok(())
+    }
+
+    /// [`validate`](Self::validate), and what only the words typed (`args`,
+    /// without the program name) tell: `--progress always` reads a file
+    /// named `always` (the value takes an `=`), said unless there is one.
+    pub fn validate_typed(&self, args: &[String]) -> Result<(), clap::Error> {
+        self.validate()?;
+        let error = |kind, message: &str| {
+            let mut cmd = command();
+            cmd.build();
+            match cmd.find_subcommand_mut("annotate") {
+                Some(annotate) => annotate.error(kind, message),
+                None => cmd.error(kind, message),
+            }
+        };
+        let after_bare_flag = args
+            .iter()
+            .take_while(|arg| *arg != "--")
+            .collect::<Vec<_>>()
+            .windows(2)
+            .find(|w| w[0] == "--progress")
+            .map(|w| w[1].as_str());
         if let Some(file) = self.input_path().and_then(|p| p.to_str())
-            && self.stream.progress == ProgressMode::Auto
+            && after_bare_flag == Some(file)
             && ["auto", "always", "never"].contains(&file)
             && !std::path::Path::new(file).exists()
         {
@@ -792,13 +813,27 @@ mod tests {
         let Command::Annotate(args) = cli.command else {
             panic!("annotate parses as annotate");
         };
-        let err = args.validate().expect_err("no file named always");
+        let typed = |words: &[&str]| words.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        let err = args
+            .validate_typed(&typed(&["annotate", "--progress", "always"]))
+            .expect_err("no file named always");
         let line = usage_error_line(&err, &[]);
         assert_eq!(
             line,
             "no input file \"always\"; give --progress its value with '=': --progress=always \
              (see 'aalis-proxy --help')"
         );
+        // With `=` already, or after `--`, the word is a file: no hint.
+        for words in [
+            &["annotate", "--progress=auto", "always"][..],
+            &["annotate", "--progress", "--", "always"],
+        ] {
+            let cli = Cli::try_parse_from([&["aalis-proxy"][..], words].concat()).expect("parses");
+            let Command::Annotate(args) = cli.command else {
+                panic!("annotate parses as annotate");
+            };
+            assert!(args.validate_typed(&typed(words)).is_ok(), "{words:?}");
+        }
     }
 
     #[test]

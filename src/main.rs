@@ -40,7 +40,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Annotate(args) => {
-            if let Err(err) = args.validate() {
+            if let Err(err) = args.validate_typed(&typed_args()) {
                 return usage_error(&err);
             }
             annotate(&args)
@@ -92,12 +92,7 @@ fn usage_error(err: &clap::Error) -> ExitCode {
             }
         }
         _ => {
-            // Lossy: an argument that is not UTF-8 (the usual reason for
-            // the error) must not stop the message (`args()` panics on it).
-            let args: Vec<String> = std::env::args_os()
-                .skip(1)
-                .map(|arg| arg.to_string_lossy().into_owned())
-                .collect();
+            let args = typed_args();
             say_error(format_args!(
                 "{}",
                 aalis_proxy::cli::usage_error_line(err, &args)
@@ -105,6 +100,16 @@ fn usage_error(err: &clap::Error) -> ExitCode {
             ExitCode::from(EXIT_USAGE)
         }
     }
+}
+
+/// The words typed after the program's name. Lossy: an argument that is
+/// not UTF-8 (the usual reason for a usage error) must not stop its
+/// message (`args()` panics on it).
+fn typed_args() -> Vec<String> {
+    std::env::args_os()
+        .skip(1)
+        .map(|arg| arg.to_string_lossy().into_owned())
+        .collect()
 }
 
 /// A usage error found after parsing: one line, status 2.

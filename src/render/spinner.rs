@@ -500,6 +500,17 @@ impl<W: Write> Write for Above<W> {
             let _ = multi.clear();
         }
         let written = out.write_all(&held[..ready]).and_then(|()| out.flush());
+        // Drawn again at once below what was written, rather than at the
+        // next tick (a stream's flushes came faster: the spinners
+        // flickered); not after half a line, which a draw would follow on
+        // its terminal line (and a later redraw erase).
+        if held[..ready].ends_with(b"\n")
+            && let Some(inner) = inner.as_deref()
+            && let Some(line) = inner.lines.values().find(|line| line.bar.is_some())
+            && let Some(bar) = &line.bar
+        {
+            bar.force_draw();
+        }
         // Written or not (a closed stderr), the bytes go: nothing piles up.
         held.drain(..ready);
         written
