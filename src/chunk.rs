@@ -30,6 +30,69 @@ pub enum Chunk<'a> {
     Done,
 }
 
+/// A text field of a choice: answer or reasoning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextField {
+    Content,
+    Reasoning,
+}
+
+/// High surrogates a choice's text field ended with, held back for the low
+/// one its next text may start with: written alone, each half would be a
+/// U+FFFD where JavaScript, joining the texts, has one character. The line
+/// formats (`LineEncoder`) and the events route (`EventLog`) hold them so.
+#[derive(Debug, Default)]
+pub struct HeldHalves(Vec<(i64, TextField, u16)>);
+
+impl HeldHalves {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `text` of `choice`'s `field` can be taken as it is: nothing
+    /// is held for it, and it has no escape (so it cannot end with a half).
+    pub fn passes(&self, choice: i64, field: TextField, text: &ChunkText<'_>) -> bool {
+        !self.0.iter().any(|&(c, f, _)| c == choice && f == field) && text.is_plain()
+    }
+
+    /// Appends `text` of `choice`'s `field` to `out`, joined with the half
+    /// held for it, and holds the half it ends with.
+    pub fn join(&mut self, choice: i64, field: TextField, text: &ChunkText<'_>, out: &mut String) {
+        let held = self
+            .0
+            .iter()
+            .position(|&(c, f, _)| c == choice && f == field);
+        let mut carry = held.map(|at| self.0.swap_remove(at).2);
+        text.push_joined(out, &mut carry);
+        if let Some(high) = carry {
+            self.0.push((choice, field, high));
+        }
+    }
+
+    /// Ends the held halves `which` picks, in the order they were held:
+    /// each is handed to `end` (which writes it as U+FFFD) and forgotten.
+    pub fn end(
+        &mut self,
+        which: impl Fn(i64, TextField) -> bool,
+        mut end: impl FnMut(i64, TextField),
+    ) {
+        let mut i = 0;
+        while let Some(&(choice, field, _)) = self.0.get(i) {
+            if which(choice, field) {
+                self.0.remove(i);
+                end(choice, field);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Forgets them all.
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
 /// The text of a [`Chunk::Text`] or [`Chunk::Reasoning`]. Progress only
 /// needs to know that text came, so the fast decoders hand over the JSON
 /// string as it stands and it is unescaped only when read ([`get`](Self::get):

@@ -176,17 +176,12 @@ impl AnnotateArgs {
     /// Checks what clap cannot express: --session means something only with
     /// --format messages, so anywhere else it is a mistake worth saying.
     pub fn validate(&self) -> Result<(), clap::Error> {
-        let error = |kind, message: &str| {
-            let mut cmd = command();
-            cmd.build();
-            match cmd.find_subcommand_mut("annotate") {
-                Some(annotate) => annotate.error(kind, message),
-                None => cmd.error(kind, message),
-            }
-        };
         if self.session.is_some() && self.format != OutputFormat::Messages {
             let kind = clap::error::ErrorKind::ArgumentConflict;
-            return Err(error(kind, "--session applies only to --format messages"));
+            return Err(annotate_error(
+                kind,
+                "--session applies only to --format messages",
+            ));
         }
         Ok(())
     }
@@ -196,31 +191,15 @@ impl AnnotateArgs {
     /// named `always` (the value takes an `=`), said unless there is one.
     pub fn validate_typed(&self, args: &[String]) -> Result<(), clap::Error> {
         self.validate()?;
-        let error = |kind, message: &str| {
-            let mut cmd = command();
-            cmd.build();
-            match cmd.find_subcommand_mut("annotate") {
-                Some(annotate) => annotate.error(kind, message),
-                None => cmd.error(kind, message),
-            }
-        };
-        let after_bare_flag = args
-            .iter()
-            .take_while(|arg| *arg != "--")
-            .collect::<Vec<_>>()
-            .windows(2)
-            .find(|w| w[0] == "--progress")
-            .map(|w| w[1].as_str());
         if let Some(file) = self.input_path().and_then(|p| p.to_str())
-            && after_bare_flag == Some(file)
-            && ["auto", "always", "never"].contains(&file)
+            && progress_value_after_a_space(args) == Some(file)
             && !std::path::Path::new(file).exists()
         {
             let kind = clap::error::ErrorKind::InvalidValue;
             let message = format!(
                 "no input file {file:?}; give --progress its value with '=': --progress={file}"
             );
-            return Err(error(kind, &message));
+            return Err(annotate_error(kind, &message));
         }
         Ok(())
     }
@@ -632,10 +611,7 @@ pub fn usage_error_line(err: &clap::Error, args: &[String]) -> String {
     }
     // `--progress always`: the value takes an `=` (a word after the flag
     // is an argument of its own).
-    if let Some(when) = args
-        .windows(2)
-        .find(|w| w[0] == "--progress" && ["auto", "always", "never"].contains(&w[1].as_str()))
-        .map(|w| &w[1])
+    if let Some(when) = progress_value_after_a_space(args)
         && err.kind() == clap::error::ErrorKind::UnknownArgument
     {
         line.push_str(&format!(
@@ -651,6 +627,30 @@ pub fn usage_error_line(err: &clap::Error, args: &[String]) -> String {
         None => line.push_str(" (see 'aalis-proxy --help')"),
     }
     line
+}
+
+/// An error of `annotate`'s, as clap words its own.
+fn annotate_error(kind: clap::error::ErrorKind, message: &str) -> clap::Error {
+    let mut cmd = command();
+    cmd.build();
+    match cmd.find_subcommand_mut("annotate") {
+        Some(annotate) => annotate.error(kind, message),
+        None => cmd.error(kind, message),
+    }
+}
+
+/// A `--progress` value typed after a bare `--progress` with a space (and
+/// before any `--`), which clap takes for an argument of its own.
+fn progress_value_after_a_space(args: &[String]) -> Option<&str> {
+    let typed = args.iter().take_while(|arg| *arg != "--");
+    typed
+        .clone()
+        .zip(typed.skip(1))
+        .find(|(flag, value)| {
+            *flag == "--progress"
+                && <ProgressMode as clap::ValueEnum>::from_str(value, false).is_ok()
+        })
+        .map(|(_, value)| value.as_str())
 }
 
 /// The clap command, for `--help`, the man page and tests.

@@ -20,7 +20,7 @@
 //! [`Sink::insert`]. A frame that cannot be understood is forwarded unchanged
 //! and reported once.
 
-use crate::chunk::{Chunk, ChunkText};
+use crate::chunk::{Chunk, ChunkText, HeldHalves};
 use crate::encode::inject::{self, Frame};
 use crate::encode::ndjson::{LineEncoder, LineFormat, TextField};
 use crate::encode::{InjectMode, OutputFormat, ProgressBatch, Sink};
@@ -138,11 +138,9 @@ struct EventLog {
     /// Input was handled while collecting was off since the increments
     /// were last taken or emptied: they are not all of what changed.
     missed: bool,
-    /// High surrogates a text ended with, by choice and field (reasoning
-    /// or not), held back for the low one the next text may start with,
-    /// as the line formats hold them (`LineEncoder`): written alone, each
-    /// half would be a U+FFFD.
-    carries: Vec<(i64, bool, u16)>,
+    /// High surrogates held back for the next text, as the line formats
+    /// hold them (`LineEncoder`).
+    carries: HeldHalves,
 }
 
 /// Strings an [`EventLog`] keeps for texts to come: a read holds a few text
@@ -160,8 +158,12 @@ impl EventLog {
             // held-back half: before its other field, its progress, an
             // error or the end, it is a U+FFFD (as in `LineEncoder`).
             match (chunk, applied) {
-                (Chunk::Text { choice, .. }, _) => self.end_carries(|c, r| c == *choice && r),
-                (Chunk::Reasoning { choice, .. }, _) => self.end_carries(|c, r| c == *choice && !r),
+                (Chunk::Text { choice, .. }, _) => {
+                    self.end_carries(|c, f| c == *choice && f == TextField::Reasoning)
+                }
+                (Chunk::Reasoning { choice, .. }, _) => {
+                    self.end_carries(|c, f| c == *choice && f == TextField::Content)
+                }
                 (_, Applied::Progress(p)) => self.end_carries(|c, _| c == p.choice),
                 (Chunk::Done | Chunk::Error { .. }, _) => self.end_carries(|_, _| true),
                 _ => {}
@@ -186,7 +188,7 @@ impl EventLog {
                 started_at_ms: p.started_at_ms,
             })),
             (Chunk::Text { choice, text }, _) => {
-                if let Some(text) = self.owned(*choice, false, text) {
+                if let Some(text) = self.owned(*choice, TextField::Content, text) {
                     self.events.push(StreamEvent::Content {
                         choice: *choice,
                         text,
@@ -194,7 +196,7 @@ impl EventLog {
                 }
             }
             (Chunk::Reasoning { choice, text }, _) => {
-                if let Some(text) = self.owned(*choice, true, text) {
+                if let Some(text) = self.owned(*choice, TextField::Reasoning, text) {
                     self.events.push(StreamEvent::Reasoning {
                         choice: *choice,
                         text,
@@ -215,22 +217,14 @@ impl EventLog {
     /// A text event's text, in a string a published one left if any; a
     /// surrogate pair cut between two texts of a choice's field joined
     /// (`None` when all there was is a held-back half).
-    fn owned(&mut self, choice: i64, reasoning: bool, text: &ChunkText<'_>) -> Option<String> {
+    fn owned(&mut self, choice: i64, field: TextField, text: &ChunkText<'_>) -> Option<String> {
         self.has_texts = true;
         let mut owned = self.spare_texts.pop().unwrap_or_default();
-        let carried = self
-            .carries
-            .iter()
-            .position(|&(c, r, _)| c == choice && r == reasoning);
-        if carried.is_none() && text.is_plain() {
+        if self.carries.passes(choice, field, text) {
             text.push_to(&mut owned);
             return Some(owned);
         }
-        let mut carry = carried.map(|at| self.carries.swap_remove(at).2);
-        text.push_joined(&mut owned, &mut carry);
-        if let Some(high) = carry {
-            self.carries.push((choice, reasoning, high));
-        }
+        self.carries.join(choice, field, text, &mut owned);
         if owned.is_empty() {
             self.spare_texts.push(owned);
             return None;
@@ -239,21 +233,21 @@ impl EventLog {
     }
 
     /// Ends the held-back halves `which` picks, each as a text of U+FFFD.
-    fn end_carries(&mut self, which: impl Fn(i64, bool) -> bool) {
-        let mut i = 0;
-        while let Some(&(choice, reasoning, _)) = self.carries.get(i) {
-            if !which(choice, reasoning) {
-                i += 1;
-                continue;
-            }
-            self.carries.remove(i);
-            self.has_texts = true;
+    fn end_carries(&mut self, which: impl Fn(i64, TextField) -> bool) {
+        let EventLog {
+            carries,
+            events,
+            has_texts,
+            ..
+        } = self;
+        carries.end(which, |choice, field| {
+            *has_texts = true;
             let text = char::REPLACEMENT_CHARACTER.to_string();
-            self.events.push(match reasoning {
-                true => StreamEvent::Reasoning { choice, text },
-                false => StreamEvent::Content { choice, text },
+            events.push(match field {
+                TextField::Reasoning => StreamEvent::Reasoning { choice, text },
+                TextField::Content => StreamEvent::Content { choice, text },
             });
-        }
+        });
     }
 
     /// Empties the increments, keeping their texts' strings (emptied) for

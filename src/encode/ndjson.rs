@@ -46,7 +46,8 @@
 use std::fmt::Write;
 
 use super::Sink;
-use crate::chunk::{ChunkText, Usage};
+pub use crate::chunk::TextField;
+use crate::chunk::{ChunkText, HeldHalves, Usage};
 use crate::js::push_string;
 use crate::progress::ToolCallTracker;
 
@@ -66,18 +67,8 @@ pub struct LineEncoder {
     line: String,
     /// The text of the current fragment, unescaped.
     text: String,
-    /// High surrogates a text fragment ended with, by choice and field,
-    /// held back for the low one that starts the next fragment: written
-    /// alone, each line would hold U+FFFD where JavaScript, joining the
-    /// fragments, has one character.
-    carries: Vec<(i64, TextField, u16)>,
-}
-
-/// The text fields of a line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TextField {
-    Content,
-    Reasoning,
+    /// High surrogates held back for the next fragment.
+    carries: HeldHalves,
 }
 
 impl LineEncoder {
@@ -86,7 +77,7 @@ impl LineEncoder {
             format,
             line: String::new(),
             text: String::new(),
-            carries: Vec::new(),
+            carries: HeldHalves::default(),
         }
     }
 
@@ -107,22 +98,14 @@ impl LineEncoder {
         if !self.carries.is_empty() {
             self.write_carries(out, |c, f| c == choice && f != field);
         }
-        let carried = self
-            .carries
-            .iter()
-            .position(|&(c, f, _)| c == choice && f == field);
-        if carried.is_none() && text.is_plain() {
+        if self.carries.passes(choice, field, text) {
             // Nearly every fragment: its text is its literal's, borrowed.
             self.text_line(out, field, choice, &text.get());
             return;
         }
-        let mut carry = carried.map(|at| self.carries.swap_remove(at).2);
         let mut fragment = std::mem::take(&mut self.text);
         fragment.clear();
-        text.push_joined(&mut fragment, &mut carry);
-        if let Some(high) = carry {
-            self.carries.push((choice, field, high));
-        }
+        self.carries.join(choice, field, text, &mut fragment);
         if !fragment.is_empty() {
             self.text_line(out, field, choice, &fragment);
         }
@@ -137,15 +120,11 @@ impl LineEncoder {
     /// turns in a stream with `n` > 1: a line of another choice leaves
     /// them held.)
     fn write_carries(&mut self, out: &mut impl Sink, which: impl Fn(i64, TextField) -> bool) {
-        let mut i = 0;
-        while let Some(&(choice, field, _)) = self.carries.get(i) {
-            if which(choice, field) {
-                self.carries.remove(i);
-                self.text_line(out, field, choice, "\u{FFFD}");
-            } else {
-                i += 1;
-            }
-        }
+        let mut carries = std::mem::take(&mut self.carries);
+        carries.end(which, |choice, field| {
+            self.text_line(out, field, choice, "\u{FFFD}");
+        });
+        self.carries = carries;
     }
 
     fn text_line(&mut self, out: &mut impl Sink, field: TextField, choice: i64, text: &str) {
