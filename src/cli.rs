@@ -248,7 +248,8 @@ impl AnnotateArgs {
 /// request head over 64 KiB gets 431. A client connection that sends nothing
 /// within 30 s is closed, as is one whose HTTP/1.1 request head does not
 /// come whole within 30 s of its first bytes (or of its last response's
-/// end). SIGINT or SIGTERM stops accepting connections and lets open
+/// end), or an HTTP/2 one with no request open for 30 s (a GOAWAY; dropped
+/// if still open 30 s later). SIGINT or SIGTERM stops accepting connections and lets open
 /// streams finish for --shutdown-grace, then exits 0.
 ///
 /// The log and the --progress spinners are written to stderr by threads of

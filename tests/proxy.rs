@@ -1270,6 +1270,80 @@ async fn connections_without_a_whole_request_head_in_time_are_closed() {
     assert_eq!(upstream.requests().len(), 1);
 }
 
+/// HTTP/2 connections with no request open are told to close after the
+/// head deadline (300 ms here; 30 s in `serve`), with a GOAWAY: one that
+/// sent the preface and its settings and nothing more (and answers
+/// nothing, so it is dropped a deadline later), and one whose stream has
+/// ended (hyper's client closes it). A stream that runs longer than the deadline is not cut: it
+/// is a request open. (Before, an HTTP/2 connection that had sent its
+/// preface stayed open for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_connections_with_no_request_open_in_time_are_closed() {
+    let frames = frames_of(SINGLE_CALL);
+    let upstream_frames = frames.clone();
+    let upstream = FakeUpstream::start(move |_| {
+        let mut reply = Reply::new(200).header("content-type", "text/event-stream");
+        for frame in &upstream_frames {
+            reply.body.push(Step::Data(frame.clone()));
+            reply.body.push(Step::Sleep(Duration::from_millis(100)));
+        }
+        reply
+    })
+    .await;
+    let proxy = TestProxy::start_with_head_timeout(
+        proxy_config(&upstream.url("")),
+        Duration::from_millis(300),
+    )
+    .await;
+
+    // The preface and an empty SETTINGS frame, then silence.
+    let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    stream.write_all(&hello).await.expect("write");
+    let got = read_until_closed(&mut stream, Duration::from_secs(10))
+        .await
+        .expect("closed within 10 s");
+    let mut kinds = Vec::new();
+    let mut rest = &got[..];
+    while let [a, b, c, kind, ..] = *rest {
+        kinds.push(kind);
+        let len = 9 + usize::from_be_bytes([0, 0, 0, 0, 0, a, b, c]);
+        rest = rest.get(len..).unwrap_or_default();
+    }
+    // SETTINGS (4) is the server's first frame; GOAWAY (7) says to close.
+    assert_eq!(kinds.first(), Some(&4), "{kinds:?}");
+    assert!(kinds.contains(&7), "a GOAWAY before the close: {kinds:?}");
+
+    // A stream of about 1.5 s, five deadlines long, then nothing.
+    let stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    let conn = tokio::spawn(conn);
+    let request = Request::post(format!("http://{}/sse", proxy.addr))
+        .body(full("{}"))
+        .expect("request");
+    let response = tokio::time::timeout(PATIENCE, sender.send_request(request))
+        .await
+        .expect("in time")
+        .expect("response");
+    assert_eq!(response.version(), Version::HTTP_2);
+    let body = tokio::time::timeout(Duration::from_secs(10), response.into_body().collect())
+        .await
+        .expect("in time")
+        .expect("the whole body")
+        .to_bytes();
+    let expected = annotate(&fixture(SINGLE_CALL), Framing::Sse, InjectMode::Field);
+    assert_eq!(body, expected);
+    tokio::time::timeout(Duration::from_secs(10), conn)
+        .await
+        .expect("the idle connection closed within 10 s")
+        .expect("no panic")
+        .expect("closed cleanly");
+}
+
 /// A HEAD of a stream's path, on the session of a stream that runs: its
 /// answer has the stream's type but no body, so it is no stream of its
 /// own. The running stream keeps its session, its progress stays, and

@@ -34,8 +34,11 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::BoxBody;
 use hyper::server::conn::{http1, http2};
-use hyper::service::service_fn;
+use hyper::service::{Service, service_fn};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::net::{TcpListener, TcpStream};
@@ -45,7 +48,7 @@ use tokio::task::JoinSet;
 
 use super::gate::{GatedRead, SocketFull};
 use super::h1::CONN_BUF_BYTES;
-use super::upstream::ProxyBody;
+use super::upstream::{BoxError, ProxyBody};
 
 /// The client a request came from: its address, and whether its
 /// connection's last write found the socket full.
@@ -436,13 +439,106 @@ where
         async move { Ok::<_, Infallible>(response.await) }
     });
     if h2 {
+        // HTTP/2 has no head deadline in hyper: a connection with no
+        // request open for `head_timeout` is told to close (a GOAWAY, and
+        // a PING whose answer confirms it), as hyper closes an idle
+        // HTTP/1.1 one; one still open, idle, as long again (a client
+        // that does not answer) is dropped.
+        let limit = shared.head_timeout;
+        let (open, quiet) = watch::channel(0usize);
+        let dead = open.subscribe();
+        let open = Arc::new(open);
+        let service = service_fn(move |req| {
+            let held = StreamOpen::new(&open);
+            let response = service.call(req);
+            async move {
+                let response = response.await?;
+                Ok::<_, Infallible>(
+                    response.map(|body| BoxBody::new(HeldOpen { body, _held: held })),
+                )
+            }
+        });
         let conn = shared.http2.serve_connection(TokioIo::new(io), service);
-        watcher.watch(conn).await?;
+        tokio::select! {
+            done = watcher.watch(conn, quiet_for(quiet, limit)) => done?,
+            () = quiet_for(dead, 2 * limit) => {
+                return Err(format!(
+                    "no request on the HTTP/2 connection within {:?}, nor its close after a GOAWAY",
+                    2 * limit
+                )
+                .into());
+            }
+        }
     } else {
         let conn = shared.http1.serve_connection(TokioIo::new(io), service);
-        watcher.watch(conn).await?;
+        watcher.watch(conn, std::future::pending()).await?;
     }
     Ok(())
+}
+
+/// One request open on an HTTP/2 connection, counted in the connection's
+/// channel while it lives: from its head until its response body is done
+/// or dropped.
+struct StreamOpen(Arc<watch::Sender<usize>>);
+
+impl StreamOpen {
+    fn new(open: &Arc<watch::Sender<usize>>) -> StreamOpen {
+        open.send_modify(|n| *n += 1);
+        StreamOpen(Arc::clone(open))
+    }
+}
+
+impl Drop for StreamOpen {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// A response body that keeps its request counted as open.
+struct HeldOpen {
+    body: ProxyBody,
+    // Dropped with the body.
+    _held: StreamOpen,
+}
+
+impl Body for HeldOpen {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Resolves once the count of open requests `open` has stayed at zero
+/// for `limit`.
+async fn quiet_for(mut open: watch::Receiver<usize>, limit: Duration) {
+    loop {
+        // Err: the count's sender, the connection's service, is gone, and
+        // the connection with it.
+        if open.wait_for(|n| *n == 0).await.is_err() {
+            return std::future::pending().await;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(limit) => return,
+            changed = open.changed() => {
+                if changed.is_err() {
+                    return std::future::pending().await;
+                }
+            }
+        }
+    }
 }
 
 /// The next connection from `listener`, accepted once loop `me` is among
@@ -529,13 +625,18 @@ impl DrainWatcher {
         let _ = self.rx.changed().await;
     }
 
-    /// Runs `conn`, shut down gracefully once the drain starts; the
-    /// receiver is held until `conn` is done, so that the drain waits
-    /// for it.
-    fn watch<C: GracefulConnection>(self, conn: C) -> Watched<C, impl Future<Output = ()>> {
+    /// Runs `conn`, shut down gracefully once the drain starts or `idle`
+    /// resolves; the receiver is held until `conn` is done, so that the
+    /// drain waits for it.
+    fn watch<C: GracefulConnection, I: Future<Output = ()>>(
+        self,
+        conn: C,
+        idle: I,
+    ) -> Watched<C, impl Future<Output = ()>, I> {
         let DrainWatcher { mut rx, started } = self;
         Watched {
             conn,
+            idle,
             // Polled once, to register; it holds the receiver until the
             // connection is done.
             signal: async move {
@@ -550,12 +651,15 @@ impl DrainWatcher {
 }
 
 pin_project_lite::pin_project! {
-    /// A connection and its shutdown signal ([`DrainWatcher::watch`]).
-    struct Watched<C, S> {
+    /// A connection and its shutdown signals ([`DrainWatcher::watch`]).
+    struct Watched<C, S, I> {
         #[pin]
         conn: C,
         #[pin]
         signal: S,
+        // Resolves when the connection has been idle too long.
+        #[pin]
+        idle: I,
         started: Arc<AtomicBool>,
         // The signal was polled, and holds the task's waker.
         registered: bool,
@@ -564,13 +668,15 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<C: GracefulConnection, S: Future<Output = ()>> Future for Watched<C, S> {
+impl<C: GracefulConnection, S: Future<Output = ()>, I: Future<Output = ()>> Future
+    for Watched<C, S, I>
+{
     type Output = C::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
         let mut this = self.project();
         if !*this.shut {
-            if this.started.load(Ordering::Acquire) {
+            if this.started.load(Ordering::Acquire) || this.idle.as_mut().poll(cx).is_ready() {
                 *this.shut = true;
                 this.conn.as_mut().graceful_shutdown();
             } else if !*this.registered {
