@@ -5,9 +5,9 @@
 # over a soak; instruction counts; criterion micro-benchmarks). See
 # BENCHMARKS.md for the method and the latest results.
 #
-#   scripts/bench.sh                      # the full suite (~12 min of machine time after the builds,
-#                                         # which include scripts/pgo.sh's)
-#   scripts/bench.sh --soak-seconds 600   # ... with the 10-minute soak
+#   scripts/bench.sh                      # the full suite, with the 10-minute soak (~23 min of
+#                                         # machine time after the builds, which include scripts/pgo.sh's)
+#   scripts/bench.sh --soak-seconds 120   # ... with a 2-minute soak, which is not judged
 #   scripts/bench.sh --smoke              # seconds: tiny sizes, C=1/4, proves it works
 #
 # Other options are passed to scripts/bench/run.py: --reps N, --mb N,

@@ -10,7 +10,11 @@ Three kinds, each one stream of at least --mb megabytes (10^6 bytes):
   text    OpenAI-style SSE, text-heavy: content deltas of a few words, a small
           tool call in one turn out of ten, a usage chunk per turn.
   ollama  Ollama /api/chat NDJSON: thinking and content lines, tool calls whole
-          (arguments as a JSON object), one `done: true` line at the end.
+          (arguments as a JSON object), one `done: true` line at the end. Every
+          Ollama call is a call of its own, so a capture has at most
+          OLLAMA_CALLS of them, under `annotate`'s limit of 1,024 calls a
+          stream (past it, a call is passed on without progress, while the
+          jq and Python baselines would go on counting: not the same job).
 
 The chunk shape copies fixtures/openai/*.sse and fixtures/ollama/*.ndjson. A
 capture is one stream: `[DONE]` (or Ollama's `done: true`) comes only at the
@@ -252,10 +256,19 @@ def ollama_args(rng):
     }
 
 
+# The most tool calls in one Ollama capture (see the module's docs).
+OLLAMA_CALLS = 1000
+
+
 def gen_ollama(out, target_bytes, seed):
     rng = random.Random(seed)
     w = SseWriter(out)
     ms = 0
+    # Half of the turns call tools, as long as the calls' expected number
+    # (1.75 a turn, about 60 KB a turn) stays under OLLAMA_CALLS; fewer in
+    # a larger capture.
+    call_rate = min(0.5, 0.9 * OLLAMA_CALLS / 1.75 / (target_bytes / 60e3))
+    calls_made = 0
 
     def stamp():
         s = ms // 1000
@@ -272,9 +285,11 @@ def gen_ollama(out, target_bytes, seed):
                 else:
                     msg = '{"role":"assistant","content":' + text + "}"
                 w.line(head + stamp() + '","message":' + msg + ',"done":false}')
-        if rng.random() < 0.5:
+        k = rng.choice([1, 1, 2, 3])
+        if rng.random() < call_rate and calls_made + k <= OLLAMA_CALLS:
+            calls_made += k
             calls = []
-            for i in range(rng.choice([1, 1, 2, 3])):
+            for i in range(k):
                 calls.append(
                     {
                         "id": "call_" + rand_id(rng, 8).lower(),
