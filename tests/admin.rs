@@ -84,13 +84,17 @@ async fn send(
 async fn json(method: &str, url: &str, body: &str) -> (u16, Value) {
     let response = send(method, url, body, &[("content-type", "application/json")]).await;
     let status = response.status().as_u16();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let bytes = whole(response.into_body()).await;
     (status, serde_json::from_slice(&bytes).expect("JSON body"))
+}
+
+/// All of `body`, failing the test on a hang (60 s) or an error.
+async fn whole(body: Incoming) -> Bytes {
+    tokio::time::timeout(Duration::from_secs(60), body.collect())
+        .await
+        .expect("the body ends within 60 s")
+        .expect("body")
+        .to_bytes()
 }
 
 /// Starts the `parallel_tool_calls` stream in session `session`; the task
@@ -98,12 +102,8 @@ async fn json(method: &str, url: &str, body: &str) -> (u16, Value) {
 fn chat(base: &str, session: &str) -> tokio::task::JoinHandle<Vec<u8>> {
     let (base, session) = (base.to_owned(), session.to_owned());
     tokio::spawn(async move {
-        chat_body(&base, &session, "parallel_tool_calls")
+        whole(chat_body(&base, &session, "parallel_tool_calls").await)
             .await
-            .collect()
-            .await
-            .expect("stream")
-            .to_bytes()
             .to_vec()
     })
 }
@@ -326,12 +326,7 @@ async fn a_late_subscriber_resumes_mid_call() {
 async fn a_subscriber_that_comes_mid_text_hears_the_rest() {
     const TEXT: &str = "Let me check the forecast for you.";
     let run = start(Duration::from_millis(150)).await;
-    let unwatched = chat_body(&run.proxy, "alone", "text_then_tool")
-        .await
-        .collect()
-        .await
-        .expect("stream")
-        .to_bytes();
+    let unwatched = whole(chat_body(&run.proxy, "alone", "text_then_tool").await).await;
     let mut body = chat_body(&run.proxy, "mid", "text_then_tool").await;
     let mut streamed = Vec::new();
     // Subscribe once the text has begun to flow through the proxy.
@@ -348,7 +343,7 @@ async fn a_subscriber_that_comes_mid_text_hears_the_rest() {
     }
     let mut frames = Frames::open(&run.proxy, "mid").await;
     assert_eq!(frames.next().await["type"], "stream_resume");
-    let rest = tokio::spawn(async move { body.collect().await.expect("stream").to_bytes() });
+    let rest = tokio::spawn(whole(body));
     let seen = frames.until(|f| f["done"] == true).await;
     streamed.extend_from_slice(&rest.await.expect("stream task"));
     let heard: String = seen
@@ -381,32 +376,6 @@ async fn chat_body(base: &str, session: &str, model: &str) -> Incoming {
     )
     .await
     .into_body()
-}
-
-/// A subscriber that reads nothing does not slow the stream: the chat
-/// stream completes at the upstream's pace while it stalls.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_subscriber_never_slows_the_stream() {
-    let run = start(Duration::ZERO).await;
-    let stalled = send(
-        "GET",
-        &format!("{}/_aalis/sessions/busy/events", run.proxy),
-        "",
-        &[],
-    )
-    .await;
-    assert_eq!(stalled.status(), 200);
-    let started = Instant::now();
-    for _ in 0..20 {
-        let body = chat(&run.proxy, "busy").await.expect("stream");
-        assert!(String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"));
-    }
-    assert!(
-        started.elapsed() < PATIENCE,
-        "20 streams took {:?}",
-        started.elapsed()
-    );
-    drop(stalled);
 }
 
 /// tool-execute with phase start clears the session's tools and tells
@@ -481,12 +450,7 @@ async fn a_wrong_method_gets_405_with_allow_and_head_is_served() {
     for path in ["/_aalis/", "/_aalis/sessions/s1", "/_aalis/metrics"] {
         let response = send("HEAD", &format!("{}{path}", run.proxy), "", &[]).await;
         assert_eq!(response.status(), 200, "HEAD {path}");
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
+        let body = whole(response.into_body()).await;
         assert!(body.is_empty(), "HEAD {path}");
     }
     let (status, answer) = json("GET", &format!("{}/_aalis/nope", run.proxy), "").await;
@@ -586,7 +550,7 @@ async fn the_page_and_the_metrics() {
             .and_then(|v| v.to_str().ok()),
         Some("text/html; charset=utf-8")
     );
-    let html = page.into_body().collect().await.expect("page").to_bytes();
+    let html = whole(page.into_body()).await;
     let html = String::from_utf8_lossy(&html);
     assert!(html.contains("EventSource") && html.contains("/_aalis/events"));
     assert!(
@@ -596,12 +560,7 @@ async fn the_page_and_the_metrics() {
 
     let metrics = send("GET", &format!("{}/_aalis/metrics", run.proxy), "", &[]).await;
     assert_eq!(metrics.status(), 200);
-    let text = metrics
-        .into_body()
-        .collect()
-        .await
-        .expect("metrics")
-        .to_bytes();
+    let text = whole(metrics.into_body()).await;
     let text = String::from_utf8_lossy(&text);
     for line in [
         "aalis_streams_total 1",
@@ -647,17 +606,18 @@ async fn shutdown_ends_subscriptions_at_once() {
     assert_eq!(frames.next().await["type"], "stream_resume");
     let asked = Instant::now();
     let _ = stop.send(());
-    // The subscription ends (the body finishes) and the server returns,
-    // long before the 10 s grace period.
-    let end = tokio::time::timeout(Duration::from_secs(3), frames.body.frame())
+    // The subscription ends (the body finishes) and the server returns
+    // before the 10 s grace period is over (the bound leaves a loaded
+    // machine 8 s for what takes milliseconds).
+    let in_time = Duration::from_secs(8);
+    let end = tokio::time::timeout(in_time, frames.body.frame())
         .await
         .expect("the events stream ends in time");
     assert!(end.is_none(), "{end:?}");
-    tokio::time::timeout(Duration::from_secs(3), server)
+    tokio::time::timeout(in_time.saturating_sub(asked.elapsed()), server)
         .await
-        .expect("serve returns in time")
+        .expect("serve returns before the grace period is over")
         .expect("serve task");
-    assert!(asked.elapsed() < Duration::from_secs(3));
 }
 
 /// The status page's one connection: `/_aalis/events` starts with a
@@ -691,9 +651,13 @@ async fn one_stream_carries_every_session() {
     b.await.expect("second");
 }
 
-/// A subscriber too slow to keep up is not buffered for: when it reads
-/// again it is sent a fresh snapshot (a second `stream_resume`) instead of
-/// the frames it missed.
+/// A subscriber too slow to keep up is not buffered for, and does not hold
+/// the stream back: the stream, far more frames than the subscriber's
+/// backlog and the sockets between hold, comes whole while the subscriber
+/// reads nothing. When it reads again it is sent a fresh snapshot (a second
+/// `stream_resume`) instead of the frames it missed. (This replaces a test
+/// of 20 short streams past a stalled subscriber, whose frames all fit in
+/// the buffers: it passed whether or not a stall held the stream back.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lagging_subscriber_starts_again_from_a_snapshot() {
     // One tool call in 60,000 one-character deltas: more frames than the

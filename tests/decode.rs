@@ -169,8 +169,11 @@ fn without_surrogate_escapes(json: &str) -> String {
 /// and differs from the original only by the added keys.
 #[test]
 fn field_injection_keeps_json_valid() {
+    // What was checked, over all fixtures: none would be a pass on nothing.
+    let (mut insertions, mut events) = (0, 0);
     for (name, input) in fixtures() {
         let run = run_whole(&config(OutputFormat::Sse, InjectMode::Field), &input);
+        insertions += run.inserted.len();
         for (at, bytes) in &run.inserted {
             // The insertion sits just before a closing brace of the input
             // and adds top-level keys only.
@@ -207,6 +210,7 @@ fn field_injection_keeps_json_valid() {
                 progress["index"].is_u64() && progress["charsAccumulated"].is_u64(),
                 "{name}: {data}"
             );
+            events += 1;
             if let Some(all) = value.get("toolCallsProgress") {
                 assert_eq!(
                     all.as_array().and_then(|a| a.last()),
@@ -216,6 +220,12 @@ fn field_injection_keeps_json_valid() {
             }
         }
     }
+    // Each annotated event carries one insertion (two keys at most in one).
+    assert!(events >= 100, "{events} annotated events checked");
+    assert!(
+        insertions >= events,
+        "{insertions} insertions, {events} events"
+    );
 }
 
 #[test]

@@ -443,6 +443,8 @@ impl RawUpstream {
             let mut n = 0;
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
+                    // Out of descriptors, say: wait rather than spin.
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                     continue;
                 };
                 let _ = stream.set_nodelay(true);

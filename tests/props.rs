@@ -19,7 +19,6 @@ use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::Framing;
 use aalis_proxy::framing::ndjson::NdjsonDecoder;
 use aalis_proxy::framing::sse::{SseBlockKind, SseDecoder};
-use aalis_proxy::js::utf16_len;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
 use aalis_proxy::progress::{ProgressEntry, StreamPhase, ToolCall};
 use common::*;
@@ -240,7 +239,9 @@ proptest! {
             prop_assert_eq!(p["name"].as_str(), Some(names[e.index as usize].as_str()));
             prop_assert_eq!(
                 p["charsAccumulated"].as_u64(),
-                Some(utf16_len(&expected_args[e.index as usize]) as u64)
+                // JavaScript's String.length, counted here by the standard
+                // library rather than by the crate's own `utf16_len`.
+                Some(expected_args[e.index as usize].encode_utf16().count() as u64)
             );
         }
         let done = lines.last().expect("a done line");

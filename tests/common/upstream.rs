@@ -193,6 +193,8 @@ impl FakeUpstream {
         let accept_task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
+                    // Out of descriptors, say: wait rather than spin.
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
