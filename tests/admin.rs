@@ -699,7 +699,8 @@ async fn a_lagging_subscriber_starts_again_from_a_snapshot() {
 
 /// A stream that stops in the middle of a tool call (no finish, no
 /// `[DONE]`: an upstream cut, or one that just ends) clears the session,
-/// and its subscribers are told so, with reason `stream_end`. Before,
+/// and its subscribers are told so, with reason `stream_end`, and then
+/// `done`. Before,
 /// they got no clear, and the status page kept the tool's card for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_stops_mid_call_tells_subscribers_it_cleared() {
@@ -731,6 +732,8 @@ async fn a_stream_that_stops_mid_call_tells_subscribers_it_cleared() {
         seen.last().map(|f| f["reason"].clone()),
         Some("stream_end".into())
     );
+    // With no `[DONE]` to say so, the end itself is the stream's `done`.
+    assert_eq!(frames.next().await["done"], true);
     assert!(run.sessions.snapshot("cut").is_empty());
 }
 

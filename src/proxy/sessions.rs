@@ -273,6 +273,8 @@ pub struct StreamHandle {
     /// The calls that ended since the last publish, taken from the
     /// tracker for the spinners ([`keep_ended_calls`](Self::keep_ended_calls)).
     ended: Vec<EndedCall>,
+    /// The stream's `done` was published; if not, its end publishes one.
+    done: bool,
 }
 
 /// A live subscription to one session.
@@ -322,6 +324,13 @@ impl SessionRegistry {
         session.generation = generation;
         session.streaming = true;
         session.last_active = Instant::now();
+        if Arc::strong_count(&session.flags) > 1 {
+            // An older stream of the session is still open: it keeps the
+            // flags it has, which nothing sets any more (shared, it took
+            // the new stream's `cleared`, and the new one kept its calls).
+            session.flags.listened.store(false, Ordering::Relaxed);
+            session.flags = Arc::new(Flags::default());
+        }
         session
             .flags
             .listened
@@ -347,6 +356,7 @@ impl SessionRegistry {
             published: 0,
             failed: false,
             ended: Vec::new(),
+            done: false,
         }
     }
 
@@ -620,6 +630,24 @@ impl StreamHandle {
             return;
         }
         session.last_active = now;
+        self.done |= events.iter().any(|e| matches!(e, StreamEvent::Done));
+        // A tool-execute clear came after the reads published here (had a
+        // read come after it, it would have taken the flag first): what
+        // they brought of the calls was over before it is published. Their
+        // calls go (the clear ended their spinners), and so do their
+        // progress frames, which would bring the cleared cards back.
+        let stale = self.flags.cleared.load(Ordering::Relaxed)
+            && self.flags.cleared.swap(false, Ordering::Relaxed);
+        if stale {
+            tracker.tool_execution_started_elsewhere();
+            self.published = tracker.changes();
+            self.ended.clear();
+            session.progress.clear();
+        }
+        let changed = changed && !stale;
+        let events = events
+            .iter()
+            .filter(|e| !(stale && matches!(e, StreamEvent::Progress(_))));
         if changed {
             // The session's progress is this stream's snapshot of
             // `taken_at`: only the stream of the session's generation
@@ -666,7 +694,10 @@ impl StreamHandle {
 }
 
 /// The stream ended, failed or was cancelled: its progress is cleared
-/// (SPEC.md: the end or failure of the stream clears it).
+/// (SPEC.md: the end or failure of the stream clears it), and subscribers
+/// are told it is `done` if no frame of it said so (a stream that just
+/// stops, fails or is cancelled has no `[DONE]`), as `annotate --format
+/// messages` ends every stream with a `done` line.
 impl Drop for StreamHandle {
     fn drop(&mut self) {
         let mut state = self.registry.lock();
@@ -685,6 +716,13 @@ impl Drop for StreamHandle {
                 all,
                 session,
                 clear_frame(&self.session_id, ClearReason::StreamEnd),
+            );
+        }
+        if !self.done && session.listening(all) {
+            send(
+                all,
+                session,
+                event_frame(&self.session_id, &StreamEvent::Done),
             );
         }
         if session.unused() {

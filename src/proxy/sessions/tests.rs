@@ -280,6 +280,91 @@ fn tool_execution_clears_and_tells_subscribers() {
     );
 }
 
+/// A `tool-execute` clear is taken by the stream that owns the session,
+/// not by an older one of the session still open. (Before, the two shared
+/// the flag: the older stream took it and could publish nothing, and the
+/// owner's next publish brought every cleared call back.)
+#[test]
+fn a_clear_is_taken_by_the_stream_that_owns_the_session() {
+    let registry = SessionRegistry::new();
+    let old = registry.begin_stream("s1");
+    let mut new = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "a", "x"), (1, "b", "")], 1);
+    new.publish(&mut tracker, &[]);
+    assert_eq!(registry.tool_execution_started("s1"), 2);
+    assert!(!old.take_cleared(), "the older stream took the clear");
+    assert!(new.take_cleared());
+    // What the body does then, before its next read, and that read.
+    tracker.tool_execution_started_elsewhere();
+    tracker.apply(&delta(1, "b", "yz"), 2);
+    new.publish(&mut tracker, &[]);
+    let now: Vec<_> = registry
+        .snapshot("s1")
+        .into_iter()
+        .map(|p| (p.index, p.chars_accumulated, p.started_at_ms))
+        .collect();
+    assert_eq!(now, [(1, 2, 2)], "only what came after the clear");
+}
+
+/// A `tool-execute` clear that comes after a read and before its publish:
+/// the calls that read brought were over before they were published, so
+/// the publish brings back neither the cleared cards nor their progress
+/// frames. (Before, both came back, and no clear followed them.)
+#[test]
+fn a_clear_between_a_read_and_its_publish_is_not_undone() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "a", "x")], 1);
+    stream.publish(&mut tracker, &[]);
+    let mut sub = registry.subscribe("s1");
+    // A read: the call grows.
+    tracker.apply(&delta(0, "a", "yz"), 2);
+    let read = [progress_event(0, "a", 3, 1)];
+    registry.tool_execution_started("s1");
+    stream.publish(&mut tracker, &read);
+    assert!(registry.snapshot("s1").is_empty());
+    assert_eq!(
+        received_untimed(&mut sub),
+        [r#"{"type":"tool_call_progress_clear","sessionId":"s1","reason":"tool_execute"}"#]
+    );
+    assert!(!stream.take_cleared(), "taken by the publish");
+    // The stream goes on: a new call is shown.
+    tracker.apply(&delta(1, "b", "q"), 3);
+    stream.publish(&mut tracker, &[progress_event(1, "b", 1, 3)]);
+    assert_eq!(registry.snapshot("s1").len(), 1);
+}
+
+/// A stream that ends without a `done` of its own (no `[DONE]`: cut,
+/// failed, cancelled, or one that just stops) tells its subscribers
+/// `done` after its clear; one whose `done` was published tells them
+/// once. (Before, the subscribers heard no end.)
+#[test]
+fn every_stream_end_tells_subscribers_done_once() {
+    let registry = SessionRegistry::new();
+    let mut stream = registry.begin_stream("s1");
+    let mut sub = registry.subscribe("s1");
+    let mut tracker = tracker_with(&[(0, "a", "x")], 1);
+    stream.publish(&mut tracker, &[progress_event(0, "a", 1, 1)]);
+    drop(stream);
+    let frames = received_untimed(&mut sub);
+    assert_eq!(
+        &frames[1..],
+        [
+            r#"{"type":"tool_call_progress_clear","sessionId":"s1","reason":"stream_end"}"#,
+            r#"{"sessionId":"s1","done":true}"#,
+        ],
+        "{frames:?}"
+    );
+
+    let mut stream = registry.begin_stream("s1");
+    stream.publish(&mut ToolCallTracker::new(true), &[StreamEvent::Done]);
+    drop(stream);
+    assert_eq!(
+        received_untimed(&mut sub),
+        [r#"{"sessionId":"s1","done":true}"#]
+    );
+}
+
 #[test]
 fn idle_sessions_expire_and_used_ones_do_not() {
     let registry = SessionRegistry::new();
@@ -409,6 +494,9 @@ fn the_spinners_are_told_in_the_registrys_order() {
     let mut other = registry.begin_stream("s2");
     other.publish(&mut tracker_with(&[(0, "get_time", "")], 2), &[]);
     assert_eq!(registry.tool_execution_started("s2"), 1);
+    // The stream takes the clear before its next read, as the body does;
+    // what it reads after is new.
+    assert!(other.take_cleared());
     // Two deltas: a tracker's change count must differ from the last one
     // published for the stream to publish again.
     other.publish(
@@ -496,6 +584,7 @@ fn a_tool_execute_clear_ends_each_tool_once() {
     let (mut stream, mut tracker) = get_weather_drawn(&registry);
     registry.tool_execution_started("s1");
     // What the body does before its next read, then that read: text.
+    assert!(stream.take_cleared());
     tracker.tool_execution_started_elsewhere();
     stream.publish(&mut tracker, &[]);
     tracker.text(StreamPhase::Answering);
