@@ -389,13 +389,10 @@ impl Body for TapBody {
                         .collect_events(this.session.as_ref().is_some_and(StreamHandle::listened));
                     // A tool started executing (`tool:execute`): the calls
                     // in progress are over, here as in the session (whose
-                    // clear ended their spinners).
-                    if this
-                        .session
-                        .as_ref()
-                        .is_some_and(StreamHandle::take_cleared)
-                    {
-                        annotator.tracker_mut().tool_execution_started_elsewhere();
+                    // clear ended their spinners); or the session came
+                    // back to this stream.
+                    if let Some(session) = this.session.as_mut() {
+                        session.before_read(annotator.tracker_mut());
                     }
                     annotator.push(&data, Now::Clock(unix_ms), this.out.room_for(data.len()));
                     log_warnings(annotator, this.log);

@@ -6,7 +6,11 @@
 //! calls (the snapshot a reconnecting UI resumes from) and its increments
 //! (what live subscribers of `/_aalis/sessions/{id}/events` receive). A new
 //! streamed request of the session starts a new *generation*: it clears
-//! what the previous one left, and the older stream can no longer publish.
+//! what the previous one left, and the older stream can no longer publish
+//! while the new one is open. If the new one ends first, the session goes
+//! back to the older one, which publishes all its calls again at its next
+//! read (a chat's side request, a title say, sent with the chat's session
+//! while its answer streams, took the answer's progress for good before).
 //!
 //! Subscribers get the snapshot and a `broadcast` receiver under one lock,
 //! so they lose nothing after their snapshot and see nothing twice. A
@@ -65,6 +69,11 @@ struct Session {
     frames: Option<broadcast::Sender<Frame>>,
     /// What its stream reads without the lock, shared with it.
     flags: Arc<Flags>,
+    /// Streams of the session still open that a newer one superseded,
+    /// oldest first, with their flags: when the owner ends, the last of
+    /// them takes the session back. Empty (no allocation) but for
+    /// sessions with streams at once.
+    superseded: Vec<(u64, Arc<Flags>)>,
 }
 
 /// A session's flags its stream reads without the registry's lock, in one
@@ -84,6 +93,10 @@ struct Flags {
     /// too (else its next publish, a snapshot of its calls, would bring the
     /// cleared ones back).
     cleared: AtomicBool,
+    /// Set when the session came back to this stream (the newer stream
+    /// that superseded it ended); taken by the stream before its next
+    /// read, whose publish then sends all its calls.
+    regained: AtomicBool,
 }
 
 impl Session {
@@ -95,6 +108,7 @@ impl Session {
             last_active: Instant::now(),
             frames: None,
             flags: Arc::new(Flags::default()),
+            superseded: Vec::new(),
         }
     }
 
@@ -111,7 +125,8 @@ impl Session {
         all.receiver_count() > 0 || self.subscribers() > 0
     }
 
-    /// Nothing uses it any more.
+    /// Nothing uses it any more (a superseded stream is open only while
+    /// the owner is: it counts as `streaming`).
     fn unused(&self) -> bool {
         !self.streaming && self.subscribers() == 0
     }
@@ -275,6 +290,9 @@ pub struct StreamHandle {
     ended: Vec<EndedCall>,
     /// The stream's `done` was published; if not, its end publishes one.
     done: bool,
+    /// The session came back to this stream ([`before_read`](Self::before_read)):
+    /// its next publish sends subscribers a fresh snapshot.
+    regained: bool,
 }
 
 /// A live subscription to one session.
@@ -321,16 +339,18 @@ impl SessionRegistry {
         let generation = state.next_generation;
         let State { sessions, all, .. } = &mut *state;
         let (slot, session) = sessions.get_or_insert(session_id);
+        if session.streaming {
+            // The owner is still open: it waits, superseded, with flags of
+            // its own (shared, it took the new stream's `cleared`, and the
+            // new one kept its calls), to take the session back if the new
+            // stream ends first.
+            session.flags.listened.store(false, Ordering::Relaxed);
+            let flags = std::mem::replace(&mut session.flags, Arc::new(Flags::default()));
+            session.superseded.push((session.generation, flags));
+        }
         session.generation = generation;
         session.streaming = true;
         session.last_active = Instant::now();
-        if Arc::strong_count(&session.flags) > 1 {
-            // An older stream of the session is still open: it keeps the
-            // flags it has, which nothing sets any more (shared, it took
-            // the new stream's `cleared`, and the new one kept its calls).
-            session.flags.listened.store(false, Ordering::Relaxed);
-            session.flags = Arc::new(Flags::default());
-        }
         session
             .flags
             .listened
@@ -357,6 +377,7 @@ impl SessionRegistry {
             failed: false,
             ended: Vec::new(),
             done: false,
+            regained: false,
         }
     }
 
@@ -561,6 +582,27 @@ impl StreamHandle {
             && self.flags.cleared.swap(false, Ordering::Relaxed)
     }
 
+    /// What the stream does before each read: a tool-execute clear
+    /// ([`take_cleared`](Self::take_cleared)) ends `tracker`'s calls in
+    /// progress, and a session given back to this stream (the newer one
+    /// that had taken it ended) makes the next publish send all its calls,
+    /// and its subscribers a fresh snapshot. Two loads, without a lock.
+    #[inline]
+    pub fn before_read(&mut self, tracker: &mut ToolCallTracker) {
+        if self.take_cleared() {
+            tracker.tool_execution_started_elsewhere();
+        }
+        if self.flags.regained.load(Ordering::Relaxed)
+            && self.flags.regained.swap(false, Ordering::Relaxed)
+        {
+            // A count the tracker never has: the next publish finds its
+            // calls changed, and the session's progress (emptied) is taken
+            // whole.
+            self.published = u64::MAX;
+            self.regained = true;
+        }
+    }
+
     /// Called once, before the stream's first read: when the proxy draws
     /// spinners, `tracker` keeps the calls whose progress ends
     /// ([`ToolCallTracker::keep_ended`]), so that each publish ends them
@@ -645,6 +687,9 @@ impl StreamHandle {
             session.progress.clear();
         }
         let changed = changed && !stale;
+        // Given back, the subscribers hear all the stream's calls: they
+        // were told the newer stream's clear.
+        let missed = missed || std::mem::take(&mut self.regained);
         let events = events
             .iter()
             .filter(|e| !(stale && matches!(e, StreamEvent::Progress(_))));
@@ -706,9 +751,11 @@ impl Drop for StreamHandle {
             return;
         };
         if session.generation != self.generation {
+            // Superseded (or gone, its slot another session's): it only
+            // leaves the queue of those that may take the session back.
+            session.superseded.retain(|(g, _)| *g != self.generation);
             return;
         }
-        session.streaming = false;
         session.last_active = Instant::now();
         if !session.progress.is_empty() {
             session.progress.clear();
@@ -724,6 +771,19 @@ impl Drop for StreamHandle {
                 session,
                 event_frame(&self.session_id, &StreamEvent::Done),
             );
+        }
+        match session.superseded.pop() {
+            // An older stream of the session is still open: it takes the
+            // session back.
+            Some((generation, flags)) => {
+                session.generation = generation;
+                flags
+                    .listened
+                    .store(session.listening(all), Ordering::Relaxed);
+                flags.regained.store(true, Ordering::Relaxed);
+                session.flags = flags;
+            }
+            None => session.streaming = false,
         }
         if session.unused() {
             sessions.remove(&self.session_id);

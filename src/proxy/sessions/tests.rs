@@ -122,8 +122,10 @@ fn a_new_request_clears_and_the_old_stream_cannot_overwrite() {
 fn a_stale_stream_cannot_touch_the_session_that_took_its_slot() {
     let registry = SessionRegistry::new();
     let mut old = registry.begin_stream("s1");
-    let new = registry.begin_stream("s1");
-    drop(new);
+    // Forced: a session is kept while any stream of it is open (a newer
+    // stream's end gives it back to the older one), so the slot of a live
+    // stream is not freed; the generation still guards it if it ever is.
+    registry.lock().sessions.remove("s1");
     assert!(registry.is_empty(), "s1 is forgotten: its slot is free");
     // Another session takes the freed slot, first with a stream of its
     // own, then only subscribed to; the old stream of s1 still names it.
@@ -363,6 +365,65 @@ fn every_stream_end_tells_subscribers_done_once() {
         received_untimed(&mut sub),
         [r#"{"sessionId":"s1","done":true}"#]
     );
+}
+
+/// Two streams of one session at once: the newer one owns the session
+/// while it is open; when it ends first, the session goes back to the
+/// older one, whose next read publishes all its calls (their first
+/// `startedAt` kept) and sends subscribers a fresh snapshot. (Before, the
+/// older stream, still streaming its tool call, could publish nothing more:
+/// the session stayed empty.)
+#[test]
+fn a_session_goes_back_to_the_older_stream_when_the_newer_ends_first() {
+    let registry = SessionRegistry::new();
+    let mut old = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "write_file", "abc")], 1);
+    old.publish(&mut tracker, &[]);
+    let new = registry.begin_stream("s1");
+    assert!(registry.snapshot("s1").is_empty(), "the new request clears");
+    let mut sub = registry.subscribe("s1");
+    drop(new);
+    assert_eq!(
+        received_untimed(&mut sub),
+        [r#"{"sessionId":"s1","done":true}"#]
+    );
+    // The older stream's next read.
+    old.before_read(&mut tracker);
+    tracker.apply(&delta(0, "write_file", "d"), 2);
+    old.publish(&mut tracker, &[progress_event(0, "write_file", 4, 1)]);
+    let now: Vec<_> = registry
+        .snapshot("s1")
+        .into_iter()
+        .map(|p| (p.index, p.chars_accumulated, p.started_at_ms))
+        .collect();
+    assert_eq!(now, [(0, 4, 1)]);
+    assert_eq!(
+        received_untimed(&mut sub),
+        [
+            r#"{"sessionId":"s1","toolCallProgress":{"index":0,"name":"write_file","charsAccumulated":4,"startedAt":1}}"#,
+            r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"write_file","charsAccumulated":4,"startedAt":1}]}"#,
+        ]
+    );
+    drop(old);
+    assert!(registry.snapshot("s1").is_empty(), "its end clears");
+    drop(sub);
+    registry.release("s1");
+    assert!(registry.is_empty());
+}
+
+/// An older stream of a session that ends while a newer one owns it
+/// changes nothing: the newer keeps the session, and the session is
+/// forgotten once that one ends too.
+#[test]
+fn a_superseded_stream_that_ends_leaves_the_owner_alone() {
+    let registry = SessionRegistry::new();
+    let old = registry.begin_stream("s1");
+    let mut new = registry.begin_stream("s1");
+    new.publish(&mut tracker_with(&[(0, "a", "x")], 1), &[]);
+    drop(old);
+    assert_eq!(registry.snapshot("s1").len(), 1);
+    drop(new);
+    assert!(registry.is_empty());
 }
 
 #[test]
