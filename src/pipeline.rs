@@ -609,6 +609,17 @@ impl Annotator {
         }
     }
 
+    /// Drops the progress increments collected so far, keeping the rest
+    /// (text, `done`, clears): their calls were cleared before they could
+    /// be published (`serve`'s `tool-execute`, taken between two reads of
+    /// one publish).
+    pub fn drop_progress_events(&mut self) {
+        self.state
+            .events
+            .events
+            .retain(|e| !matches!(e, StreamEvent::Progress(_)));
+    }
+
     fn start(&mut self, framing: Framing) {
         let state = &mut self.state;
         self.framer = match framing {

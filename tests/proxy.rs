@@ -2201,7 +2201,7 @@ async fn a_client_that_reads_nothing_stops_the_upstream() {
     let (after_1s, after_1_5s) = loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let now = upstream.bytes_written();
-        if now > 0 && now - before <= event.len() as u64 {
+        if before > 0 && now - before <= event.len() as u64 {
             break (before, now);
         }
         assert!(

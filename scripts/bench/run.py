@@ -40,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 # What each mode runs. Sizes in MB (10^6 bytes).
 MODES = {
     "full": dict(
-        mb=200, reps=3, proxy_reps=5, profile_mb=8, sample_mb=2,
+        mb=200, reps=3, proxy_reps=6, profile_mb=8, sample_mb=2,
         paced_events=200, paced_samples=1000, delay_us=5000, unpaced_total_events=200_000,
         concurrency=[1, 16, 64, 256], idle_streams=1000,
         soak_concurrency=16, criterion=True, callgrind=True,

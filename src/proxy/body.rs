@@ -391,8 +391,12 @@ impl Body for TapBody {
                     // in progress are over, here as in the session (whose
                     // clear ended their spinners); or the session came
                     // back to this stream.
-                    if let Some(session) = this.session.as_mut() {
-                        session.before_read(annotator.tracker_mut());
+                    if let Some(session) = this.session.as_mut()
+                        && session.before_read(annotator.tracker_mut())
+                    {
+                        // Taken between two reads of one publish: what the
+                        // reads before brought of the calls is over.
+                        annotator.drop_progress_events();
                     }
                     annotator.push(&data, Now::Clock(unix_ms), this.out.room_for(data.len()));
                     log_warnings(annotator, this.log);

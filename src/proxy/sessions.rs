@@ -288,7 +288,8 @@ pub struct StreamHandle {
     /// The calls that ended since the last publish, taken from the
     /// tracker for the spinners ([`keep_ended_calls`](Self::keep_ended_calls)).
     ended: Vec<EndedCall>,
-    /// The stream's `done` was published; if not, its end publishes one.
+    /// The stream's `done` was sent to subscribers; if not, its end (as
+    /// the session's owner) sends one.
     done: bool,
     /// The session came back to this stream ([`before_read`](Self::before_read)):
     /// its next publish sends subscribers a fresh snapshot.
@@ -466,6 +467,11 @@ impl SessionRegistry {
         session.progress.clear();
         if session.streaming {
             session.flags.cleared.store(true, Ordering::Relaxed);
+            // A superseded stream's calls are over too: given the session
+            // back, it would show them again.
+            for (_, flags) in &session.superseded {
+                flags.cleared.store(true, Ordering::Relaxed);
+            }
         }
         session.last_active = Instant::now();
         send(
@@ -587,9 +593,12 @@ impl StreamHandle {
     /// progress, and a session given back to this stream (the newer one
     /// that had taken it ended) makes the next publish send all its calls,
     /// and its subscribers a fresh snapshot. Two loads, without a lock.
+    /// Returns whether a clear was taken: the caller drops the progress
+    /// increments it collected for the next publish (their calls are over).
     #[inline]
-    pub fn before_read(&mut self, tracker: &mut ToolCallTracker) {
-        if self.take_cleared() {
+    pub fn before_read(&mut self, tracker: &mut ToolCallTracker) -> bool {
+        let cleared = self.take_cleared();
+        if cleared {
             tracker.tool_execution_started_elsewhere();
         }
         if self.flags.regained.load(Ordering::Relaxed)
@@ -601,6 +610,7 @@ impl StreamHandle {
             self.published = u64::MAX;
             self.regained = true;
         }
+        cleared
     }
 
     /// Called once, before the stream's first read: when the proxy draws
@@ -672,7 +682,6 @@ impl StreamHandle {
             return;
         }
         session.last_active = now;
-        self.done |= events.iter().any(|e| matches!(e, StreamEvent::Done));
         // A tool-execute clear came after the reads published here (had a
         // read come after it, it would have taken the flag first): what
         // they brought of the calls was over before it is published. Their
@@ -703,6 +712,7 @@ impl StreamHandle {
         // the stream stops collecting increments.
         if session.listening(all) {
             for event in events {
+                self.done |= matches!(event, StreamEvent::Done);
                 send(all, session, event_frame(&self.session_id, event));
             }
             if missed && changed {

@@ -283,9 +283,9 @@ fn tool_execution_clears_and_tells_subscribers() {
 }
 
 /// A `tool-execute` clear is taken by the stream that owns the session,
-/// not by an older one of the session still open. (Before, the two shared
-/// the flag: the older stream took it and could publish nothing, and the
-/// owner's next publish brought every cleared call back.)
+/// whatever an older one of the session still open does. (Before, the two
+/// shared the flag: the older stream took it and could publish nothing,
+/// and the owner's next publish brought every cleared call back.)
 #[test]
 fn a_clear_is_taken_by_the_stream_that_owns_the_session() {
     let registry = SessionRegistry::new();
@@ -294,8 +294,10 @@ fn a_clear_is_taken_by_the_stream_that_owns_the_session() {
     let mut tracker = tracker_with(&[(0, "a", "x"), (1, "b", "")], 1);
     new.publish(&mut tracker, &[]);
     assert_eq!(registry.tool_execution_started("s1"), 2);
-    assert!(!old.take_cleared(), "the older stream took the clear");
-    assert!(new.take_cleared());
+    // Each takes a clear of its own: the older one's taking it first
+    // leaves the owner's.
+    assert!(old.take_cleared());
+    assert!(new.take_cleared(), "the older stream took the owner's clear");
     // What the body does then, before its next read, and that read.
     tracker.tool_execution_started_elsewhere();
     tracker.apply(&delta(1, "b", "yz"), 2);
@@ -409,6 +411,29 @@ fn a_session_goes_back_to_the_older_stream_when_the_newer_ends_first() {
     drop(sub);
     registry.release("s1");
     assert!(registry.is_empty());
+}
+
+/// A `tool-execute` clear while a newer stream owns the session clears the
+/// superseded stream's calls too: given the session back, it does not
+/// show them again.
+#[test]
+fn a_clear_reaches_the_streams_that_wait_to_take_the_session_back() {
+    let registry = SessionRegistry::new();
+    let mut old = registry.begin_stream("s1");
+    let mut tracker = tracker_with(&[(0, "write_file", "abc")], 1);
+    old.publish(&mut tracker, &[]);
+    let new = registry.begin_stream("s1");
+    registry.tool_execution_started("s1");
+    drop(new);
+    assert!(old.before_read(&mut tracker), "the clear reached it");
+    tracker.apply(&delta(1, "read_file", "x"), 2);
+    old.publish(&mut tracker, &[]);
+    let now: Vec<_> = registry
+        .snapshot("s1")
+        .into_iter()
+        .map(|p| (p.index, p.chars_accumulated))
+        .collect();
+    assert_eq!(now, [(1, 1)], "only the call that came after the clear");
 }
 
 /// An older stream of a session that ends while a newer one owns it
