@@ -22,6 +22,15 @@ fn delta(index: i64, name: &str, args: &str) -> Chunk<'static> {
     })
 }
 
+/// `session`'s calls in progress as `(index, charsAccumulated, startedAt)`.
+fn calls(registry: &SessionRegistry, session: &str) -> Vec<(i64, usize, u64)> {
+    registry
+        .snapshot(session)
+        .iter()
+        .map(|p| (p.index, p.chars_accumulated, p.started_at_ms))
+        .collect()
+}
+
 fn progress_event(index: i64, name: &str, chars: usize, started: u64) -> StreamEvent {
     StreamEvent::Progress(ProgressEntry {
         choice: 0,
@@ -82,11 +91,7 @@ fn same_index_keeps_started_at_new_index_gets_its_own() {
     tracker.apply(&delta(0, "a", "yz"), 2_000);
     tracker.apply(&delta(1, "b", ""), 3_000);
     stream.publish(&mut tracker, &[]);
-    let started: Vec<_> = registry
-        .snapshot("s1")
-        .iter()
-        .map(|p| (p.index, p.chars_accumulated, p.started_at_ms))
-        .collect();
+    let started = calls(&registry, "s1");
     assert_eq!(started, vec![(0, 3, 1_000), (1, 0, 3_000)]);
 }
 
@@ -297,16 +302,15 @@ fn a_clear_is_taken_by_the_stream_that_owns_the_session() {
     // Each takes a clear of its own: the older one's taking it first
     // leaves the owner's.
     assert!(old.take_cleared());
-    assert!(new.take_cleared(), "the older stream took the owner's clear");
+    assert!(
+        new.take_cleared(),
+        "the older stream took the owner's clear"
+    );
     // What the body does then, before its next read, and that read.
     tracker.tool_execution_started_elsewhere();
     tracker.apply(&delta(1, "b", "yz"), 2);
     new.publish(&mut tracker, &[]);
-    let now: Vec<_> = registry
-        .snapshot("s1")
-        .into_iter()
-        .map(|p| (p.index, p.chars_accumulated, p.started_at_ms))
-        .collect();
+    let now = calls(&registry, "s1");
     assert_eq!(now, [(1, 2, 2)], "only what came after the clear");
 }
 
@@ -393,11 +397,7 @@ fn a_session_goes_back_to_the_older_stream_when_the_newer_ends_first() {
     old.before_read(&mut tracker);
     tracker.apply(&delta(0, "write_file", "d"), 2);
     old.publish(&mut tracker, &[progress_event(0, "write_file", 4, 1)]);
-    let now: Vec<_> = registry
-        .snapshot("s1")
-        .into_iter()
-        .map(|p| (p.index, p.chars_accumulated, p.started_at_ms))
-        .collect();
+    let now = calls(&registry, "s1");
     assert_eq!(now, [(0, 4, 1)]);
     assert_eq!(
         received_untimed(&mut sub),
@@ -428,12 +428,11 @@ fn a_clear_reaches_the_streams_that_wait_to_take_the_session_back() {
     assert!(old.before_read(&mut tracker), "the clear reached it");
     tracker.apply(&delta(1, "read_file", "x"), 2);
     old.publish(&mut tracker, &[]);
-    let now: Vec<_> = registry
-        .snapshot("s1")
-        .into_iter()
-        .map(|p| (p.index, p.chars_accumulated))
-        .collect();
-    assert_eq!(now, [(1, 1)], "only the call that came after the clear");
+    assert_eq!(
+        calls(&registry, "s1"),
+        [(1, 1, 2)],
+        "only the call that came after the clear"
+    );
 }
 
 /// An older stream of a session that ends while a newer one owns it
