@@ -11,12 +11,13 @@
 //! `npm ci --prefix tests/browser --no-audit --no-fund` (`.ci/run` does
 //! both). Without them the test fails and says what to run; it never skips.
 //!
-//! The timing: `mock --delay-ms 400` sends the 14 events of
-//! `parallel_tool_calls` 400 ms apart, so, from the request, get_weather is
-//! in progress from 0.4 s, get_local_time from 2.8 s (growing at 3.2, 3.6,
-//! 4.0 and 4.4 s), and both until `[DONE]` at 5.2 s. The script opens the
+//! The timing: `mock --delay-ms 800` sends the 14 events of
+//! `parallel_tool_calls` 800 ms apart, so, from the request, get_weather is
+//! in progress from 0.8 s, get_local_time from 5.6 s (growing at 6.4, 7.2,
+//! 8.0 and 8.8 s), and both until `[DONE]` at 10.4 s. The script opens the
 //! page when the server has the second call, and does its reads, the
-//! screenshot and the reload in that 2.4 s window.
+//! screenshot and the reload in that 4.8 s window (2.4 s with 400 ms
+//! events, tight for a loaded machine).
 //!
 //! Every child is a [`Running`], whose `Drop` stops it, and every wait has
 //! a deadline.
@@ -36,7 +37,7 @@ const START_DEADLINE: Duration = Duration::from_secs(15);
 const READY_DEADLINE: Duration = Duration::from_secs(90);
 /// For the script to finish once `READY` (its own waits are shorter).
 const SCRIPT_DEADLINE: Duration = Duration::from_secs(120);
-/// For the chat stream (about 5.2 s) to end.
+/// For the chat stream (about 10.4 s) to end.
 const STREAM_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The session the chat request names and the page shows.
@@ -382,7 +383,7 @@ fn the_status_page_shows_parallel_tool_calls_across_a_reload() {
 
     let mut mock = Running::aalis_proxy(
         "mock",
-        &["mock", "--delay-ms", "400", "--listen", "127.0.0.1:0"],
+        &["mock", "--delay-ms", "800", "--listen", "127.0.0.1:0"],
     );
     let mock_addr = mock.wait_for_address("mock upstream on http://");
     let upstream = format!("http://{mock_addr}");

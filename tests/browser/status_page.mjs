@@ -6,11 +6,12 @@
 //
 // Usage: node status_page.mjs PROXY_URL SESSION_ID SCREENSHOT_PATH
 //
-// The stream (mock --delay-ms 400, capture parallel_tool_calls) is, from
-// the request: get_weather from 0.4 s (its arguments complete at 2.4 s),
-// get_local_time from 2.8 s, growing at 3.2, 3.6, 4.0 and 4.4 s, both
-// cleared at [DONE], 5.2 s. The checks run in the 2.4 s when both cards
-// are shown:
+// The stream (mock --delay-ms 800, capture parallel_tool_calls) is, from
+// the request: get_weather from 0.8 s (its arguments complete at 4.8 s),
+// get_local_time from 5.6 s, growing at 6.4, 7.2, 8.0 and 8.8 s, both
+// cleared at [DONE], 10.4 s. The checks run in the 4.8 s when both cards
+// are shown (2.4 s with 400 ms events, until a review of the tests found
+// that window tight for a loaded machine):
 //
 // 1. the page, opened as soon as the server has the second call, shows
 //    both cards in index order, with the server's startedAt;
@@ -42,10 +43,10 @@ const TOOLS = ["get_weather", "get_local_time"];
 const RELOAD_MS = 1500;
 /** How long the first load may take to show them. */
 const FIRST_LOAD_MS = 2000;
-/** How long the characters may take to grow (one event is 400 ms). */
+/** How long the characters may take to grow (one event is 800 ms). */
 const GROW_MS = 1500;
 /** How long after the cards were last seen they may take to leave. */
-const LEAVE_MS = 6000;
+const LEAVE_MS = 10000;
 /** The server must have the second call this long after READY. */
 const SESSION_MS = 20000;
 /** Elapsed times are shown to 0.1 s and redrawn every 100 ms. */
@@ -158,7 +159,7 @@ const inIndexOrder = (cards) =>
 
 async function run(page) {
   // 1. Open the page mid-way through the call: as soon as the server has
-  //    the second call in progress (2.8 s into the stream).
+  //    the second call in progress (5.6 s into the stream).
   const until = Date.now() + SESSION_MS;
   let progress = [];
   while (!progress.some((t) => t.index === 1)) {
@@ -200,13 +201,13 @@ async function run(page) {
         ? `startedAt ${badStart.startedAt} on the page, server ${JSON.stringify(server)}`
         : first.map((c) => JSON.stringify(c.text)).join(", "),
   );
-  // get_weather started 2.4 s or more before the page opened: an elapsed
+  // get_weather started 4.8 s or more before the page opened: an elapsed
   // time near zero would be the browser's clock, not the server's.
   const weatherAge = (Date.now() - first[0].startedAt) / 1000;
   console.log(`elapsed on first load: ${first.map((c) => `${c.name} ${c.elapsed}s`).join(", ")}`);
 
-  // 2. The characters grow (get_local_time gets an event every 400 ms
-  //    until 4.4 s) and the elapsed time runs.
+  // 2. The characters grow (get_local_time gets an event every 800 ms
+  //    until 8.8 s) and the elapsed time runs.
   const charsOf = (cards) => cards.reduce((sum, c) => sum + c.chars, 0);
   try {
     await page.waitForFunction(
@@ -285,7 +286,7 @@ async function run(page) {
   );
   console.log(`elapsed after the reload: ${reloaded.map((c) => `${c.name} ${c.elapsed}s`).join(", ")}`);
 
-  // 5. [DONE] (5.2 s) clears the session: the cards leave, the "nothing in
+  // 5. [DONE] (10.4 s) clears the session: the cards leave, the "nothing in
   //    progress" line is back, and the server agrees.
   try {
     await page.waitForFunction(
