@@ -1330,11 +1330,8 @@ async fn http2_connections_with_no_request_open_in_time_are_closed() {
         .expect("in time")
         .expect("response");
     assert_eq!(response.version(), Version::HTTP_2);
-    let body = tokio::time::timeout(Duration::from_secs(10), response.into_body().collect())
-        .await
-        .expect("in time")
-        .expect("the whole body")
-        .to_bytes();
+    let (body, end) = read_body(&mut response.into_body(), Duration::from_secs(10)).await;
+    end.expect("the whole body");
     let expected = annotate(&fixture(SINGLE_CALL), Framing::Sse, InjectMode::Field);
     assert_eq!(body, expected);
     tokio::time::timeout(Duration::from_secs(10), conn)

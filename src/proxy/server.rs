@@ -34,8 +34,7 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use http_body_util::combinators::BoxBody;
 use hyper::server::conn::{http1, http2};
 use hyper::service::{Service, service_fn};
@@ -48,7 +47,7 @@ use tokio::task::JoinSet;
 
 use super::gate::{GatedRead, SocketFull};
 use super::h1::CONN_BUF_BYTES;
-use super::upstream::{BoxError, ProxyBody};
+use super::upstream::ProxyBody;
 
 /// The client a request came from: its address, and whether its
 /// connection's last write found the socket full.
@@ -453,9 +452,15 @@ where
             let response = service.call(req);
             async move {
                 let response = response.await?;
-                Ok::<_, Infallible>(
-                    response.map(|body| BoxBody::new(HeldOpen { body, _held: held })),
-                )
+                // The body's closure owns the count, dropped with the body
+                // (`map_err`, which runs only on an error, passes the
+                // body's end and size hint on).
+                Ok::<_, Infallible>(response.map(|body| {
+                    BoxBody::new(body.map_err(move |err| {
+                        let _open: &StreamOpen = &held;
+                        err
+                    }))
+                }))
             }
         });
         let conn = shared.http2.serve_connection(TokioIo::new(io), service);
@@ -491,33 +496,6 @@ impl StreamOpen {
 impl Drop for StreamOpen {
     fn drop(&mut self) {
         self.0.send_modify(|n| *n = n.saturating_sub(1));
-    }
-}
-
-/// A response body that keeps its request counted as open.
-struct HeldOpen {
-    body: ProxyBody,
-    // Dropped with the body.
-    _held: StreamOpen,
-}
-
-impl Body for HeldOpen {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 
