@@ -45,9 +45,10 @@ Exit status:
        or mock could not start (the port taken, a CA or capture file)
   2    usage error: unknown flag, bad value, missing argument, flags that
        cannot go together
-  130  annotate interrupted by SIGINT (serve and mock shut down gracefully
-       on SIGINT or SIGTERM and exit 0; a second signal stops serve at
-       once, its open streams cut, with 130)";
+  130  annotate interrupted by SIGINT (it dies of the signal, as a shell
+       reports, its spinners first ended with their ✗ line); serve and
+       mock shut down gracefully on SIGINT or SIGTERM and exit 0; a second
+       signal stops serve at once, its open streams cut, with 130";
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -143,7 +144,8 @@ pub struct StreamFlags {
     /// `auto` (what --progress alone means) draws them when stderr is a
     /// terminal; `always` also prints plain lines (at most one per tool per
     /// second) when it is not, for logs; `never` is the default. stdout is
-    /// never touched. NO_COLOR is honoured.
+    /// never touched. NO_COLOR is honoured. Stopped by Ctrl-C or SIGTERM,
+    /// annotate ends each spinner with its ✗ line, then dies of the signal.
     ///
     /// Example: --progress
     #[arg(

@@ -164,7 +164,10 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
             }
         }
     };
-    let display = display(args.stream.progress, None);
+    let display = Arc::new(display(args.stream.progress, None));
+    if !display.is_off() {
+        end_spinners_on_signal(&display);
+    }
     let stdout = io::stdout().lock();
     // Spinners on a terminal: the warnings, and an output that is a
     // terminal too, are written above them (written past them, each was
@@ -187,6 +190,53 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         &mut filter::unix_ms,
     )?;
     Ok(())
+}
+
+/// How long the spinners may take to end after SIGINT or SIGTERM (a
+/// terminal paused with Ctrl-S takes no writes) before the process ends
+/// anyway.
+const END_SPINNERS_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// `annotate` with spinners, interrupted (Ctrl-C) or terminated: each tool
+/// still in progress ends with its `✗` line, rather than a spinner frozen
+/// mid-turn on the terminal, and then the process dies of the signal, as it
+/// would have without this (a shell sees status 130 for SIGINT, and a
+/// script's loop stops). What was read was written as it came, so no data
+/// waits. If the handlers cannot be installed, the signals keep their
+/// default action.
+fn end_spinners_on_signal(display: &Arc<ProgressDisplay>) {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let display = Arc::clone(display);
+    // The handlers are installed on the thread that waits for them, and
+    // only once it runs: never a handler with nobody to act on it.
+    let (installed_tx, installed_rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let mut signals = match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
+                Ok(signals) => signals,
+                Err(_) => return,
+            };
+            let _ = installed_tx.send(());
+            let Some(signal) = signals.forever().next() else {
+                return;
+            };
+            // Ended on a thread of its own: one stuck on a paused terminal
+            // must not keep the process alive.
+            let (ended_tx, ended_rx) = std::sync::mpsc::channel();
+            let _ = std::thread::Builder::new().spawn(move || {
+                display.interrupt(filter::unix_ms());
+                let _ = ended_tx.send(());
+            });
+            let _ = ended_rx.recv_timeout(END_SPINNERS_TIMEOUT);
+            let _ = signal_hook::low_level::emulate_default_handler(signal);
+            // Not reached: the default action of both signals ends the process.
+            std::process::exit(128 + signal);
+        });
+    if spawned.is_ok() {
+        // Until the thread says, or gives up without handlers.
+        let _ = installed_rx.recv();
+    }
 }
 
 fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {

@@ -1228,6 +1228,96 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
     );
 }
 
+/// `annotate --progress` on a terminal, interrupted (Ctrl-C) or terminated
+/// in the middle of a tool call: the tool's spinner ends with its `✗` line
+/// and its last count (it was left frozen mid-turn on the terminal), every
+/// event read so far was written, and the process still dies of the signal
+/// (a shell sees 130 for SIGINT, and a script's loop stops).
+#[test]
+fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    let whole = fixture(SINGLE_FIXTURE);
+    // The first six events: the call and its arguments up to
+    // `{"location":"Paris, France` (26 characters), and no end.
+    let fed: Vec<u8> = whole
+        .split_inclusive(|&b| b == b'\n')
+        .filter(|line| line != b"\n")
+        .take(6)
+        .flat_map(|line| [line, b"\n".as_slice()].concat())
+        .collect();
+    let mut annotator = Annotator::new(AnnotatorConfig {
+        framing: Some(Framing::Sse),
+        ..AnnotatorConfig::default()
+    });
+    let mut expected = Vec::new();
+    annotator.push(&fed, NOW_MS, &mut expected);
+    for signum in [sig::SIGINT, sig::SIGTERM] {
+        let (master, slave) = pty::open(24, 100);
+        let mut child = aalis_proxy()
+            .args(["annotate", "--progress"])
+            .env("TERM", "xterm")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(slave)
+            .spawn()
+            .expect("spawn annotate");
+        // The terminal, read as it comes; the spinner's line is shown once
+        // its count is.
+        let (shown_tx, shown_rx) = std::sync::mpsc::channel();
+        let drawn = thread::spawn(move || {
+            let mut master = master;
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = master.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                seen.extend_from_slice(&buf[..n]);
+                if text(&seen).contains("get_weather  26 chars") {
+                    let _ = shown_tx.send(());
+                }
+            }
+            seen
+        });
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(&fed).expect("feed annotate");
+        let mut stdout = child.stdout.take().expect("stdout");
+        let out = thread::spawn(move || {
+            let mut out = Vec::new();
+            let _ = stdout.read_to_end(&mut out);
+            out
+        });
+        let shown = shown_rx.recv_timeout(Duration::from_secs(20)).is_ok();
+        sig::send(child.id(), signum);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        drop(stdin);
+        let out = out.join().expect("stdout thread");
+        let drawn = text(&drawn.join().expect("terminal thread"));
+        assert!(shown, "signal {signum}: no spinner drawn: {drawn:?}");
+        assert_eq!(
+            status.and_then(|s| s.signal()),
+            Some(signum),
+            "signal {signum}: {status:?}"
+        );
+        assert_eq!(text(&out), text(&expected), "signal {signum}");
+        assert!(
+            drawn.contains("✗ get_weather  26 chars"),
+            "signal {signum}: no final line in {drawn:?}"
+        );
+    }
+}
+
 /// `serve --progress` on a terminal paused with Ctrl-S: every write to it
 /// blocks until Ctrl-Q. The spinners are drawn by a thread of their own, so
 /// the streams go on; once the terminal resumes, every tool's final line

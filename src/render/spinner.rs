@@ -421,6 +421,19 @@ impl ProgressDisplay {
         }
     }
 
+    /// The process is about to end on a signal (`annotate` interrupted):
+    /// every tool still in progress ends with its final line, marked `✗`
+    /// (its stream did not finish), and nothing is drawn after, so the
+    /// terminal keeps no spinner frozen mid-turn. Lines written through
+    /// [`above`](Self::above) after this go straight out.
+    pub fn interrupt(&self, now_ms: u64) {
+        let mut inner = self.lock();
+        for (key, line) in std::mem::take(&mut inner.lines) {
+            inner.finish(&key, line, Outcome::Failed, now_ms);
+        }
+        inner.target = Target::Off;
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         lock(&self.inner)
     }

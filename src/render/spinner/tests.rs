@@ -99,6 +99,51 @@ fn two_parallel_tools_then_a_clear_on_a_terminal() {
     assert_eq!(term.height(), 10);
 }
 
+/// Interrupted (`annotate` on SIGINT): every spinner of every session ends
+/// with a `✗` line, and what is shown afterwards draws nothing.
+#[test]
+fn an_interrupt_ends_every_spinner_and_draws_nothing_after() {
+    let term = InMemoryTerm::new(10, 80);
+    let display = ProgressDisplay::terminal(
+        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
+        false,
+    );
+    let now = 1_000_000;
+    display.show(
+        "",
+        &[
+            entry(0, "get_weather", 42, now - 3200),
+            entry(1, "get_time", 9, now - 1200),
+        ],
+        Outcome::Done,
+        now,
+    );
+    display.show("b", &[entry(0, "edit_file", 5, now)], Outcome::Done, now);
+    std::thread::sleep(Duration::from_millis(150));
+    display.interrupt(now + 800);
+    // A state shown after the interrupt (the pipeline's next read) and a
+    // tick's worth of time: nothing is drawn again.
+    display.show(
+        "",
+        &[entry(0, "get_weather", 50, now - 3200)],
+        Outcome::Done,
+        now + 900,
+    );
+    std::thread::sleep(Duration::from_millis(150));
+    let screen = term.contents();
+    let lines: Vec<&str> = screen.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(
+        lines,
+        vec![
+            "✗ get_weather  42 chars · 4.0s",
+            "✗ get_time  9 chars · 2.0s",
+            "✗ [b] edit_file  5 chars · 0.8s",
+        ],
+        "{screen}"
+    );
+    assert!(display.is_off());
+}
+
 #[test]
 fn a_failed_stream_ends_with_crosses_and_sessions_are_labelled() {
     let buffer = Arc::new(Mutex::new(Vec::new()));
