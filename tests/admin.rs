@@ -697,6 +697,48 @@ async fn a_lagging_subscriber_starts_again_from_a_snapshot() {
     );
 }
 
+/// The backlog of a subscriber that stopped reading is bounded in bytes
+/// too: a stream of 200 content deltas of 256 KiB (50 MiB, fewer
+/// frames than the backlog's 256) passes a stalled subscriber, which, when
+/// it reads again, gets a fresh snapshot in place of most of them. Before,
+/// the proxy held every one of them for it, all 50 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_subscriber_holds_a_bounded_number_of_bytes() {
+    const DELTAS: usize = 200;
+    let text = "x".repeat(256 * 1024);
+    let mut capture = String::new();
+    for _ in 0..DELTAS {
+        capture.push_str(&format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}}}}]}}\n\n"
+        ));
+    }
+    capture.push_str("data: [DONE]\n\n");
+    let run = start_with(
+        vec![Capture::new("big_text", capture.as_bytes())],
+        Duration::ZERO,
+    )
+    .await;
+    let mut stalled = Frames::open(&run.proxy, "bytes").await;
+    assert_eq!(stalled.next().await["type"], "stream_resume");
+    let body = chat_body(&run.proxy, "bytes", "big_text").await;
+    let body = tokio::time::timeout(Duration::from_secs(60), body.collect())
+        .await
+        .expect("the stream is not held back by the stalled subscriber")
+        .expect("body")
+        .to_bytes();
+    assert!(body.ends_with(b"data: [DONE]\n\n"));
+    let seen = stalled
+        .until(|f| f["type"] == "stream_resume" || f["done"] == true)
+        .await;
+    let deltas = seen.iter().filter(|f| f["contentDelta"] == text).count();
+    assert_eq!(
+        seen.last().map(|f| f["type"].clone()),
+        Some("stream_resume".into()),
+        "no resync after {deltas} of {DELTAS} deltas"
+    );
+    assert!(deltas < DELTAS / 2, "{deltas} of {DELTAS} deltas were held");
+}
+
 /// A stream that stops in the middle of a tool call (no finish, no
 /// `[DONE]`: an upstream cut, or one that just ends) clears the session,
 /// and its subscribers are told so, with reason `stream_end`, and then

@@ -303,49 +303,72 @@ impl Watch {
     }
 }
 
-/// The events routes: a task moves frames from a broadcast into a small
-/// channel the response body reads. A subscriber that lags gets a fresh
+/// The most a subscriber's frames not yet taken by its connection may
+/// hold: past it (and past one frame), it is sent a fresh snapshot instead.
+/// Frames are a few hundred bytes, but a content or reasoning frame holds
+/// the upstream's delta, whatever its size: counted in frames alone, a
+/// subscriber that stopped reading held 256 of them (1,024 on
+/// `/_aalis/events`), 285 MiB with 1 MiB deltas.
+pub const SUBSCRIBER_BACKLOG_BYTES: usize = 1 << 20;
+
+/// The events routes: a task takes frames from a broadcast as they come,
+/// into a queue of its own, and hands them to the response body through a
+/// channel of one. A subscriber that lags (by more than the broadcast's
+/// frames, or [`SUBSCRIBER_BACKLOG_BYTES`] in its queue) gets a fresh
 /// snapshot instead of what it missed; a client that goes away closes the
 /// channel, which ends the task at once (and forgets its session if nothing
 /// else uses it); so does the proxy's shutdown.
 fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let (tx, rx) = mpsc::channel::<Bytes>(1);
     let Subscription { resume, mut frames } = watch.subscribe(&registry);
     tokio::spawn(async move {
-        if tx.send(sse(&resume)).await.is_ok() {
-            let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
-            keep_alive.tick().await;
-            let closed = registry.closed();
-            tokio::pin!(closed);
-            loop {
-                let frame = tokio::select! {
-                    // The proxy shuts down: end the stream so the
-                    // connection can close (EventSource reconnects).
-                    () = &mut closed => break,
-                    // The client went away.
-                    () = tx.closed() => break,
-                    received = frames.recv() => match received {
-                        Ok(frame) => sse(&frame),
-                        Err(broadcast::error::RecvError::Lagged(missed)) => {
-                            // Too far behind: start again from the present,
-                            // snapshot and receiver taken together.
-                            tracing::debug!(missed, "slow subscriber resumed from a snapshot");
-                            let fresh = watch.subscribe(&registry);
-                            frames = fresh.frames;
-                            sse(&fresh.resume)
+        let mut backlog = Backlog::default();
+        backlog.push(sse(&resume));
+        let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
+        keep_alive.tick().await;
+        let closed = registry.closed();
+        tokio::pin!(closed);
+        loop {
+            tokio::select! {
+                // The proxy shuts down: end the stream so the connection
+                // can close (EventSource reconnects).
+                () = &mut closed => break,
+                // The client went away.
+                () = tx.closed() => break,
+                // The connection takes the next frame.
+                permit = tx.reserve(), if !backlog.is_empty() => match permit {
+                    Ok(permit) => {
+                        if let Some(frame) = backlog.pop() {
+                            permit.send(frame);
                         }
+                    }
+                    Err(_) => break,
+                },
+                received = frames.recv() => {
+                    let lagged = match received {
+                        Ok(frame) => {
+                            backlog.push(sse(&frame));
+                            backlog.over()
+                        }
+                        Err(broadcast::error::RecvError::Lagged(_)) => true,
                         Err(broadcast::error::RecvError::Closed) => break,
-                    },
-                    _ = keep_alive.tick() => Bytes::from_static(b": keep-alive\n\n"),
-                };
-                // A client that reads slowly fills the channel: the
-                // shutdown still ends the wait.
-                let sent = tokio::select! {
-                    () = &mut closed => break,
-                    sent = tx.send(frame) => sent,
-                };
-                if sent.is_err() {
-                    break;
+                    };
+                    if lagged {
+                        // Too far behind: start again from the present,
+                        // snapshot and receiver taken together.
+                        tracing::debug!(
+                            frames = backlog.len(),
+                            bytes = backlog.bytes,
+                            "slow subscriber resumed from a snapshot"
+                        );
+                        let fresh = watch.subscribe(&registry);
+                        frames = fresh.frames;
+                        backlog.clear();
+                        backlog.push(sse(&fresh.resume));
+                    }
+                }
+                _ = keep_alive.tick(), if backlog.is_empty() => {
+                    backlog.push(Bytes::from_static(b": keep-alive\n\n"));
                 }
             }
         }
@@ -363,6 +386,45 @@ fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
     response
+}
+
+/// A subscriber's frames that its connection has not taken yet.
+#[derive(Default)]
+struct Backlog {
+    frames: std::collections::VecDeque<Bytes>,
+    bytes: usize,
+}
+
+impl Backlog {
+    fn push(&mut self, frame: Bytes) {
+        self.bytes += frame.len();
+        self.frames.push_back(frame);
+    }
+
+    fn pop(&mut self) -> Option<Bytes> {
+        let frame = self.frames.pop_front()?;
+        self.bytes -= frame.len();
+        Some(frame)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.frames.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.frames.len()
+    }
+
+    /// Past [`SUBSCRIBER_BACKLOG_BYTES`], with more than one frame: a
+    /// single frame larger than the bound still goes out whole.
+    fn over(&self) -> bool {
+        self.bytes > SUBSCRIBER_BACKLOG_BYTES && self.frames.len() > 1
+    }
+
+    fn clear(&mut self) {
+        self.frames.clear();
+        self.bytes = 0;
+    }
 }
 
 fn sse(json: &str) -> Bytes {

@@ -16,7 +16,9 @@
 //! so they lose nothing after their snapshot and see nothing twice. A
 //! subscriber that falls behind by more than [`SUBSCRIBER_BACKLOG`] frames is
 //! not buffered for: it is told it lagged and starts again from a fresh
-//! snapshot, so a slow browser never slows a stream.
+//! snapshot, so a slow browser never slows a stream. (The events routes
+//! also bound in bytes what a subscriber's connection has not taken:
+//! `admin::SUBSCRIBER_BACKLOG_BYTES`.)
 //!
 //! Memory stays bounded: a session is kept while a stream or a subscriber
 //! uses it; when the last of them goes it is forgotten at once (a stream's
