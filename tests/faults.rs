@@ -1085,6 +1085,7 @@ async fn a_slow_client_gets_every_byte_before_an_upstream_failure() {
 /// | `5\r\nhello\r\n` then a chunk size that is not hex | `hello`, then no clean end |
 /// | `Content-Length: 3` beside `Transfer-Encoding: chunked` (RFC 9112 §6.3: the chunks frame it) | the whole chunked body, no `Content-Length` |
 /// | trailers it names in `Trailer`, to a client that sent `TE: trailers` | the body, then the trailers |
+/// | `Transfer-Encoding: gzip, chunked`, or `gzip` until the close | `502` `upstream_error` (the coding is the hop's: passed on, the client got gzip bytes as if plain) |
 ///
 /// The client always gets `HTTP/1.1`, from an HTTP/1.0 upstream too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1153,6 +1154,21 @@ async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
                 "{ok}trailer: x-usage\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-usage: 12\r\n\r\n"
             )))],
         ),
+        (
+            "/gzip-chunked",
+            vec![RawStep::Write(Bytes::from(format!(
+                "{ok}transfer-encoding: gzip, chunked\r\n\r\n3\r\ngz!\r\n0\r\n\r\n"
+            )))],
+        ),
+        (
+            "/gzip-until-close",
+            vec![
+                RawStep::Write(Bytes::from(format!(
+                    "{ok}transfer-encoding: gzip\r\n\r\ngz!"
+                ))),
+                RawStep::Close,
+            ],
+        ),
     ];
     let scripts: BTreeMap<String, Vec<RawStep>> = cases
         .into_iter()
@@ -1207,6 +1223,23 @@ async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
         let refused = raw_request(proxy.addr, path, &[]).await;
         assert_eq!(refused.status, 502, "{path}");
         refused.assert_well_formed();
+    }
+
+    // A transfer coding but chunked: the body could only go on in that
+    // coding, and its `Transfer-Encoding` is the hop's (before, the
+    // client got the coded bytes as if plain).
+    for path in ["/gzip-chunked", "/gzip-until-close"] {
+        let coded = raw_request(proxy.addr, path, &[]).await;
+        assert_eq!(coded.status, 502, "{path}");
+        coded.assert_well_formed();
+        let error: Value = serde_json::from_slice(&coded.body).expect("JSON");
+        assert_eq!(error["error"]["type"], "upstream_error", "{path}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("transfer coding")),
+            "{path}: {error}"
+        );
     }
 
     let bad = raw_request(proxy.addr, "/bad-chunk", &[]).await;

@@ -1070,6 +1070,42 @@ async fn a_websocket_upgrade_is_refused_with_501() {
     assert_eq!(upstream.requests().len(), 1);
 }
 
+/// CONNECT (a client told to use the proxy as an HTTP proxy) gets `501`
+/// with an OpenAI-style error, and nothing reaches the upstream. Before,
+/// without a path under --upstream it was a `400` about the request path,
+/// and with one it went upstream as `CONNECT /v1`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_is_refused_with_501() {
+    use tokio::io::AsyncReadExt;
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    for prefix in ["", "/v1"] {
+        let proxy = TestProxy::start(proxy_config(&upstream.url(prefix))).await;
+        let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+        stream
+            .write_all(b"CONNECT api.example.com:443 HTTP/1.1\r\nHost: api.example.com:443\r\n\r\n")
+            .await
+            .expect("write");
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        // The head and the error's body.
+        while !String::from_utf8_lossy(&got).contains("does not tunnel") {
+            let n = tokio::time::timeout(PATIENCE, stream.read(&mut buf))
+                .await
+                .expect("an answer in time")
+                .expect("read");
+            assert!(
+                n > 0,
+                "closed without an answer: {:?}",
+                String::from_utf8_lossy(&got)
+            );
+            got.extend_from_slice(&buf[..n]);
+        }
+        let answer = String::from_utf8_lossy(&got);
+        assert!(answer.starts_with("HTTP/1.1 501 "), "{prefix:?}: {answer}");
+    }
+    assert!(upstream.requests().is_empty());
+}
+
 /// A request head of 40 KiB (one header) reaches the upstream over
 /// HTTP/2 as over HTTP/1.1: the head's bound is 64 KiB for both. (h2's
 /// default, 16 KiB, gave HTTP/2 clients a 431.)

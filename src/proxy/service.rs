@@ -89,9 +89,9 @@ enum Fault {
     /// The client stopped sending its request body, and sent no more of
     /// it within `--response-timeout`.
     ClientTimeout,
-    /// The client asked for a protocol upgrade (WebSocket), which the
-    /// proxy does not tunnel, or sent its body in a transfer coding other
-    /// than `chunked`.
+    /// The client asked for a tunnel (a WebSocket upgrade, CONNECT),
+    /// which the proxy does not make, or sent its body in a transfer
+    /// coding other than `chunked`.
     NotImplemented,
 }
 
@@ -273,6 +273,16 @@ impl Proxy {
             None => self.generate_session_id(),
         };
         let fail = |fault, message: String| (fault, message, Some(session_id.clone()));
+        // CONNECT asks for a tunnel too: its target is an authority, not
+        // a path under --upstream (mapped, it went out as `CONNECT /v1`).
+        if req.method() == http::Method::CONNECT {
+            return Err(fail(
+                Fault::NotImplemented,
+                "aalis-proxy is a reverse proxy and does not tunnel (CONNECT); point the \
+                 client's base URL at it instead of setting it as an HTTP proxy"
+                    .to_owned(),
+            ));
+        }
         // A WebSocket (say, a realtime API) would need a tunnel: said at
         // once, rather than forwarded as a plain request. `h2c` is no
         // such upgrade: a client that offers it takes HTTP/1.1 as well.
@@ -403,6 +413,25 @@ impl Proxy {
 
         // Phase 4: the response.
         let (mut parts, body) = response.into_parts();
+        // A transfer coding but chunked (the proxy asks for none, so the
+        // upstream breaks RFC 9110 §10.1.4): its body can only be read as
+        // it came, and `Transfer-Encoding` is one hop's, so the client
+        // would get `gzip` bytes with nothing to say so.
+        if let Some(codings) = parts
+            .headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .find(|codings| !only_chunked(codings))
+        {
+            return Err(fail(
+                Fault::UpstreamError,
+                format!(
+                    "upstream {upstream} answered in a transfer coding the proxy cannot pass \
+                     on (Transfer-Encoding: {})",
+                    String::from_utf8_lossy(codings.as_bytes())
+                ),
+            ));
+        }
         strip_hop_by_hop(&mut parts.headers);
         // An HTTP/1.0 upstream's answer is still ours to give in HTTP/1.1
         // (hyper answers an HTTP/1.0 client in HTTP/1.0 by itself); kept,
@@ -605,10 +634,17 @@ fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
     if cfg!(aalis_forward_only) {
         return None;
     }
-    let encoded = headers
-        .get(header::CONTENT_ENCODING)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| !v.trim().eq_ignore_ascii_case("identity"));
+    // Any coding but `identity`, in any of the header's fields (a second
+    // field was not read: `identity` then `gzip` was annotated), or a
+    // value that is not text: not ours to read.
+    let encoded = headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
+        v.to_str().map_or(true, |v| {
+            v.split(',').any(|coding| {
+                let coding = coding.trim();
+                !coding.is_empty() && !coding.eq_ignore_ascii_case("identity")
+            })
+        })
+    });
     if encoded {
         return None;
     }
