@@ -315,8 +315,11 @@ pub struct ServeArgs {
 
     /// Longest silence of the upstream in the middle of a response; past it
     /// the stream ends (cut, not completed) and its session is cleared.
-    /// Also the longest a failed upstream's cut waits for an HTTP/1.1 client
-    /// that has not yet taken the bytes that came before it
+    /// Also the longest a client may take none of the bytes waiting for it
+    /// (its socket full) before its connection is closed and its upstream
+    /// request cancelled, and the longest a failed upstream's cut waits for
+    /// an HTTP/1.1 client that has not yet taken the bytes that came before
+    /// it
     ///
     /// Example: --idle-timeout 90s
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_timeout)]

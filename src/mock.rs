@@ -156,6 +156,8 @@ impl MockUpstream {
             shutdown,
             Duration::from_secs(1),
             server::HEAD_READ_TIMEOUT,
+            // As long as `serve`'s default --idle-timeout.
+            Duration::from_secs(300),
             &[],
         )
         .await;

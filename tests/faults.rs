@@ -920,6 +920,70 @@ async fn an_upstream_that_ends_mid_event_loses_nothing_and_invents_nothing() {
     assert_no_foreign_panic();
 }
 
+/// A client that stops reading, with a stream's bytes waiting for it: once
+/// its socket has stayed full for `--idle-timeout` (1 s here), its
+/// connection is closed, and with it the upstream request (the upstream
+/// sees its connection closed), the stream and the session. Before, nothing
+/// bounded it: hyper polled neither the body nor its idle timer while the
+/// socket was full, so all of them stayed until the client read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_takes_no_bytes_is_closed_after_the_idle_timeout() {
+    let event = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}]}\n\n";
+    // 32 MB of text, more than every buffer between the two, and then no
+    // end: the upstream waits with its connection open.
+    let body: Vec<u8> = event.repeat(32 * 1024 * 1024 / event.len());
+    let mut raw = RawUpstream::start(move |_| {
+        vec![
+            RawStep::Write(chunked_head("text/event-stream")),
+            RawStep::Write(chunk(&body)),
+        ]
+    })
+    .await;
+    let mut config = proxy_config(&raw.url());
+    config.idle_timeout = Duration::from_secs(1);
+    let proxy = Served::start(config).await;
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut client = socket.connect(proxy.addr).await.expect("connect");
+    client
+        .write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-aalis-session: stalled\r\n\
+              content-length: 2\r\n\r\n{}",
+        )
+        .await
+        .expect("request");
+    assert!(
+        matches!(raw.next(PATIENCE).await, Some(RawEvent::Head { n: 0, .. })),
+        "the request reached the upstream"
+    );
+    // The client reads nothing; the proxy closes the upstream connection.
+    let started = Instant::now();
+    let closed = raw.next(Duration::from_secs(30)).await;
+    assert_eq!(
+        closed,
+        Some(RawEvent::Closed { n: 0 }),
+        "the upstream request was still open after {:?}",
+        started.elapsed()
+    );
+    let sessions = proxy.sessions().clone();
+    assert!(eventually(PATIENCE, || sessions.is_empty()).await);
+    assert!(eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await);
+    // The client, reading at last, gets what was in the buffers, then the
+    // end of a connection that was closed.
+    let mut buf = vec![0u8; 64 * 1024];
+    let ended = tokio::time::timeout(PATIENCE, async {
+        loop {
+            match client.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the client's connection is still open");
+    assert_no_foreign_panic();
+}
+
 /// An upstream whose `Content-Length` promises more than it sends before
 /// it closes (a FIN in the middle of event 5): the client gets every byte
 /// that came, the half event included (the pipeline's output of them),

@@ -112,6 +112,7 @@ impl TestProxy {
         )
         .expect("upstream client");
         let grace = config.shutdown_grace;
+        let idle_timeout = config.idle_timeout;
         let proxy = Proxy::new(config, client, sessions.clone());
         let (tx, rx) = oneshot::channel::<()>();
         let handler = move |req, peer| {
@@ -129,6 +130,7 @@ impl TestProxy {
                 },
                 grace,
                 head_timeout,
+                idle_timeout,
                 &handles,
             )
             .await;

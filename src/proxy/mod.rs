@@ -111,6 +111,9 @@ pub async fn serve_proxy_on(
     workers: &[tokio::runtime::Handle],
 ) {
     let grace = proxy.config().shutdown_grace;
+    // A client that takes no bytes gets as long as an upstream that sends
+    // none (`--idle-timeout`).
+    let idle_timeout = proxy.config().idle_timeout;
     let _purger = proxy.sessions().spawn_purger(proxy.config().session_ttl);
     let sessions = proxy.sessions().clone();
     let shutdown = async move {
@@ -127,6 +130,7 @@ pub async fn serve_proxy_on(
         shutdown,
         grace,
         server::HEAD_READ_TIMEOUT,
+        idle_timeout,
         workers,
     )
     .await;

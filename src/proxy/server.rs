@@ -45,7 +45,7 @@ use tokio::runtime::{self, Handle};
 use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinSet;
 
-use super::gate::{GatedRead, SocketFull};
+use super::gate::{ClientStalled, GatedRead, SocketFull};
 use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
 
@@ -70,13 +70,16 @@ pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The handler never fails: errors are responses. Each of `workers`
 /// accepts its own connections from the listener (see `accept_loop`), or
 /// the current runtime does when there are none. A client connection
-/// gets `head_timeout` (see [`HEAD_READ_TIMEOUT`]) for each request head.
+/// gets `head_timeout` (see [`HEAD_READ_TIMEOUT`]) for each request head,
+/// and is closed once its socket has stayed full for `write_stall` (it
+/// takes none of the bytes waiting for it: [`ClientStalled`]).
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
     head_timeout: Duration,
+    write_stall: Duration,
     workers: &[Handle],
 ) where
     H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
@@ -135,6 +138,7 @@ pub async fn serve<H, F>(
         http1,
         http2,
         head_timeout,
+        write_stall,
         graceful: graceful.clone(),
         loads,
     });
@@ -196,6 +200,8 @@ struct Shared<H> {
     /// The deadline of the first read (hyper's `http1` has it for the
     /// heads after).
     head_timeout: Duration,
+    /// How long a connection's socket may stay full ([`ClientStalled`]).
+    write_stall: Duration,
     graceful: Drain,
     loads: Arc<Loads>,
 }
@@ -354,7 +360,13 @@ async fn accept_loop<H, F>(
                 let shared = Arc::clone(&shared);
                 connections.spawn(async move {
                     if let Err(err) = serve_connection(stream, peer, &shared, watcher).await {
-                        tracing::debug!(%peer, "connection ended: {err}");
+                        if let Some(stalled) = find_source::<ClientStalled>(&*err) {
+                            // Its streams' log lines say `cancelled`: this
+                            // says why.
+                            tracing::info!(%peer, "connection closed: {stalled}");
+                        } else {
+                            tracing::debug!(%peer, "connection ended: {err}");
+                        }
                     }
                     drop(open);
                 });
@@ -408,7 +420,7 @@ where
     H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let mut io = GatedRead::new(stream);
+    let mut io = GatedRead::new(stream, shared.write_stall);
     let h2 = tokio::select! {
         // The read first: a request that came with its connection is
         // taken without the deadline's timer being set.
@@ -479,6 +491,29 @@ where
         watcher.watch(conn, std::future::pending()).await?;
     }
     Ok(())
+}
+
+/// The first error of type `E` in `err`'s chain of sources (hyper wraps
+/// the I/O error, which wraps ours).
+fn find_source<'e, E: std::error::Error + 'static>(
+    err: &'e (dyn std::error::Error + 'static),
+) -> Option<&'e E> {
+    let mut next = Some(err);
+    while let Some(err) = next {
+        if let Some(found) = err.downcast_ref::<E>() {
+            return Some(found);
+        }
+        // An io::Error's payload is its `get_ref`, not always its source.
+        if let Some(found) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::get_ref)
+            .and_then(|inner| inner.downcast_ref::<E>())
+        {
+            return Some(found);
+        }
+        next = err.source();
+    }
+    None
 }
 
 /// One request open on an HTTP/2 connection, counted in the connection's
@@ -791,6 +826,7 @@ mod tests {
                 shutdown,
                 Duration::from_secs(5),
                 HEAD_READ_TIMEOUT,
+                Duration::from_secs(300),
                 &handles,
             )
             .await;
