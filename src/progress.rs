@@ -35,6 +35,17 @@ pub const MAX_CALLS: usize = 1024;
 /// of another is refused as past [`MAX_CALLS`].
 pub const MAX_CHOICES: usize = 1024;
 
+/// The most call ids one stream's tracker remembers (to find the call a
+/// delta without an index names by its id), and their most bytes in all.
+/// An id stays remembered after its call took another, so a stream that
+/// gave one call a new id on every delta grew without end (300,000 ids of
+/// 200 characters: 112 MB against 24). Past either bound, new ids are not
+/// remembered: a delta that names one later by its id alone, without an
+/// index, starts a new call, as an unknown id does.
+pub const MAX_IDS: usize = 4 * MAX_CALLS;
+/// See [`MAX_IDS`].
+pub const MAX_ID_BYTES: usize = 1 << 20;
+
 /// The time a chunk is applied at, in Unix milliseconds: a time the
 /// caller read, or the caller's clock, read only if the chunk starts a
 /// call. A call's start is the only time the tracker keeps, and a stream
@@ -219,6 +230,10 @@ pub struct ToolCallTracker {
     keep_arguments: bool,
     /// The calls kept, over all choices (at most [`MAX_CALLS`]).
     call_count: usize,
+    /// The ids remembered, over all choices, and their bytes (at most
+    /// [`MAX_IDS`] and [`MAX_ID_BYTES`]).
+    id_count: usize,
+    id_bytes: usize,
     /// See [`refused_calls`](Self::refused_calls).
     refused_calls: u64,
     /// Calls whose progress ended, in the order they ended, with their last
@@ -608,9 +623,15 @@ impl ToolCallTracker {
             // The latest call an id named is the one it names.
             match choice.ids.get_mut(id.as_ref()) {
                 Some(named) => *named = index,
-                None => {
+                None if self.id_count < MAX_IDS
+                    && self.id_bytes.saturating_add(id.len()) <= MAX_ID_BYTES =>
+                {
+                    self.id_count += 1;
+                    self.id_bytes += id.len();
                     choice.ids.insert(id.to_string(), index);
                 }
+                // Not remembered (see `MAX_IDS`).
+                None => {}
             }
         }
         choice.last_touched = Some(index);
@@ -784,6 +805,39 @@ mod tests {
             ),
             other => panic!("expected progress, got {other:?}"),
         }
+    }
+
+    /// A call given a new id on every delta: the ids remembered stay
+    /// within [`MAX_IDS`] and [`MAX_ID_BYTES`] (they grew with the
+    /// stream); one remembered still names its call, and one past the
+    /// bound, named alone, starts a new call, as an unknown id does.
+    #[test]
+    fn the_ids_remembered_are_bounded() {
+        let mut t = ToolCallTracker::new(false);
+        let id = |n: usize| format!("call_{n:0>200}");
+        for n in 0..10_000 {
+            t.apply(&delta(Some(0), Some(&id(n)), Some("f"), "x"), 1);
+        }
+        assert!(t.id_count <= MAX_IDS && t.id_bytes <= MAX_ID_BYTES);
+        let remembered: usize = t.choices.iter().map(|c| c.ids.len()).sum();
+        assert_eq!(remembered, t.id_count);
+        assert_eq!(t.id_count, MAX_IDS.min(MAX_ID_BYTES / id(0).len()));
+        assert_eq!(
+            progress(&mut t, delta(None, Some(&id(0)), None, "y"), 2),
+            (0, "f".into(), 10_001, 1)
+        );
+        assert_eq!(
+            progress(&mut t, delta(None, Some(&id(9_999)), None, "y"), 2),
+            (1, "".into(), 1, 2)
+        );
+        // Long ids: the bytes' bound comes first.
+        let mut t = ToolCallTracker::new(false);
+        let long = |n: usize| format!("{n:0>2000}");
+        for n in 0..2_000 {
+            t.apply(&delta(Some(0), Some(&long(n)), Some("f"), "x"), 1);
+        }
+        assert_eq!(t.id_count, MAX_ID_BYTES / 2000);
+        assert!(t.id_bytes <= MAX_ID_BYTES);
     }
 
     /// Past [`MAX_CALLS`] calls (here announced in descending order, the
