@@ -75,6 +75,11 @@ pub enum Warning {
     TooManyCalls { at: Location, max_calls: usize },
     #[error("{count} more undecodable frames were passed on unchanged without a warning")]
     Suppressed { count: u64 },
+    #[error(
+        "the stream's first {bytes} bytes are whitespace: it is taken for SSE (an NDJSON \
+         stream starts with `{{` within them) and passed on as such"
+    )]
+    BlankStart { bytes: usize },
     #[error("--inject {mode} applies to SSE streams; NDJSON lines get `field` injection")]
     InjectModeNotForNdjson { mode: &'static str },
 }

@@ -38,8 +38,11 @@ const MAX_REPORTED: u64 = 10;
 /// Characters of a bad frame quoted in its warning.
 const EXCERPT_CHARS: usize = 80;
 
-/// The most whitespace a stream may start with before its framing is
-/// decided without a first byte to go by (as SSE).
+/// The bytes at a stream's start that decide its framing (see
+/// [`Framing::sniff`]): if they are all whitespace (after a BOM), the
+/// stream is taken for SSE, which forwards blank lines as they are, so
+/// that what is held stays bounded. Only these bytes count, however the
+/// reads fall, so the framing never depends on the cuts.
 const MAX_BLANK_START: usize = 64 * 1024;
 
 /// What the pipeline should do; validated by the CLI or the proxy.
@@ -444,33 +447,32 @@ impl Annotator {
             Framer::Sniffing(seen) => {
                 // The first piece nearly always tells the framing: it is
                 // then framed where it lies.
+                let window = |bytes: &[u8]| bytes.len().min(MAX_BLANK_START);
                 if seen.is_empty()
-                    && let Some(framing) = Framing::sniff(input)
+                    && let Some(framing) = Framing::sniff(&input[..window(input)])
                 {
                     self.start(framing);
                     self.feed(input, now, out);
                     return;
                 }
                 // What came before is a BOM and whitespace: unless it is
-                // still too short to tell a BOM, the new piece decides
-                // (sniffing the whole again cost the square of a long
-                // blank start).
-                let sniffed = match seen.len() < 3 {
-                    true => {
-                        seen.extend_from_slice(input);
-                        Framing::sniff(seen)
-                    }
-                    false => {
-                        seen.extend_from_slice(input);
-                        Framing::sniff_after_start(input)
-                    }
+                // still too short to tell a BOM, the new piece's bytes
+                // within the window decide (sniffing the whole again cost
+                // the square of a long blank start).
+                let before = seen.len();
+                seen.extend_from_slice(input);
+                let sniffed = match before < 3 {
+                    true => Framing::sniff(&seen[..window(seen)]),
+                    false => Framing::sniff_after_start(&seen[before..window(seen)]),
                 };
-                // Past MAX_BLANK_START bytes of whitespace, the stream is
-                // taken for SSE (which forwards blank lines as they are),
-                // so that memory stays bounded whatever the input.
                 let framing = match sniffed {
                     Some(framing) => framing,
-                    None if seen.len() > MAX_BLANK_START => Framing::Sse,
+                    None if seen.len() > MAX_BLANK_START => {
+                        self.state.warnings.push(Warning::BlankStart {
+                            bytes: MAX_BLANK_START,
+                        });
+                        Framing::Sse
+                    }
                     None => return,
                 };
                 let seen = std::mem::take(seen);
@@ -1103,6 +1105,62 @@ mod tests {
         assert_eq!(out.len(), sent + event.len());
         assert!(out.ends_with(event));
         assert_eq!(annotator.frames(), 1);
+    }
+
+    /// Only the first `MAX_BLANK_START` bytes decide, whatever the cuts: a
+    /// `{` within them makes the stream NDJSON, one past them SSE (with a
+    /// warning), fed whole, in pieces of 1,000 bytes, or cut just before
+    /// and after the bound. Before, pieces that added up to the bound
+    /// before the `{` came made an NDJSON stream SSE: no progress at all.
+    #[test]
+    fn only_the_window_decides_the_framing() {
+        let line = b"{\"message\":{\"content\":\"hi\"},\"done\":false}\n";
+        for (blank, framing) in [
+            (MAX_BLANK_START - 1, Framing::Ndjson),
+            (MAX_BLANK_START, Framing::Sse),
+            (MAX_BLANK_START + 15_000, Framing::Sse),
+        ] {
+            let mut input = vec![b'\n'; blank];
+            input.extend_from_slice(line);
+            input.extend_from_slice(line);
+            let mut cuts: Vec<Vec<usize>> =
+                vec![vec![], (1..input.len() / 1000).map(|k| k * 1000).collect()];
+            for at in [MAX_BLANK_START - 1, MAX_BLANK_START, MAX_BLANK_START + 1] {
+                if at < input.len() {
+                    cuts.push(vec![at]);
+                }
+            }
+            for cut in cuts {
+                let mut annotator = forwarding();
+                let mut out = Vec::new();
+                let mut from = 0;
+                for &at in cut.iter().chain([&input.len()]) {
+                    annotator.push(&input[from..at], 0, &mut out);
+                    from = at;
+                }
+                let framed = match annotator.framer {
+                    Framer::Sse(_) => Framing::Sse,
+                    Framer::Ndjson(_) => Framing::Ndjson,
+                    Framer::Sniffing(_) => panic!("{blank}: still sniffing"),
+                };
+                annotator.finish(0, &mut out);
+                let cuts = cut.len();
+                assert_eq!(framed, framing, "{blank} blank bytes, {cuts} cuts");
+                assert_eq!(out, input, "{blank} blank bytes, {cuts} cuts");
+                let warnings: Vec<String> = annotator
+                    .take_warnings()
+                    .iter()
+                    .map(|w| w.to_string())
+                    .collect();
+                match framing {
+                    Framing::Ndjson => assert!(warnings.is_empty(), "{warnings:?}"),
+                    Framing::Sse => assert!(
+                        warnings.len() == 1 && warnings[0].contains("first 65536 bytes"),
+                        "{blank}, {cuts} cuts: {warnings:?}"
+                    ),
+                }
+            }
+        }
     }
 }
 
