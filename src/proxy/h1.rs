@@ -225,6 +225,25 @@ impl Conn {
         self.quiet(&mut Context::from_waker(Waker::noop()))
     }
 
+    /// [`usable`](Self::usable), and the kernel agrees: nothing to read
+    /// and no end. The reactor learns of an upstream's close only when it
+    /// next runs, so a connection the upstream closed just before (without
+    /// `Connection: close`, or at its keep-alive timeout) passed for open;
+    /// the request was then written to it and failed with a `502`, too
+    /// late to be sent again (2 of 300 back-to-back requests). One
+    /// `recv(MSG_PEEK)` for each connection taken from the pool.
+    fn usable_now(&mut self) -> bool {
+        if !self.usable() {
+            return false;
+        }
+        let mut byte = [0u8; 1];
+        let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+        matches!(
+            rustix::net::recv(&self.io, &mut byte, flags),
+            Err(err) if err == rustix::io::Errno::AGAIN
+        )
+    }
+
     /// Room for a read: at least [`MIN_READ_BYTES`], made `read_bytes`
     /// when short (`BytesMut` takes back the front of its buffer when no
     /// data handed on still points into it). A buffer whose bytes were all
@@ -343,6 +362,10 @@ pub enum BodyError {
 /// The pool and connector of plain-HTTP upstream connections.
 pub struct H1Pool {
     connector: HttpConnector,
+    /// How long a new connection may take, its name's lookup included
+    /// (the connector's own timeout covers the TCP connect alone, so a
+    /// slow resolver went past `--connect-timeout`).
+    connect_timeout: Duration,
     /// How long the rest of a request whose response has ended may go
     /// without progress (the proxy's idle timeout) before its connection
     /// is given up.
@@ -370,9 +393,9 @@ impl H1Pool {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Arc<H1Pool> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(connect_timeout));
         Arc::new(H1Pool {
             connector,
+            connect_timeout,
             rest_idle: idle_timeout,
             idle: (0..SHARDS).map(|_| Mutex::new(Vec::new())).collect(),
             sweeping: AtomicBool::new(false),
@@ -460,7 +483,7 @@ impl H1Pool {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             while let Some(mut entry) = idle.pop() {
-                if entry.since.elapsed() < IDLE_KEEP && entry.conn.usable() {
+                if entry.since.elapsed() < IDLE_KEEP && entry.conn.usable_now() {
                     return Some(entry.conn);
                 }
             }
@@ -525,11 +548,17 @@ impl H1Pool {
     }
 
     async fn connect(&self, uri: Uri) -> Result<Conn, H1Error> {
-        let io = self
-            .connector
-            .clone()
-            .call(uri)
+        let timeout = self.connect_timeout;
+        let io = tokio::time::timeout(timeout, self.connector.clone().call(uri))
             .await
+            // Timed out: the service answers `504`, as for a TLS upstream
+            // (`upstream::TimedConnect`).
+            .map_err(|_| {
+                H1Error::Connect(Box::new(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("connect (name lookup and TCP) timed out after {timeout:?}"),
+                )))
+            })?
             .map_err(|err| H1Error::Connect(err.into()))?;
         Ok(Conn::new(io.into_inner()))
     }
@@ -1011,6 +1040,28 @@ mod tests {
     use tokio::net::TcpListener;
     use tokio::runtime;
     use tokio::sync::oneshot;
+
+    /// An upstream's close that the reactor has not seen yet (it runs only
+    /// when the task waits) still makes the connection unusable: the
+    /// kernel is asked. The reactor's view alone took the connection for
+    /// open, and the request written to it failed with a `502`.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_close_the_reactor_has_not_seen_makes_a_connection_unusable() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (io, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let mut conn = Conn::new(io.expect("connect"));
+        let (peer, _) = accepted.expect("accept");
+        assert!(conn.usable_now(), "open and quiet");
+        // The peer closes; nothing here awaits, so the reactor does not run.
+        drop(peer);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            conn.usable(),
+            "the reactor's view is stale (else this test shows nothing)"
+        );
+        assert!(!conn.usable_now(), "the kernel knows of the close");
+    }
 
     /// `Host` keeps the port unless it is HTTP's default, as hyper-util's
     /// client writes it.
