@@ -936,6 +936,12 @@ impl StreamState {
         let Some(delta) = self.decoder_state.probed_call(provider, text) else {
             return false;
         };
+        // The first delta refused past the tracker's limits is decoded in
+        // full, where its warning gets its frame's place (here it had none:
+        // the warning came with a later frame, or never).
+        if !self.refused_warned && self.tracker.past_the_limits(&delta) {
+            return false;
+        }
         self.tracker.apply(&Chunk::ToolCallDelta(delta), now);
         true
     }
@@ -1105,6 +1111,47 @@ mod tests {
         assert_eq!(out.len(), sent + event.len());
         assert!(out.ends_with(event));
         assert_eq!(annotator.frames(), 1);
+    }
+
+    /// The warning of the first call past the tracker's limit names that
+    /// call's event with `--inject none` as with `field`, where frames of
+    /// one call's arguments take the quick path (it came with the next
+    /// frame decoded in full, `[DONE]`, or never).
+    #[test]
+    fn the_first_refused_call_is_warned_at_its_event() {
+        let mut input = String::new();
+        for n in 0..crate::progress::MAX_CALLS + 76 {
+            input.push_str(&format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":{n},\"function\":{{\"arguments\":\"x\"}}}}]}}}}]}}\n\n"
+            ));
+        }
+        for done in ["", "data: [DONE]\n\n"] {
+            let input = format!("{input}{done}");
+            let warnings = |inject: InjectMode| {
+                let mut annotator = Annotator::new(AnnotatorConfig {
+                    inject,
+                    ..AnnotatorConfig::default()
+                });
+                let mut out = Vec::new();
+                annotator.push(input.as_bytes(), 0, &mut out);
+                annotator.finish(0, &mut out);
+                let warnings: Vec<String> = annotator
+                    .take_warnings()
+                    .iter()
+                    .map(|w| w.to_string())
+                    .collect();
+                warnings
+            };
+            let field = warnings(InjectMode::Field);
+            assert_eq!(field.len(), 1, "{field:?}");
+            assert!(field[0].starts_with("SSE event 1025 (byte "), "{field:?}");
+            assert_eq!(
+                warnings(InjectMode::None),
+                field,
+                "[DONE]: {}",
+                !done.is_empty()
+            );
+        }
     }
 
     /// Only the first `MAX_BLANK_START` bytes decide, whatever the cuts: a

@@ -687,8 +687,8 @@ impl ToolCallTracker {
     }
 
     /// Whether `delta` would start a call past [`MAX_CALLS`], or a choice
-    /// past [`MAX_CHOICES`].
-    fn past_the_limits(&self, delta: &ToolCallDelta<'_>) -> bool {
+    /// past [`MAX_CHOICES`] (and be refused).
+    pub(crate) fn past_the_limits(&self, delta: &ToolCallDelta<'_>) -> bool {
         if self.call_count < MAX_CALLS && self.choices.len() < MAX_CHOICES {
             return false;
         }
