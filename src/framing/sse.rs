@@ -344,7 +344,12 @@ impl SseScan {
         // go out together, as one run, ended by the first event it does
         // not take (recognized and asked about again at the next call),
         // one it does not recognize (searched for), or the window's end.
+        // Not while the block's first line is known to be unfinished (a
+        // piece of a long line was searched): the probe would search it
+        // again from its start at each piece, the square of its length (a
+        // 16 MB comment line in 1 KiB pieces: 2.5 s against 0.14).
         if self.scan == self.start
+            && self.searched <= self.start
             && self.started
             && !self.tail_pending
             && !self.skip_lf
