@@ -1772,6 +1772,36 @@ async fn a_tls_upstream_that_never_answers_the_handshake_is_a_504_after_the_conn
     held.abort();
 }
 
+/// The same upstream, with `--response-timeout` shorter than
+/// `--connect-timeout`, and a request with a body: the `504` says that no
+/// connection was made, not that the upstream "took no more of the
+/// request body" (which it was never sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_timeout_before_any_connection_says_so() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    let mut config = proxy_config(&format!("https://{addr}"));
+    config.connect_timeout = Duration::from_secs(30);
+    config.response_timeout = Duration::from_millis(250);
+    let proxy = TestProxy::start(config).await;
+    let request = Request::post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(full(&b"{\"model\":\"m\"}"[..]))
+        .expect("request");
+    let (status, _, value) = json_body(send(&client(), request).await).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{value}");
+    openai_error(&value, "upstream_timeout");
+    let message = value["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("no connection to upstream"), "{value}");
+    held.abort();
+}
+
 /// The idle timeout counts from the last frame, not from the start: an
 /// upstream that sends a frame every 150 ms for over 1.5 s, with an idle
 /// timeout of 1 s, is streamed to its clean end, exactly. (The gap leaves a

@@ -395,6 +395,15 @@ impl Proxy {
                     format!("upstream {upstream} took no more of the request body for {timeout:?}"),
                 ));
             }
+            Err(Late::Connect) => {
+                return Err(fail(
+                    Fault::UpstreamTimeout,
+                    format!(
+                        "no connection to upstream {upstream} was made within {timeout:?} \
+                         (--response-timeout)"
+                    ),
+                ));
+            }
             Err(Late::Client) => {
                 return Err(fail(
                     Fault::ClientTimeout,
@@ -693,6 +702,9 @@ struct BodyWatch {
     last_move: AtomicU64,
     /// The last poll found the client had sent nothing more.
     waiting_on_client: AtomicBool,
+    /// The upstream client asked for it at least once: a connection was
+    /// made and the request's head written.
+    polled: AtomicBool,
     /// All of it was taken.
     ended: AtomicBool,
 }
@@ -703,6 +715,7 @@ impl BodyWatch {
             since: Instant::now(),
             last_move: AtomicU64::new(0),
             waiting_on_client: AtomicBool::new(false),
+            polled: AtomicBool::new(false),
             ended: AtomicBool::new(false),
         }
     }
@@ -738,6 +751,7 @@ impl http_body::Body for WatchedBody {
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
         let watch = &this.watch;
+        watch.polled.store(true, Ordering::Relaxed);
         watch
             .waiting_on_client
             .store(polled.is_pending(), Ordering::Relaxed);
@@ -766,6 +780,9 @@ impl http_body::Body for WatchedBody {
 enum Late {
     /// The request was sent whole, and no response head came.
     Response,
+    /// Its body was never asked for: no connection to the upstream was
+    /// made (a connect or TLS handshake that takes longer).
+    Connect,
     /// The upstream took no more of the request body.
     Upstream,
     /// The client sent no more of its request body.
@@ -799,6 +816,8 @@ async fn with_deadline<F: std::future::Future>(
         }
         return Err(if watch.ended.load(Ordering::Relaxed) {
             Late::Response
+        } else if !watch.polled.load(Ordering::Relaxed) {
+            Late::Connect
         } else if watch.waiting_on_client.load(Ordering::Relaxed) {
             Late::Client
         } else {
