@@ -651,6 +651,30 @@ async fn one_stream_carries_every_session() {
     b.await.expect("second");
 }
 
+/// Streams `capture` (which ends with `[DONE]`) to its end past a
+/// subscriber of its session that reads nothing meanwhile (the stream must
+/// not wait for it); then the frames that subscriber reads, up to a fresh
+/// snapshot or the `done`.
+async fn past_a_stalled_subscriber(capture: &str) -> Vec<Value> {
+    let run = start_with(
+        vec![Capture::new("stalled", capture.as_bytes())],
+        Duration::ZERO,
+    )
+    .await;
+    let mut stalled = Frames::open(&run.proxy, "stalled").await;
+    assert_eq!(stalled.next().await["type"], "stream_resume");
+    let body = chat_body(&run.proxy, "stalled", "stalled").await;
+    let body = tokio::time::timeout(Duration::from_secs(60), body.collect())
+        .await
+        .expect("the stream is not held back by the stalled subscriber")
+        .expect("body")
+        .to_bytes();
+    assert!(body.ends_with(b"data: [DONE]\n\n"));
+    stalled
+        .until(|f| f["type"] == "stream_resume" || f["done"] == true)
+        .await
+}
+
 /// A subscriber too slow to keep up is not buffered for, and does not hold
 /// the stream back: the stream, far more frames than the subscriber's
 /// backlog and the sockets between hold, comes whole while the subscriber
@@ -671,24 +695,8 @@ async fn a_lagging_subscriber_starts_again_from_a_snapshot() {
         );
     }
     capture.push_str("data: [DONE]\n\n");
-    let run = start_with(
-        vec![Capture::new("long_call", capture.as_bytes())],
-        Duration::ZERO,
-    )
-    .await;
-    let mut stalled = Frames::open(&run.proxy, "big").await;
-    assert_eq!(stalled.next().await["type"], "stream_resume");
-    let body = chat_body(&run.proxy, "big", "long_call").await;
-    let body = tokio::time::timeout(Duration::from_secs(60), body.collect())
-        .await
-        .expect("the stream is not held back by the stalled subscriber")
-        .expect("body")
-        .to_bytes();
-    assert!(body.ends_with(b"data: [DONE]\n\n"));
     // Now read: somewhere a fresh snapshot replaces what was missed.
-    let seen = stalled
-        .until(|f| f["type"] == "stream_resume" || f["done"] == true)
-        .await;
+    let seen = past_a_stalled_subscriber(&capture).await;
     assert_eq!(
         seen.last().map(|f| f["type"].clone()),
         Some("stream_resume".into()),
@@ -713,23 +721,7 @@ async fn a_stalled_subscriber_holds_a_bounded_number_of_bytes() {
         ));
     }
     capture.push_str("data: [DONE]\n\n");
-    let run = start_with(
-        vec![Capture::new("big_text", capture.as_bytes())],
-        Duration::ZERO,
-    )
-    .await;
-    let mut stalled = Frames::open(&run.proxy, "bytes").await;
-    assert_eq!(stalled.next().await["type"], "stream_resume");
-    let body = chat_body(&run.proxy, "bytes", "big_text").await;
-    let body = tokio::time::timeout(Duration::from_secs(60), body.collect())
-        .await
-        .expect("the stream is not held back by the stalled subscriber")
-        .expect("body")
-        .to_bytes();
-    assert!(body.ends_with(b"data: [DONE]\n\n"));
-    let seen = stalled
-        .until(|f| f["type"] == "stream_resume" || f["done"] == true)
-        .await;
+    let seen = past_a_stalled_subscriber(&capture).await;
     let deltas = seen.iter().filter(|f| f["contentDelta"] == text).count();
     assert_eq!(
         seen.last().map(|f| f["type"].clone()),

@@ -1745,13 +1745,9 @@ async fn an_upstream_that_does_not_accept_is_a_504_after_the_connect_timeout() {
     drop((listener, fillers));
 }
 
-/// An `https://` upstream that takes the connection and never answers the
-/// TLS handshake: `504` (`upstream_timeout`) after `connect_timeout`, which
-/// covers the handshake too. `response_timeout` is 30 s, past the test's
-/// patience for the response (5 s): a timeout of the TCP connect alone
-/// would fail the test.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tls_upstream_that_never_answers_the_handshake_is_a_504_after_the_connect_timeout() {
+/// An upstream that takes every connection and never says a word (no TLS
+/// handshake, no response): its address, and the task holding them.
+async fn silent_upstream() -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let held = tokio::spawn(async move {
@@ -1760,6 +1756,17 @@ async fn a_tls_upstream_that_never_answers_the_handshake_is_a_504_after_the_conn
             held.push(stream);
         }
     });
+    (addr, held)
+}
+
+/// An `https://` upstream that takes the connection and never answers the
+/// TLS handshake: `504` (`upstream_timeout`) after `connect_timeout`, which
+/// covers the handshake too. `response_timeout` is 30 s, past the test's
+/// patience for the response (5 s): a timeout of the TCP connect alone
+/// would fail the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_upstream_that_never_answers_the_handshake_is_a_504_after_the_connect_timeout() {
+    let (addr, held) = silent_upstream().await;
     let mut config = proxy_config(&format!("https://{addr}"));
     config.connect_timeout = Duration::from_millis(250);
     config.response_timeout = Duration::from_secs(30);
@@ -1778,14 +1785,7 @@ async fn a_tls_upstream_that_never_answers_the_handshake_is_a_504_after_the_conn
 /// request body" (which it was never sent).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_timeout_before_any_connection_says_so() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let held = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = listener.accept().await {
-            held.push(stream);
-        }
-    });
+    let (addr, held) = silent_upstream().await;
     let mut config = proxy_config(&format!("https://{addr}"));
     config.connect_timeout = Duration::from_secs(30);
     config.response_timeout = Duration::from_millis(250);

@@ -1150,17 +1150,20 @@ fn a_stderr_nobody_reads_stops_no_stream() {
 /// terminal is paused, each in a session of its own.
 const PAUSED_TERMINAL_REQUESTS: usize = 200;
 
-/// `annotate --progress` with stderr a terminal, fed a tool call an event
-/// every 150 ms, so the spinner's tick thread draws between events: the
-/// filter writes every event and ends, with the tool's final line. (With
-/// stderr locked for the whole run, the tick thread waited for that lock
-/// while holding the spinners' own, which the filter's next update waited
-/// for: both stopped for good after the first tick.)
-#[test]
-fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
-    let input = fixture(SINGLE_FIXTURE);
+/// `annotate --progress` with its stderr a new pseudoterminal.
+struct OnATerminal {
+    /// stdin and stdout piped.
+    child: Child,
+    /// What was drawn on the terminal, read as it came until the child
+    /// exited.
+    drawn: JoinHandle<Vec<u8>>,
+    /// Told each time what was drawn holds the text asked for.
+    shown: mpsc::Receiver<()>,
+}
+
+fn annotate_on_a_terminal(watch: &'static str) -> OnATerminal {
     let (master, slave) = pty::open(24, 100);
-    let mut child = aalis_proxy()
+    let child = aalis_proxy()
         .args(["annotate", "--progress"])
         // Without TERM (or with TERM=dumb) indicatif draws nothing.
         .env("TERM", "xterm")
@@ -1169,6 +1172,7 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
         .stderr(slave)
         .spawn()
         .expect("spawn annotate");
+    let (shown_tx, shown) = mpsc::channel();
     let drawn = thread::spawn(move || {
         let mut master = master;
         let mut seen = Vec::new();
@@ -1179,9 +1183,57 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
                 break;
             }
             seen.extend_from_slice(&buf[..n]);
+            if text(&seen).contains(watch) {
+                let _ = shown_tx.send(());
+            }
         }
         seen
     });
+    OnATerminal {
+        child,
+        drawn,
+        shown,
+    }
+}
+
+/// All of `from`, read on a thread of its own.
+fn read_all(mut from: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
+    thread::spawn(move || {
+        let mut out = Vec::new();
+        let _ = from.read_to_end(&mut out);
+        out
+    })
+}
+
+/// The child's exit status, if it exits within `within`; else it is
+/// killed, and `None`.
+fn exit_or_kill(child: &mut Child, within: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `annotate --progress` with stderr a terminal, fed a tool call an event
+/// every 150 ms, so the spinner's tick thread draws between events: the
+/// filter writes every event and ends, with the tool's final line. (With
+/// stderr locked for the whole run, the tick thread waited for that lock
+/// while holding the spinners' own, which the filter's next update waited
+/// for: both stopped for good after the first tick.)
+#[test]
+fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
+    let input = fixture(SINGLE_FIXTURE);
+    let OnATerminal {
+        mut child, drawn, ..
+    } = annotate_on_a_terminal("");
     let mut stdin = child.stdin.take().expect("stdin");
     let feeder = thread::spawn(move || {
         for event in input.split_inclusive(|&b| b == b'\n') {
@@ -1193,24 +1245,8 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
             }
         }
     });
-    let mut stdout = child.stdout.take().expect("stdout");
-    let out = thread::spawn(move || {
-        let mut out = Vec::new();
-        let _ = stdout.read_to_end(&mut out);
-        out
-    });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break Some(status);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        thread::sleep(Duration::from_millis(20));
-    };
+    let out = read_all(child.stdout.take().expect("stdout"));
+    let status = exit_or_kill(&mut child, Duration::from_secs(30));
     let _ = feeder.join();
     let out = out.join().expect("stdout thread");
     let drawn = drawn.join().expect("terminal thread");
@@ -1252,55 +1288,18 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
     let mut expected = Vec::new();
     annotator.push(&fed, NOW_MS, &mut expected);
     for signum in [sig::SIGINT, sig::SIGTERM] {
-        let (master, slave) = pty::open(24, 100);
-        let mut child = aalis_proxy()
-            .args(["annotate", "--progress"])
-            .env("TERM", "xterm")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(slave)
-            .spawn()
-            .expect("spawn annotate");
-        // The terminal, read as it comes; the spinner's line is shown once
-        // its count is.
-        let (shown_tx, shown_rx) = std::sync::mpsc::channel();
-        let drawn = thread::spawn(move || {
-            let mut master = master;
-            let mut seen = Vec::new();
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = master.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                seen.extend_from_slice(&buf[..n]);
-                if text(&seen).contains("get_weather  26 chars") {
-                    let _ = shown_tx.send(());
-                }
-            }
-            seen
-        });
+        // The spinner's line is shown once its count is.
+        let OnATerminal {
+            mut child,
+            drawn,
+            shown,
+        } = annotate_on_a_terminal("get_weather  26 chars");
         let mut stdin = child.stdin.take().expect("stdin");
         stdin.write_all(&fed).expect("feed annotate");
-        let mut stdout = child.stdout.take().expect("stdout");
-        let out = thread::spawn(move || {
-            let mut out = Vec::new();
-            let _ = stdout.read_to_end(&mut out);
-            out
-        });
-        let shown = shown_rx.recv_timeout(Duration::from_secs(20)).is_ok();
+        let out = read_all(child.stdout.take().expect("stdout"));
+        let shown = shown.recv_timeout(Duration::from_secs(20)).is_ok();
         sig::send(child.id(), signum);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                break Some(status);
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            thread::sleep(Duration::from_millis(20));
-        };
+        let status = exit_or_kill(&mut child, Duration::from_secs(20));
         drop(stdin);
         let out = out.join().expect("stdout thread");
         let drawn = text(&drawn.join().expect("terminal thread"));

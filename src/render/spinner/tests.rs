@@ -53,13 +53,19 @@ fn hostile_names_are_neutralized() {
     assert!(shown.ends_with('…'));
 }
 
+/// Spinners drawn on `term`, without colour, redrawn up to 100 times a
+/// second.
+fn on_memory_term(term: &InMemoryTerm) -> ProgressDisplay {
+    ProgressDisplay::terminal(
+        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
+        false,
+    )
+}
+
 #[test]
 fn two_parallel_tools_then_a_clear_on_a_terminal() {
     let term = InMemoryTerm::new(10, 80);
-    let display = ProgressDisplay::terminal(
-        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
-        false,
-    );
+    let display = on_memory_term(&term);
     let now = 1_000_000;
     // The second tool is announced first: lines still come in index order.
     display.show(
@@ -104,10 +110,7 @@ fn two_parallel_tools_then_a_clear_on_a_terminal() {
 #[test]
 fn an_interrupt_ends_every_spinner_and_draws_nothing_after() {
     let term = InMemoryTerm::new(10, 80);
-    let display = ProgressDisplay::terminal(
-        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
-        false,
-    );
+    let display = on_memory_term(&term);
     let now = 1_000_000;
     display.show(
         "",
@@ -534,10 +537,7 @@ impl Write for TermWriter {
 #[test]
 fn lines_written_above_the_spinners_stay() {
     let term = InMemoryTerm::new(10, 80);
-    let display = ProgressDisplay::terminal(
-        ProgressDrawTarget::term_like_with_hz(Box::new(term.clone()), 100),
-        false,
-    );
+    let display = on_memory_term(&term);
     let now = 1_000_000;
     let show = |chars| {
         display.show(
