@@ -1314,6 +1314,53 @@ async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
     assert_no_foreign_panic();
 }
 
+/// A client that sends all of a large request before it reads (a blocking
+/// one), to an upstream that answers at length while it still reads the
+/// request: both go through whole. The rest of the request was sent only
+/// when the response body was polled, which hyper does only while the
+/// client takes bytes: the proxy waited on the client, which waited on
+/// the proxy to take its request, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_whole_before_reading_does_not_deadlock_with_an_early_answer() {
+    const SIZE: usize = 16 * 1024 * 1024;
+    let raw = RawUpstream::start(|_| {
+        vec![
+            RawStep::Write(Bytes::from(format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n\
+                 content-length: {SIZE}\r\nconnection: close\r\n\r\n"
+            ))),
+            RawStep::Write(Bytes::from(vec![b'r'; SIZE])),
+        ]
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&raw.url())).await;
+    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+    let mut request = format!(
+        "POST /v1/upload HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+         content-type: application/octet-stream\r\ncontent-length: {SIZE}\r\n\r\n"
+    )
+    .into_bytes();
+    request.extend(std::iter::repeat_n(b'q', SIZE));
+    tokio::time::timeout(Duration::from_secs(30), client.write_all(&request))
+        .await
+        .expect("the whole request was taken (else the proxy and the client wait on each other)")
+        .expect("write the request");
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut got))
+        .await
+        .expect("the whole response in time")
+        .expect("read the response");
+    let head_end = find(&got, b"\r\n\r\n").expect("a response head") + 4;
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got[..head_end])
+    );
+    assert_eq!(got.len() - head_end, SIZE);
+    assert!(got[head_end..].iter().all(|&b| b == b'r'));
+    assert_no_foreign_panic();
+}
+
 /// The request side of the same client: a body the client sends chunked
 /// (no length) reaches the upstream whole, chunked again; one with a
 /// length goes with that length; a `GET` goes without a body. And an

@@ -17,11 +17,14 @@
 //! as much again, about 2,000 instructions of an SSE event's 11,700 in
 //! all. The HTTP/1.1 framing it took over is in [`wire`]; what it does not
 //! do: tunnels (`101`, `CONNECT`), content codings (the proxy asks for
-//! `identity`). A request body still being sent once the response has
-//! ended (an upstream may answer before it has read it all) is sent to its
-//! end by a task of its own, as hyper's client goes on sending it: the
-//! response is not held back for it, and the connection is kept for reuse
-//! only once all of the request is written (see `send_rest`).
+//! `identity`). A response whose head came before all of the request was
+//! written (an upstream may answer before it has read it all) is read, and
+//! the rest of the request sent, by a task of its own (`pump`), as hyper's
+//! client goes on sending it whether or not the response is read: the
+//! response is not held back for the request, nor the request for a client
+//! that reads its response only once it has sent all of its request; the
+//! connection is kept for reuse only once all of the request is written
+//! (see `send_rest`).
 //! After a poll of the socket that found nothing, the body does not poll it
 //! again until it was woken (`Gate`, in `proxy::gate`; nineteenth round).
 //!
@@ -60,6 +63,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::mpsc;
 use tower_service::Service;
 
 use super::gate::Gate;
@@ -470,6 +474,8 @@ impl H1Pool {
         // it, so the connection goes back now or never.
         if response.body().is_end_stream() {
             response.body_mut().release();
+        } else if response.body().sending.is_some() {
+            pump(response.body_mut());
         }
         response
     }
@@ -562,6 +568,66 @@ impl H1Pool {
             .map_err(|err| H1Error::Connect(err.into()))?;
         Ok(Conn::new(io.into_inner()))
     }
+}
+
+/// Frames of a pumped response waiting for the client's side: one, so
+/// that nothing is read far ahead of the client.
+const PUMPED_FRAMES: usize = 1;
+
+/// A response whose head came before the upstream had all of the request
+/// (`body.sending`): from now on a task of its own reads it and sends the
+/// rest of the request, and `body` becomes the end of a channel of
+/// [`PUMPED_FRAMES`] from that task. The response body drove both, and
+/// hyper polls it only while the client takes bytes: a client that sends
+/// its whole request before it reads (a blocking one), to an upstream that
+/// answers at length before it has read the request, waited on the proxy,
+/// which waited on the client, for good. The task sends the rest of the
+/// request whether or not the client reads; it ends with the response, or
+/// when the client's side is dropped (the connection with it).
+fn pump(body: &mut DrivenBody) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let (tx, rx) = mpsc::channel(PUMPED_FRAMES);
+    let mut driven = DrivenBody {
+        reader: std::mem::replace(&mut body.reader, Reader::Pumped(rx)),
+        conn: body.conn.take(),
+        sending: body.sending.take(),
+        reusable: body.reusable,
+        pool: Arc::clone(&body.pool),
+        gate: Gate::new(),
+    };
+    runtime.spawn(async move {
+        let mut room = Box::pin(tx.reserve_owned());
+        std::future::poll_fn(|cx| {
+            loop {
+                let permit = match room.as_mut().poll(cx) {
+                    Poll::Ready(Ok(permit)) => permit,
+                    // The client's side is gone.
+                    Poll::Ready(Err(_)) => return Poll::Ready(()),
+                    Poll::Pending => {
+                        // No room: the request still goes on.
+                        driven.send_rest(cx);
+                        return Poll::Pending;
+                    }
+                };
+                match Pin::new(&mut driven).poll_frame(cx) {
+                    Poll::Ready(Some(frame)) => {
+                        room = Box::pin(permit.send(frame).reserve_owned());
+                    }
+                    Poll::Ready(None) => return Poll::Ready(()),
+                    Poll::Pending => {
+                        // The permit goes back; asked for again at the
+                        // next wake-up.
+                        let tx = permit.release();
+                        room = Box::pin(tx.reserve_owned());
+                        return Poll::Pending;
+                    }
+                }
+            }
+        })
+        .await;
+    });
 }
 
 /// Writes the rest of `sending` on `conn` (see [`H1Pool::send_rest`]).
@@ -861,6 +927,8 @@ fn origin_form(uri: &Uri) -> Uri {
 
 /// Where a response body's reader is.
 enum Reader {
+    /// The response, read by a task of its own ([`pump`]).
+    Pumped(mpsc::Receiver<Result<Frame<Bytes>, BoxError>>),
     /// This many bytes of a `content-length` body to come.
     Length(u64),
     Chunked(Chunked),
@@ -934,7 +1002,7 @@ impl DrivenBody {
     fn take(&mut self) -> Option<Result<Frame<Bytes>, BodyError>> {
         let conn = self.conn.as_mut()?;
         match &mut self.reader {
-            Reader::Done => None,
+            Reader::Done | Reader::Pumped(_) => None,
             Reader::Length(left) => {
                 if conn.buf.is_empty() {
                     return None;
@@ -982,6 +1050,9 @@ impl Body for DrivenBody {
         } else if this.gate.closed(cx) {
             return Poll::Pending;
         }
+        if let Reader::Pumped(frames) = &mut this.reader {
+            return frames.poll_recv(cx);
+        }
         loop {
             match this.take() {
                 Some(Ok(frame)) => return Poll::Ready(Some(Ok(frame))),
@@ -1026,7 +1097,7 @@ impl Body for DrivenBody {
         match self.reader {
             Reader::Length(n) => SizeHint::with_exact(n),
             Reader::Done => SizeHint::with_exact(0),
-            Reader::Chunked(_) | Reader::Close => SizeHint::default(),
+            Reader::Chunked(_) | Reader::Close | Reader::Pumped(_) => SizeHint::default(),
         }
     }
 }
