@@ -315,15 +315,25 @@ pub struct ServeArgs {
 
     /// Longest silence of the upstream in the middle of a response; past it
     /// the stream ends (cut, not completed) and its session is cleared.
-    /// Also the longest a client may take none of the bytes waiting for it
-    /// (its socket full) before its connection is closed and its upstream
-    /// request cancelled, and the longest a failed upstream's cut waits for
-    /// an HTTP/1.1 client that has not yet taken the bytes that came before
-    /// it
+    /// Also the longest a failed upstream's cut waits for an HTTP/1.1 client
+    /// that has not yet taken the bytes that came before it
     ///
     /// Example: --idle-timeout 90s
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_timeout)]
     pub idle_timeout: Duration,
+
+    /// Longest a client may leave the bytes sent to it unread; past it its
+    /// connection is closed, its upstream request cancelled and its stream
+    /// ended
+    ///
+    /// Counted by the kernel (TCP_USER_TIMEOUT, Linux): bytes that wait
+    /// behind the client's shut TCP window this long. A client that reads,
+    /// however slowly, opens its window (on loopback by 64 KiB at a time)
+    /// and is left alone.
+    ///
+    /// Example: --client-timeout 1m
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_timeout)]
+    pub client_timeout: Duration,
 
     /// After SIGINT or SIGTERM, how long open streams may go on (a second
     /// signal cuts them at once; their --record files keep what came until
@@ -410,6 +420,7 @@ impl ServeArgs {
             connect_timeout: self.connect_timeout,
             response_timeout: self.response_timeout,
             idle_timeout: self.idle_timeout,
+            client_timeout: self.client_timeout,
             shutdown_grace: self.shutdown_grace,
             max_event_bytes: self.stream.max_event_bytes,
             record_dir: self.record.clone(),

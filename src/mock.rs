@@ -156,7 +156,7 @@ impl MockUpstream {
             shutdown,
             Duration::from_secs(1),
             server::HEAD_READ_TIMEOUT,
-            // As long as `serve`'s default --idle-timeout.
+            // As long as `serve`'s default --client-timeout.
             Duration::from_secs(300),
             &[],
         )

@@ -920,17 +920,16 @@ async fn an_upstream_that_ends_mid_event_loses_nothing_and_invents_nothing() {
     assert_no_foreign_panic();
 }
 
-/// A client that stops reading, with a stream's bytes waiting for it: once
-/// its socket has stayed full for `--idle-timeout` (1 s here), its
-/// connection is closed, and with it the upstream request (the upstream
-/// sees its connection closed), the stream and the session. Before, nothing
-/// bounded it: hyper polled neither the body nor its idle timer while the
-/// socket was full, so all of them stayed until the client read again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_takes_no_bytes_is_closed_after_the_idle_timeout() {
+/// An upstream with 32 MB of text for its client, and then no end (it
+/// waits with its connection open); a proxy whose `--client-timeout` is
+/// `client_timeout`; and a client connected through it, with a receive
+/// buffer of `rcvbuf` bytes when given, whose request has reached the
+/// upstream.
+async fn a_long_stream_to(
+    client_timeout: Duration,
+    rcvbuf: Option<u32>,
+) -> (RawUpstream, Served, TcpStream) {
     let event = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}]}\n\n";
-    // 32 MB of text, more than every buffer between the two, and then no
-    // end: the upstream waits with its connection open.
     let body: Vec<u8> = event.repeat(32 * 1024 * 1024 / event.len());
     let mut raw = RawUpstream::start(move |_| {
         vec![
@@ -940,10 +939,12 @@ async fn a_client_that_takes_no_bytes_is_closed_after_the_idle_timeout() {
     })
     .await;
     let mut config = proxy_config(&raw.url());
-    config.idle_timeout = Duration::from_secs(1);
+    config.client_timeout = client_timeout;
     let proxy = Served::start(config).await;
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    if let Some(bytes) = rcvbuf {
+        socket.set_recv_buffer_size(bytes).expect("SO_RCVBUF");
+    }
     let mut client = socket.connect(proxy.addr).await.expect("connect");
     client
         .write_all(
@@ -956,6 +957,19 @@ async fn a_client_that_takes_no_bytes_is_closed_after_the_idle_timeout() {
         matches!(raw.next(PATIENCE).await, Some(RawEvent::Head { n: 0, .. })),
         "the request reached the upstream"
     );
+    (raw, proxy, client)
+}
+
+/// A client that stops reading, with a stream's bytes waiting for it: once
+/// they have waited behind its shut TCP window for `--client-timeout` (1 s
+/// here), its connection is closed, and with it the upstream request (the
+/// upstream sees its connection closed), the stream and the session.
+/// Before, nothing bounded it: hyper polled neither the body nor its idle
+/// timer while the socket was full, so all of them stayed until the client
+/// read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_takes_no_bytes_is_closed_after_the_client_timeout() {
+    let (mut raw, proxy, mut client) = a_long_stream_to(Duration::from_secs(1), Some(4096)).await;
     // The client reads nothing; the proxy closes the upstream connection.
     let started = Instant::now();
     let closed = raw.next(Duration::from_secs(30)).await;
@@ -982,6 +996,36 @@ async fn a_client_that_takes_no_bytes_is_closed_after_the_idle_timeout() {
     .await;
     assert!(ended.is_ok(), "the client's connection is still open");
     assert_no_foreign_panic();
+}
+
+/// A client that reads slowly (16 KiB every 100 ms, far slower than the
+/// stream comes) is not closed, however long it stays behind: its window
+/// opens as it reads. A timer on writes that found the socket full cut
+/// such a client (Linux reports room only once a third of a full send
+/// buffer, 1.3 MB on loopback, has gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_slowly_is_not_closed() {
+    let (mut raw, _proxy, mut client) = a_long_stream_to(Duration::from_secs(2), None).await;
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut got = 0;
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        let n = tokio::time::timeout(PATIENCE, client.read(&mut buf))
+            .await
+            .expect("bytes in time")
+            .expect("read");
+        assert!(n > 0, "the connection was closed after {got} bytes");
+        got += n;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        raw.next(Duration::ZERO).await.is_none(),
+        "the upstream request was closed after {got} bytes"
+    );
+    assert!(
+        got < 16 * 1024 * 1024,
+        "the client was not behind: {got} bytes"
+    );
 }
 
 /// An upstream whose `Content-Length` promises more than it sends before

@@ -70,6 +70,7 @@ fn proxy_config(upstream: &str) -> ProxyConfig {
         connect_timeout: Duration::from_secs(1),
         response_timeout: Duration::from_secs(3),
         idle_timeout: Duration::from_secs(5),
+        client_timeout: Duration::from_secs(5),
         shutdown_grace: Duration::from_secs(3),
         max_event_bytes: aalis_proxy::framing::sse::DEFAULT_MAX_EVENT_BYTES,
         record_dir: None,
@@ -112,7 +113,7 @@ impl TestProxy {
         )
         .expect("upstream client");
         let grace = config.shutdown_grace;
-        let idle_timeout = config.idle_timeout;
+        let client_timeout = config.client_timeout;
         let proxy = Proxy::new(config, client, sessions.clone());
         let (tx, rx) = oneshot::channel::<()>();
         let handler = move |req, peer| {
@@ -130,7 +131,7 @@ impl TestProxy {
                 },
                 grace,
                 head_timeout,
-                idle_timeout,
+                client_timeout,
                 &handles,
             )
             .await;

@@ -51,6 +51,7 @@ async fn start_proxy(
         connect_timeout: Duration::from_secs(2),
         response_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(10),
+        client_timeout: Duration::from_secs(10),
         shutdown_grace: Duration::from_secs(1),
         max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
         record_dir,

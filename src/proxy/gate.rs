@@ -14,9 +14,8 @@
 //! yet. [`GatedRead`] puts a gate on the read side of a client's stream,
 //! holds the bytes of its first read ([`GatedRead::read_first`]) for the
 //! server to read again, notes whether its last write found the socket
-//! full ([`SocketFull`]), fails the connection once its socket has stayed
-//! full for too long (a client that takes no bytes: [`ClientStalled`]),
-//! and leaves the write side's end to the socket's close.
+//! full ([`SocketFull`]), and leaves the write side's end to the socket's
+//! close.
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -24,7 +23,6 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -168,65 +166,10 @@ pub(crate) struct GatedRead<T> {
     /// what [`GatedRead::read_first`] took.
     unread: Bytes,
     socket_full: SocketFull,
-    stall: WriteStall,
-}
-
-/// The connection's writes failed because its socket stayed full, the
-/// client taking none of the bytes waiting for it, for this long
-/// (`--idle-timeout`).
-#[derive(Debug, thiserror::Error)]
-#[error("the client took no bytes for {0:?}")]
-pub struct ClientStalled(pub Duration);
-
-/// How long a client's socket may stay full ([`ClientStalled`]). Nothing
-/// else bounds a client that stops reading: hyper then polls neither the
-/// response body nor its idle timer, so the stream, its upstream request
-/// and its session were held until the client read again or its TCP
-/// connection died (nginx has `send_timeout` for this).
-struct WriteStall {
-    limit: Duration,
-    /// Set, at `limit` from then, by a write that found the socket full;
-    /// dropped by the next write that writes, so that no timer waits in a
-    /// connection that is not stalled (a pending timer costs its worker's
-    /// every park a clock read: BENCHMARKS.md).
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl WriteStall {
-    /// `polled`, a write's result, unless the socket has been full for
-    /// `limit`: then an error. A write that writes costs a check; a write
-    /// that finds the socket full polls the timer, with the task's waker,
-    /// so the task is woken then and writes again, to fail.
-    #[inline]
-    fn check<T>(
-        &mut self,
-        cx: &mut Context<'_>,
-        polled: Poll<io::Result<T>>,
-    ) -> Poll<io::Result<T>> {
-        if !polled.is_pending() {
-            if self.timer.is_some() {
-                self.timer = None;
-            }
-            return polled;
-        }
-        let limit = self.limit;
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        if timer.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                ClientStalled(limit),
-            )));
-        }
-        Poll::Pending
-    }
 }
 
 impl<T> GatedRead<T> {
-    /// `io`, whose writes fail once its socket has stayed full for
-    /// `write_stall` ([`ClientStalled`]).
-    pub(crate) fn new(io: T, write_stall: Duration) -> GatedRead<T> {
+    pub(crate) fn new(io: T) -> GatedRead<T> {
         let gate = Gate::new();
         let socket_full = SocketFull(Arc::clone(&gate.shared));
         GatedRead {
@@ -234,10 +177,6 @@ impl<T> GatedRead<T> {
             gate,
             unread: Bytes::new(),
             socket_full,
-            stall: WriteStall {
-                limit: write_stall,
-                timer: None,
-            },
         }
     }
 
@@ -325,7 +264,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for GatedRead<T> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.io).poll_write(cx, buf);
         this.socket_full.note(&polled);
-        this.stall.check(cx, polled)
+        polled
     }
 
     fn poll_write_vectored(
@@ -336,7 +275,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for GatedRead<T> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
         this.socket_full.note(&polled);
-        this.stall.check(cx, polled)
+        polled
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -365,9 +304,6 @@ mod tests {
     use std::time::Duration;
     use tokio::io::AsyncWriteExt;
     use tokio::net::{TcpListener, TcpStream};
-
-    /// A write stall the tests never reach.
-    const HOUR: Duration = Duration::from_secs(3600);
 
     /// A stream that counts the polls of its read side.
     struct Counted {
@@ -434,13 +370,10 @@ mod tests {
     async fn a_read_that_found_nothing_waits_for_the_wake_up() {
         let (mut peer, io) = pair().await;
         let polls = Arc::new(AtomicUsize::new(0));
-        let mut gated = GatedRead::new(
-            Counted {
-                io,
-                polls: Arc::clone(&polls),
-            },
-            HOUR,
-        );
+        let mut gated = GatedRead::new(Counted {
+            io,
+            polls: Arc::clone(&polls),
+        });
         let flag = Arc::new(Flag::default());
         let waker = Waker::from(Arc::clone(&flag));
         let mut buf = [0u8; 16];
@@ -487,13 +420,10 @@ mod tests {
     /// The socket's reads through `gated`, counted by `Counted`.
     fn counted(io: TcpStream) -> (GatedRead<Counted>, Arc<AtomicUsize>) {
         let polls = Arc::new(AtomicUsize::new(0));
-        let gated = GatedRead::new(
-            Counted {
-                io,
-                polls: Arc::clone(&polls),
-            },
-            HOUR,
-        );
+        let gated = GatedRead::new(Counted {
+            io,
+            polls: Arc::clone(&polls),
+        });
         (gated, polls)
     }
 
@@ -577,7 +507,7 @@ mod tests {
     #[tokio::test]
     async fn the_write_side_ends_when_the_socket_closes() {
         let (mut peer, io) = pair().await;
-        let mut gated = GatedRead::new(io, HOUR);
+        let mut gated = GatedRead::new(io);
         tokio::io::AsyncWriteExt::write_all(&mut gated, b"bye")
             .await
             .expect("write");

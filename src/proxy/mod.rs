@@ -50,6 +50,10 @@ pub struct ProxyConfig {
     pub response_timeout: Duration,
     /// Longest silence of the upstream in the middle of a body.
     pub idle_timeout: Duration,
+    /// Longest a client may leave the bytes sent to it unread, its TCP
+    /// window shut, before the kernel closes its connection
+    /// (`TCP_USER_TIMEOUT`).
+    pub client_timeout: Duration,
     /// How long open streams may run on after a shutdown signal.
     pub shutdown_grace: Duration,
     /// Stream events larger than this are passed on unparsed.
@@ -74,6 +78,7 @@ impl ProxyConfig {
             connect_timeout: Duration::from_secs(10),
             response_timeout: Duration::from_secs(600),
             idle_timeout: Duration::from_secs(300),
+            client_timeout: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(10),
             max_event_bytes: crate::framing::sse::DEFAULT_MAX_EVENT_BYTES,
             record_dir: None,
@@ -111,9 +116,7 @@ pub async fn serve_proxy_on(
     workers: &[tokio::runtime::Handle],
 ) {
     let grace = proxy.config().shutdown_grace;
-    // A client that takes no bytes gets as long as an upstream that sends
-    // none (`--idle-timeout`).
-    let idle_timeout = proxy.config().idle_timeout;
+    let client_timeout = proxy.config().client_timeout;
     let _purger = proxy.sessions().spawn_purger(proxy.config().session_ttl);
     let sessions = proxy.sessions().clone();
     let shutdown = async move {
@@ -130,7 +133,7 @@ pub async fn serve_proxy_on(
         shutdown,
         grace,
         server::HEAD_READ_TIMEOUT,
-        idle_timeout,
+        client_timeout,
         workers,
     )
     .await;

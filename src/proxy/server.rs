@@ -45,7 +45,7 @@ use tokio::runtime::{self, Handle};
 use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinSet;
 
-use super::gate::{ClientStalled, GatedRead, SocketFull};
+use super::gate::{GatedRead, SocketFull};
 use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
 
@@ -71,8 +71,9 @@ pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// accepts its own connections from the listener (see `accept_loop`), or
 /// the current runtime does when there are none. A client connection
 /// gets `head_timeout` (see [`HEAD_READ_TIMEOUT`]) for each request head,
-/// and is closed once its socket has stayed full for `write_stall` (it
-/// takes none of the bytes waiting for it: [`ClientStalled`]).
+/// and is closed by the kernel once bytes sent to it have waited
+/// `write_stall` for its window to open (it takes none of them:
+/// `TCP_USER_TIMEOUT`; see `serve`'s body).
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
@@ -130,6 +131,20 @@ pub async fn serve<H, F>(
     // into it), which spares a `setsockopt` a connection; `accept_loop`
     // checks its first connection and sets it on each if not.
     let _ = rustix::net::sockopt::set_tcp_nodelay(&listener, true);
+    // A client that stops reading while a response has bytes for it shuts
+    // its TCP window: nothing else bounds it (hyper then polls neither the
+    // response body nor its idle timer), so the stream, its upstream
+    // request and its session were held until it read again. With
+    // TCP_USER_TIMEOUT the kernel closes a connection whose bytes have
+    // waited this long, unacknowledged or behind a shut window, and the
+    // connection's next write fails. A client that reads, however slowly,
+    // opens its window and is left alone (a timer of our own on writes
+    // that found the socket full also cut those: Linux takes a third of a
+    // full send buffer, 1.3 MB on loopback, before it reports room). Set
+    // on the listening socket, whose options an accepted connection takes
+    // (checked on the first, as for TCP_NODELAY). Linux only.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let _ = rustix::net::sockopt::set_tcp_user_timeout(&listener, user_timeout_ms(write_stall));
     let graceful = Drain::new();
     let (phase, phase_rx) = watch::channel(Phase::Accepting);
     let loads = Arc::new(Loads::new(workers.len().max(1)));
@@ -200,7 +215,8 @@ struct Shared<H> {
     /// The deadline of the first read (hyper's `http1` has it for the
     /// heads after).
     head_timeout: Duration,
-    /// How long a connection's socket may stay full ([`ClientStalled`]).
+    /// How long a client may leave the bytes sent to it waiting
+    /// (`TCP_USER_TIMEOUT`).
     write_stall: Duration,
     graceful: Drain,
     loads: Arc<Loads>,
@@ -332,9 +348,11 @@ async fn accept_loop<H, F>(
     // The connection tasks, so that what outlives the grace period can be
     // stopped (the drain only asks them to finish).
     let mut connections = JoinSet::new();
-    // Whether accepted connections come with TCP_NODELAY (see `serve`):
-    // asked of the first one.
+    // Whether accepted connections come with TCP_NODELAY and
+    // TCP_USER_TIMEOUT (see `serve`): asked of the first one.
     let mut nodelay_inherited = None;
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let mut user_timeout_inherited = None;
     while *phase.borrow_and_update() == Phase::Accepting {
         tokio::select! {
             accepted = accept_when_even(&listener, &shared.loads, me) => {
@@ -355,15 +373,30 @@ async fn accept_loop<H, F>(
                 if !*nodelay_inherited.get_or_insert_with(|| stream.nodelay().unwrap_or(false)) {
                     let _ = stream.set_nodelay(true);
                 }
+                #[cfg(any(target_os = "linux", target_os = "android"))]
+                {
+                    let wanted = user_timeout_ms(shared.write_stall);
+                    let inherited = user_timeout_inherited.get_or_insert_with(|| {
+                        rustix::net::sockopt::tcp_user_timeout(&stream).is_ok_and(|ms| ms == wanted)
+                    });
+                    if !*inherited {
+                        let _ = rustix::net::sockopt::set_tcp_user_timeout(&stream, wanted);
+                    }
+                }
                 let open = shared.loads.open(me);
                 let watcher = shared.graceful.watcher();
                 let shared = Arc::clone(&shared);
                 connections.spawn(async move {
                     if let Err(err) = serve_connection(stream, peer, &shared, watcher).await {
-                        if let Some(stalled) = find_source::<ClientStalled>(&*err) {
+                        if timed_out(&*err) {
                             // Its streams' log lines say `cancelled`: this
                             // says why.
-                            tracing::info!(%peer, "connection closed: {stalled}");
+                            tracing::info!(
+                                %peer,
+                                "connection closed: the client took none of the bytes sent to \
+                                 it for {:?} (--client-timeout)",
+                                shared.write_stall
+                            );
                         } else {
                             tracing::debug!(%peer, "connection ended: {err}");
                         }
@@ -420,7 +453,7 @@ where
     H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let mut io = GatedRead::new(stream, shared.write_stall);
+    let mut io = GatedRead::new(stream);
     let h2 = tokio::select! {
         // The read first: a request that came with its connection is
         // taken without the deadline's timer being set.
@@ -493,27 +526,20 @@ where
     Ok(())
 }
 
-/// The first error of type `E` in `err`'s chain of sources (hyper wraps
-/// the I/O error, which wraps ours).
-fn find_source<'e, E: std::error::Error + 'static>(
-    err: &'e (dyn std::error::Error + 'static),
-) -> Option<&'e E> {
-    let mut next = Some(err);
-    while let Some(err) = next {
-        if let Some(found) = err.downcast_ref::<E>() {
-            return Some(found);
-        }
-        // An io::Error's payload is its `get_ref`, not always its source.
-        if let Some(found) = err
-            .downcast_ref::<std::io::Error>()
-            .and_then(std::io::Error::get_ref)
-            .and_then(|inner| inner.downcast_ref::<E>())
-        {
-            return Some(found);
-        }
-        next = err.source();
-    }
-    None
+/// Whether a connection ended because the kernel gave up on it
+/// (`ETIMEDOUT`: its `TCP_USER_TIMEOUT`), somewhere in hyper's chain.
+fn timed_out(err: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(err), |err| err.source()).any(|err| {
+        err.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
+}
+
+/// `TCP_USER_TIMEOUT`'s value for `limit`, in milliseconds (0 would mean
+/// the system's default, so at least 1).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn user_timeout_ms(limit: Duration) -> u32 {
+    u32::try_from(limit.as_millis()).unwrap_or(u32::MAX).max(1)
 }
 
 /// One request open on an HTTP/2 connection, counted in the connection's
