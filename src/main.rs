@@ -22,6 +22,7 @@ use aalis_proxy::proxy::{ProxyConfig, serve_proxy_on};
 use aalis_proxy::render::spinner::{ProgressDisplay, ProgressMode};
 use aalis_proxy::stderr_log::{self, StderrLog};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// jemalloc instead of the system allocator: under steady traffic its
 /// resident memory reaches its working set within a minute and stays there,
@@ -165,9 +166,10 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         }
     };
     let display = Arc::new(display(args.stream.progress, None));
-    if !display.is_off() {
-        end_spinners_on_signal(&display);
-    }
+    let signalled = match display.is_off() {
+        true => Vec::new(),
+        false => end_spinners_on_signal(&display),
+    };
     let stdout = io::stdout().lock();
     // Spinners on a terminal: the warnings, and an output that is a
     // terminal too, are written above them (written past them, each was
@@ -180,7 +182,7 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         true => Box::new(display.above_as_is(stdout)),
         false => Box::new(stdout),
     };
-    filter::run(
+    let result = filter::run(
         source,
         &input_name,
         &mut output,
@@ -188,7 +190,9 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         args.annotator_config(),
         &display,
         &mut filter::unix_ms,
-    )?;
+    );
+    die_if_signalled(&display, &signalled);
+    result?;
     Ok(())
 }
 
@@ -202,18 +206,33 @@ const END_SPINNERS_TIMEOUT: Duration = Duration::from_secs(1);
 /// mid-turn on the terminal, and then the process dies of the signal, as it
 /// would have without this (a shell sees status 130 for SIGINT, and a
 /// script's loop stops). What was read was written as it came, so no data
-/// waits. If the handlers cannot be installed, the signals keep their
-/// default action.
-fn end_spinners_on_signal(display: &Arc<ProgressDisplay>) {
+/// waits. A signal the process was started with ignored (a background job
+/// of a script ignores SIGINT) stays ignored. If the handlers cannot be
+/// installed, the signals keep their default action.
+///
+/// Returns the flags the handlers set, one per signal handled, for
+/// [`die_if_signalled`]: Ctrl-C in `producer | aalis-proxy annotate` ends
+/// the producer too, and the input's end could let the process exit 0
+/// before the thread here had acted.
+fn end_spinners_on_signal(display: &Arc<ProgressDisplay>) -> Vec<(i32, Arc<AtomicBool>)> {
     use signal_hook::consts::{SIGINT, SIGTERM};
+    let ignored = ignored_signals();
+    let handled: Vec<i32> = [SIGINT, SIGTERM]
+        .into_iter()
+        .filter(|&signal| ignored >> (signal - 1) & 1 == 0)
+        .collect();
+    if handled.is_empty() {
+        return Vec::new();
+    }
     let display = Arc::clone(display);
     // The handlers are installed on the thread that waits for them, and
     // only once it runs: never a handler with nobody to act on it.
     let (installed_tx, installed_rx) = std::sync::mpsc::channel();
+    let on_thread = handled.clone();
     let spawned = std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
-            let mut signals = match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
+            let mut signals = match signal_hook::iterator::Signals::new(&on_thread) {
                 Ok(signals) => signals,
                 Err(_) => return,
             };
@@ -221,22 +240,62 @@ fn end_spinners_on_signal(display: &Arc<ProgressDisplay>) {
             let Some(signal) = signals.forever().next() else {
                 return;
             };
-            // Ended on a thread of its own: one stuck on a paused terminal
-            // must not keep the process alive.
-            let (ended_tx, ended_rx) = std::sync::mpsc::channel();
-            let _ = std::thread::Builder::new().spawn(move || {
-                display.interrupt(filter::unix_ms());
-                let _ = ended_tx.send(());
-            });
-            let _ = ended_rx.recv_timeout(END_SPINNERS_TIMEOUT);
-            let _ = signal_hook::low_level::emulate_default_handler(signal);
-            // Not reached: the default action of both signals ends the process.
-            std::process::exit(128 + signal);
+            end_spinners_and_die(&display, signal);
         });
-    if spawned.is_ok() {
-        // Until the thread says, or gives up without handlers.
-        let _ = installed_rx.recv();
+    if spawned.is_err() || installed_rx.recv().is_err() {
+        return Vec::new();
     }
+    handled
+        .into_iter()
+        .filter_map(|signal| {
+            let raised = Arc::new(AtomicBool::new(false));
+            signal_hook::flag::register(signal, Arc::clone(&raised))
+                .ok()
+                .map(|_| (signal, raised))
+        })
+        .collect()
+}
+
+/// Ends the spinners (on a thread of its own, for at most
+/// [`END_SPINNERS_TIMEOUT`]: one stuck on a paused terminal must not keep
+/// the process alive), then dies of `signal`.
+fn end_spinners_and_die(display: &Arc<ProgressDisplay>, signal: i32) -> ! {
+    let (ended_tx, ended_rx) = std::sync::mpsc::channel();
+    let display = Arc::clone(display);
+    let _ = std::thread::Builder::new().spawn(move || {
+        display.interrupt(filter::unix_ms());
+        let _ = ended_tx.send(());
+    });
+    let _ = ended_rx.recv_timeout(END_SPINNERS_TIMEOUT);
+    let _ = signal_hook::low_level::emulate_default_handler(signal);
+    // Not reached: the default action of both signals ends the process.
+    std::process::exit(128 + signal);
+}
+
+/// After the filter's end: if a handled signal came meanwhile, the spinners
+/// end and the process dies of it (see [`end_spinners_on_signal`]).
+fn die_if_signalled(display: &Arc<ProgressDisplay>, flags: &[(i32, Arc<AtomicBool>)]) {
+    if let Some((signal, _)) = flags
+        .iter()
+        .find(|(_, raised)| raised.load(Ordering::SeqCst))
+    {
+        end_spinners_and_die(display, *signal);
+    }
+}
+
+/// The signals this process was started with ignored, as a mask (bit
+/// `n - 1` for signal `n`): `SigIgn` of `/proc/self/status` (Linux; none
+/// elsewhere). Read without `sigaction`, which would need `unsafe`.
+fn ignored_signals() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("SigIgn:"))
+                .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        })
+        .unwrap_or(0)
 }
 
 fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {

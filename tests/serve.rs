@@ -58,6 +58,7 @@ mod sig {
     pub const SIGINT: c_int = 2;
     pub const SIGTERM: c_int = 15;
     const SIG_DFL: usize = 0;
+    const SIG_IGN: usize = 1;
 
     /// In a child between fork and exec: the default disposition for
     /// SIGINT and SIGTERM. A test run started in the background by a shell
@@ -67,6 +68,15 @@ mod sig {
         unsafe {
             signal(SIGINT, SIG_DFL);
             signal(SIGTERM, SIG_DFL);
+        }
+    }
+
+    /// In a child between fork and exec: SIGINT ignored, as a background
+    /// job of a script without job control has it.
+    pub fn ignore_interrupt() {
+        // SAFETY: signal() is async-signal-safe and touches no Rust state.
+        unsafe {
+            signal(SIGINT, SIG_IGN);
         }
     }
 
@@ -1162,8 +1172,13 @@ struct OnATerminal {
 }
 
 fn annotate_on_a_terminal(watch: &'static str) -> OnATerminal {
+    annotate_on_a_terminal_from(aalis_proxy(), watch)
+}
+
+/// [`annotate_on_a_terminal`], run by `cmd` (the binary, set up).
+fn annotate_on_a_terminal_from(mut cmd: Command, watch: &'static str) -> OnATerminal {
     let (master, slave) = pty::open(24, 100);
-    let child = aalis_proxy()
+    let child = cmd
         .args(["annotate", "--progress"])
         // Without TERM (or with TERM=dumb) indicatif draws nothing.
         .env("TERM", "xterm")
@@ -1287,18 +1302,31 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
     });
     let mut expected = Vec::new();
     annotator.push(&fed, NOW_MS, &mut expected);
-    for signum in [sig::SIGINT, sig::SIGTERM] {
+    // With the input's end right after the signal too, as Ctrl-C on
+    // `producer | aalis-proxy annotate` ends the producer: the filter's
+    // end came first, and the process exited 0 (12 of 20 runs).
+    for (signum, then_eof) in [
+        (sig::SIGINT, false),
+        (sig::SIGTERM, false),
+        (sig::SIGINT, true),
+        (sig::SIGTERM, true),
+    ] {
         // The spinner's line is shown once its count is.
         let OnATerminal {
             mut child,
             drawn,
             shown,
         } = annotate_on_a_terminal("get_weather  26 chars");
-        let mut stdin = child.stdin.take().expect("stdin");
-        stdin.write_all(&fed).expect("feed annotate");
+        let mut stdin = Some(child.stdin.take().expect("stdin"));
+        if let Some(stdin) = stdin.as_mut() {
+            stdin.write_all(&fed).expect("feed annotate");
+        }
         let out = read_all(child.stdout.take().expect("stdout"));
         let shown = shown.recv_timeout(Duration::from_secs(20)).is_ok();
         sig::send(child.id(), signum);
+        if then_eof {
+            drop(stdin.take());
+        }
         let status = exit_or_kill(&mut child, Duration::from_secs(20));
         drop(stdin);
         let out = out.join().expect("stdout thread");
@@ -1310,11 +1338,58 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
             "signal {signum}: {status:?}"
         );
         assert_eq!(text(&out), text(&expected), "signal {signum}");
+        // With the input's end too, the end may come first: its final
+        // line is then the stream's end's, `✓`.
         assert!(
-            drawn.contains("✗ get_weather  26 chars"),
+            drawn.contains("✗ get_weather  26 chars")
+                || (then_eof && drawn.contains("✓ get_weather  26 chars")),
             "signal {signum}: no final line in {drawn:?}"
         );
     }
+}
+
+/// `annotate --progress` started with SIGINT ignored (a background job of
+/// a script): it stays ignored. A SIGINT changes nothing, and the filter
+/// runs to its input's end, its tool's spinner ending as a stream's end
+/// ends it (`✗`, no `[DONE]`), exit 0. (Its handler took SIGINT over, and
+/// the process died of it.)
+#[test]
+fn annotate_started_with_sigint_ignored_keeps_it_ignored() {
+    use std::os::unix::process::ExitStatusExt;
+    let whole = fixture(SINGLE_FIXTURE);
+    let fed: Vec<u8> = whole
+        .split_inclusive(|&b| b == b'\n')
+        .filter(|line| line != b"\n")
+        .take(6)
+        .flat_map(|line| [line, b"\n".as_slice()].concat())
+        .collect();
+    let mut cmd = common::base_command();
+    // SAFETY: the closure only calls signal(), which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            sig::reset_to_default();
+            sig::ignore_interrupt();
+            Ok(())
+        });
+    }
+    let OnATerminal {
+        mut child, shown, ..
+    } = annotate_on_a_terminal_from(cmd, "get_weather  26 chars");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(&fed).expect("feed annotate");
+    let out = read_all(child.stdout.take().expect("stdout"));
+    assert!(
+        shown.recv_timeout(Duration::from_secs(20)).is_ok(),
+        "no spinner drawn"
+    );
+    sig::send(child.id(), sig::SIGINT);
+    // Time for a handler to act, if there were one.
+    thread::sleep(Duration::from_millis(300));
+    drop(stdin);
+    let status = exit_or_kill(&mut child, Duration::from_secs(20));
+    let _ = out.join();
+    assert_eq!(status.and_then(|s| s.signal()), None, "{status:?}");
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
 }
 
 /// `serve --progress` on a terminal paused with Ctrl-S: every write to it
