@@ -32,7 +32,7 @@ use tokio::sync::{broadcast, mpsc};
 
 use super::body::log_safe;
 use super::service::{Proxy, json_error, json_response};
-use super::sessions::{SessionRegistry, Subscription};
+use super::sessions::{Frame as SessionFrame, SUBSCRIBER_BACKLOG, SessionRegistry, Subscription};
 use super::upstream::{BoxError, ProxyBody};
 
 /// The status page: HTML, CSS and JavaScript in one file, in the binary.
@@ -304,70 +304,83 @@ impl Watch {
 }
 
 /// The most a subscriber's frames not yet taken by its connection may
-/// hold: past it (and past one frame), it is sent a fresh snapshot instead.
-/// Frames are a few hundred bytes, but a content or reasoning frame holds
-/// the upstream's delta, whatever its size: counted in frames alone, a
-/// subscriber that stopped reading held 256 of them (1,024 on
-/// `/_aalis/events`), 285 MiB with 1 MiB deltas.
+/// hold, in bytes, and in frames (four times as many on `/_aalis/events`,
+/// as its broadcast has): past either (and past one frame), the subscriber
+/// starts again from a fresh snapshot. Frames are a few hundred bytes, but
+/// a content or reasoning frame holds the upstream's delta, whatever its
+/// size: counted in frames alone, a subscriber that stopped reading held
+/// 256 of them (1,024 on `/_aalis/events`), 285 MiB with 1 MiB deltas.
 pub const SUBSCRIBER_BACKLOG_BYTES: usize = 1 << 20;
 
 /// The events routes: a task takes frames from a broadcast as they come,
 /// into a queue of its own, and hands them to the response body through a
 /// channel of one. A subscriber that lags (by more than the broadcast's
-/// frames, or [`SUBSCRIBER_BACKLOG_BYTES`] in its queue) gets a fresh
-/// snapshot instead of what it missed; a client that goes away closes the
-/// channel, which ends the task at once (and forgets its session if nothing
-/// else uses it); so does the proxy's shutdown.
+/// frames, or than [`SUBSCRIBER_BACKLOG_BYTES`] or the broadcast's frames
+/// in its queue) is dropped from the broadcast, and once its connection
+/// takes bytes again it gets a fresh snapshot (taken then, with a new
+/// receiver) instead of what it missed: a stalled one holds nothing
+/// meanwhile. A client that goes away closes the channel, which ends the
+/// task at once (and forgets its session if nothing else uses it); so
+/// does the proxy's shutdown.
 fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
     let (tx, rx) = mpsc::channel::<Bytes>(1);
-    let Subscription { resume, mut frames } = watch.subscribe(&registry);
+    let Subscription { resume, frames } = watch.subscribe(&registry);
+    let max_frames = match watch {
+        Watch::Session(_) => SUBSCRIBER_BACKLOG,
+        Watch::All => SUBSCRIBER_BACKLOG * 4,
+    };
     tokio::spawn(async move {
         let mut backlog = Backlog::default();
         backlog.push(sse(&resume));
+        // `None` while a fresh snapshot is due (see above).
+        let mut frames = Some(frames);
         let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
         keep_alive.tick().await;
         let closed = registry.closed();
         tokio::pin!(closed);
         loop {
+            let resync = frames.is_none();
             tokio::select! {
                 // The proxy shuts down: end the stream so the connection
                 // can close (EventSource reconnects).
                 () = &mut closed => break,
                 // The client went away.
                 () = tx.closed() => break,
-                // The connection takes the next frame.
-                permit = tx.reserve(), if !backlog.is_empty() => match permit {
-                    Ok(permit) => {
-                        if let Some(frame) = backlog.pop() {
-                            permit.send(frame);
+                // The connection takes the next frame, or the snapshot due.
+                permit = tx.reserve(), if !backlog.is_empty() || resync => {
+                    let Ok(permit) = permit else { break };
+                    match backlog.pop() {
+                        Some(frame) => permit.send(frame),
+                        None => {
+                            let fresh = watch.subscribe(&registry);
+                            frames = Some(fresh.frames);
+                            permit.send(sse(&fresh.resume));
                         }
                     }
-                    Err(_) => break,
-                },
-                received = frames.recv() => {
+                }
+                received = next_frame(&mut frames), if !resync => {
                     let lagged = match received {
                         Ok(frame) => {
                             backlog.push(sse(&frame));
-                            backlog.over()
+                            backlog.over(max_frames)
                         }
                         Err(broadcast::error::RecvError::Lagged(_)) => true,
                         Err(broadcast::error::RecvError::Closed) => break,
                     };
                     if lagged {
-                        // Too far behind: start again from the present,
-                        // snapshot and receiver taken together.
+                        // Too far behind: what waits goes, and so does the
+                        // receiver, until the connection can take the
+                        // present (the snapshot, taken then).
                         tracing::debug!(
                             frames = backlog.len(),
                             bytes = backlog.bytes,
-                            "slow subscriber resumed from a snapshot"
+                            "slow subscriber: a fresh snapshot once it reads again"
                         );
-                        let fresh = watch.subscribe(&registry);
-                        frames = fresh.frames;
                         backlog.clear();
-                        backlog.push(sse(&fresh.resume));
+                        frames = None;
                     }
                 }
-                _ = keep_alive.tick(), if backlog.is_empty() => {
+                _ = keep_alive.tick(), if backlog.is_empty() && !resync => {
                     backlog.push(Bytes::from_static(b": keep-alive\n\n"));
                 }
             }
@@ -386,6 +399,16 @@ fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
     response
+}
+
+/// The next frame of `frames`; never, while there is no receiver.
+async fn next_frame(
+    frames: &mut Option<broadcast::Receiver<SessionFrame>>,
+) -> Result<SessionFrame, broadcast::error::RecvError> {
+    match frames {
+        Some(frames) => frames.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// A subscriber's frames that its connection has not taken yet.
@@ -415,10 +438,12 @@ impl Backlog {
         self.frames.len()
     }
 
-    /// Past [`SUBSCRIBER_BACKLOG_BYTES`], with more than one frame: a
-    /// single frame larger than the bound still goes out whole.
-    fn over(&self) -> bool {
-        self.bytes > SUBSCRIBER_BACKLOG_BYTES && self.frames.len() > 1
+    /// Past [`SUBSCRIBER_BACKLOG_BYTES`] or `max_frames`, with more than
+    /// one frame: a single frame larger than the bound still goes out
+    /// whole.
+    fn over(&self, max_frames: usize) -> bool {
+        self.frames.len() > 1
+            && (self.bytes > SUBSCRIBER_BACKLOG_BYTES || self.frames.len() > max_frames)
     }
 
     fn clear(&mut self) {
@@ -577,6 +602,63 @@ mod tests {
                 "{given:?}"
             );
         }
+    }
+
+    /// A subscriber whose connection takes nothing, past more frames than
+    /// its backlog's (each small): it is dropped from the broadcast, and
+    /// once its connection takes bytes again it gets a fresh snapshot and
+    /// nothing more. With the backlog bounded in bytes alone, all 2,000
+    /// frames waited for it (1 MiB is about 8,000 of them).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_stalled_subscriber_past_its_frames_gets_a_fresh_snapshot() {
+        use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta};
+        use crate::pipeline::StreamEvent;
+        use crate::progress::{ProgressEntry, ToolCallTracker};
+        let registry = SessionRegistry::new();
+        let mut body = events(registry.clone(), Watch::Session("s1".into())).into_body();
+        let mut stream = registry.begin_stream("s1");
+        let mut tracker = ToolCallTracker::new(false);
+        tracker.apply(
+            &Chunk::ToolCallDelta(ToolCallDelta {
+                choice: 0,
+                index: Some(0),
+                id: None,
+                name: Some("f".into()),
+                arguments: ArgumentsDelta::Append(std::borrow::Cow::<str>::Borrowed("").into()),
+            }),
+            1,
+        );
+        for chars in 0..2_000 {
+            let event = StreamEvent::Progress(ProgressEntry {
+                choice: 0,
+                index: 0,
+                name: "f".into(),
+                chars_accumulated: chars,
+                started_at_ms: 1,
+            });
+            stream.publish_at(&mut tracker, &[event], false, std::time::Instant::now());
+            // The subscriber's task takes each frame as it comes.
+            tokio::task::yield_now().await;
+        }
+        let mut frames = Vec::new();
+        while let Ok(Some(Ok(frame))) =
+            tokio::time::timeout(Duration::from_millis(200), body.frame()).await
+        {
+            if let Ok(data) = frame.into_data() {
+                frames.push(String::from_utf8_lossy(&data).into_owned());
+            }
+        }
+        let progress = frames
+            .iter()
+            .filter(|f| f.contains("toolCallProgress"))
+            .count();
+        assert!(frames.len() >= 2, "{frames:?}");
+        assert!(frames[0].contains("stream_resume"), "{}", frames[0]);
+        assert!(
+            frames.last().is_some_and(|f| f.contains("stream_resume")),
+            "no fresh snapshot after {progress} progress frames"
+        );
+        assert!(progress <= SUBSCRIBER_BACKLOG, "{progress} frames held");
     }
 
     #[test]
