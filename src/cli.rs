@@ -293,7 +293,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     pub upstream_ca: Option<PathBuf>,
 
-    /// Deadline for connecting to the upstream (TCP and TLS); past it, 504
+    /// Deadline for connecting to the upstream (name lookup, TCP and TLS);
+    /// past it, 504
     ///
     /// Durations are a number with an optional unit: ms, s (the default), m;
     /// a timeout must be longer than 0.

@@ -397,6 +397,10 @@ impl H1Pool {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Arc<H1Pool> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        // Also the connector's own: it shares it among a name's addresses,
+        // so that one that drops the connection leaves time for the next
+        // (the outer bound, in `connect`, covers the lookup too).
+        connector.set_connect_timeout(Some(connect_timeout));
         Arc::new(H1Pool {
             connector,
             connect_timeout,
