@@ -399,8 +399,9 @@ impl Proxy {
                 return Err(fail(
                     Fault::UpstreamTimeout,
                     format!(
-                        "no connection to upstream {upstream} was made within {timeout:?} \
-                         (--response-timeout)"
+                        "upstream {upstream} took none of the request within {timeout:?} \
+                         (--response-timeout): no connection was made, or, over HTTP/2, no \
+                         stream let in"
                     ),
                 ));
             }
@@ -781,7 +782,8 @@ enum Late {
     /// The request was sent whole, and no response head came.
     Response,
     /// Its body was never asked for: no connection to the upstream was
-    /// made (a connect or TLS handshake that takes longer).
+    /// made (a connect or TLS handshake that takes longer), or an HTTP/2
+    /// upstream let no new stream in.
     Connect,
     /// The upstream took no more of the request body.
     Upstream,
