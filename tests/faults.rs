@@ -1405,6 +1405,55 @@ async fn a_request_sent_whole_before_reading_does_not_deadlock_with_an_early_ans
     assert_no_foreign_panic();
 }
 
+/// A client that goes away after all of its request was sent, from a
+/// response whose head came before the request's end, while the upstream
+/// sends nothing more: the upstream request is cancelled (its connection
+/// closed) at once. The task that reads such a response waited on the
+/// upstream alone, and no bound was left (the idle timer goes with the
+/// client's side).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_an_early_answered_request_cancels_it() {
+    let mut raw = RawUpstream::start(|_| {
+        vec![RawStep::Write(Bytes::from_static(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n\
+              content-length: 1000000\r\n\r\nfirst bytes",
+        ))]
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&raw.url())).await;
+    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+    let half = vec![b'q'; 100_000];
+    client
+        .write_all(b"POST /v1/upload HTTP/1.1\r\nhost: x\r\ncontent-length: 200000\r\n\r\n")
+        .await
+        .expect("head");
+    client.write_all(&half).await.expect("first half");
+    assert!(
+        matches!(raw.next(PATIENCE).await, Some(RawEvent::Head { n: 0, .. })),
+        "the request reached the upstream"
+    );
+    // The answer's head comes while half of the request is still to come.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while find(&got, b"first bytes").is_none() {
+        let n = tokio::time::timeout(PATIENCE, client.read(&mut buf))
+            .await
+            .expect("the early answer in time")
+            .expect("read");
+        assert!(n > 0, "closed");
+        got.extend_from_slice(&buf[..n]);
+    }
+    client.write_all(&half).await.expect("second half");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(client);
+    assert_eq!(
+        raw.next(PATIENCE).await,
+        Some(RawEvent::Closed { n: 0 }),
+        "the upstream request is still open"
+    );
+    assert_no_foreign_panic();
+}
+
 /// The request side of the same client: a body the client sends chunked
 /// (no length) reaches the upstream whole, chunked again; one with a
 /// length goes with that length; a `GET` goes without a body. And an

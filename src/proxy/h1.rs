@@ -7,9 +7,9 @@
 //! found in one poll, so [`TapBody`](super::body::TapBody) sends them in one
 //! write. Nothing is read ahead of the client either: the socket is only
 //! read when the body is polled, that is when the client's side has room.
-//! Nothing is spawned (but for the rest of a request whose response ended
-//! before it was sent, below), and there is no channel between the
-//! connection and the body.
+//! Nothing is spawned, and there is no channel between the connection and
+//! the body, but for a response whose head came before all of the request
+//! was written (below).
 //!
 //! Until the eighteenth round (BENCHMARKS.md) this was hyper's client
 //! connection, polled by the body: its chunked decoder took a chunk-size
@@ -601,9 +601,13 @@ fn pump(body: &mut DrivenBody) {
         pool: Arc::clone(&body.pool),
         gate: Gate::new(),
     };
+    // The client's side can go while the pump waits on the upstream alone
+    // (the request sent, no frame to hand on): a sender's `closed` hears
+    // it, and the connection goes with the task.
+    let gone = tx.clone();
     runtime.spawn(async move {
         let mut room = Box::pin(tx.reserve_owned());
-        std::future::poll_fn(|cx| {
+        let pumped = std::future::poll_fn(|cx| {
             loop {
                 let permit = match room.as_mut().poll(cx) {
                     Poll::Ready(Ok(permit)) => permit,
@@ -629,8 +633,11 @@ fn pump(body: &mut DrivenBody) {
                     }
                 }
             }
-        })
-        .await;
+        });
+        tokio::select! {
+            () = pumped => {}
+            () = gone.closed() => {}
+        }
     });
 }
 

@@ -527,19 +527,34 @@ where
 }
 
 /// Whether a connection ended because the kernel gave up on it
-/// (`ETIMEDOUT`: its `TCP_USER_TIMEOUT`), somewhere in hyper's chain.
+/// (`ETIMEDOUT`: its `TCP_USER_TIMEOUT`), in hyper's chain: not beneath an
+/// error of a response body (hyper's "user" errors), which is the
+/// upstream's (its socket's own `ETIMEDOUT`).
 fn timed_out(err: &(dyn std::error::Error + 'static)) -> bool {
-    std::iter::successors(Some(err), |err| err.source()).any(|err| {
-        err.downcast_ref::<std::io::Error>()
+    for err in std::iter::successors(Some(err), |err| err.source()) {
+        if err
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_user)
+        {
+            return false;
+        }
+        if err
+            .downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
-    })
+        {
+            return true;
+        }
+    }
+    false
 }
 
-/// `TCP_USER_TIMEOUT`'s value for `limit`, in milliseconds (0 would mean
-/// the system's default, so at least 1).
+/// `TCP_USER_TIMEOUT`'s value for `limit`, in milliseconds: at least 1 (0
+/// would mean the system's default) and at most `i32::MAX`, about 24.8
+/// days (the kernel reads an `int` and refuses a negative one).
 #[cfg(any(target_os = "linux", target_os = "android"))]
 fn user_timeout_ms(limit: Duration) -> u32 {
-    u32::try_from(limit.as_millis()).unwrap_or(u32::MAX).max(1)
+    let ms = u32::try_from(limit.as_millis()).unwrap_or(u32::MAX);
+    ms.clamp(1, i32::MAX.unsigned_abs())
 }
 
 /// One request open on an HTTP/2 connection, counted in the connection's

@@ -225,7 +225,9 @@ impl Proxy {
                 let outcome = match fault {
                     // The same word as a stream whose client went away.
                     Fault::ClientAborted => "cancelled",
-                    Fault::ClientTimeout => "client-timeout",
+                    // Not `client-timeout`: that is `--client-timeout`'s,
+                    // a client that stops reading (logged as `cancelled`).
+                    Fault::ClientTimeout => "client-body-timeout",
                     Fault::BadRequest
                     | Fault::NotImplemented
                     | Fault::UpstreamUnreachable
