@@ -1279,6 +1279,18 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
     );
 }
 
+/// The first six events of the single-call fixture: the call and its
+/// arguments up to `{"location":"Paris, France` (26 characters), and no
+/// end.
+fn first_six_events() -> Vec<u8> {
+    fixture(SINGLE_FIXTURE)
+        .split_inclusive(|&b| b == b'\n')
+        .filter(|line| line != b"\n")
+        .take(6)
+        .flat_map(|line| [line, b"\n".as_slice()].concat())
+        .collect()
+}
+
 /// `annotate --progress` on a terminal, interrupted (Ctrl-C) or terminated
 /// in the middle of a tool call: the tool's spinner ends with its `✗` line
 /// and its last count (it was left frozen mid-turn on the terminal), every
@@ -1287,15 +1299,7 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
 #[test]
 fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
     use std::os::unix::process::ExitStatusExt;
-    let whole = fixture(SINGLE_FIXTURE);
-    // The first six events: the call and its arguments up to
-    // `{"location":"Paris, France` (26 characters), and no end.
-    let fed: Vec<u8> = whole
-        .split_inclusive(|&b| b == b'\n')
-        .filter(|line| line != b"\n")
-        .take(6)
-        .flat_map(|line| [line, b"\n".as_slice()].concat())
-        .collect();
+    let fed = first_six_events();
     let mut annotator = Annotator::new(AnnotatorConfig {
         framing: Some(Framing::Sse),
         ..AnnotatorConfig::default()
@@ -1350,19 +1354,13 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
 
 /// `annotate --progress` started with SIGINT ignored (a background job of
 /// a script): it stays ignored. A SIGINT changes nothing, and the filter
-/// runs to its input's end, its tool's spinner ending as a stream's end
-/// ends it (`✗`, no `[DONE]`), exit 0. (Its handler took SIGINT over, and
-/// the process died of it.)
+/// runs to its input's end, its tool's spinner ending as an input's end
+/// ends it, exit 0. (Its handler took SIGINT over, and the process died of
+/// it.)
 #[test]
 fn annotate_started_with_sigint_ignored_keeps_it_ignored() {
     use std::os::unix::process::ExitStatusExt;
-    let whole = fixture(SINGLE_FIXTURE);
-    let fed: Vec<u8> = whole
-        .split_inclusive(|&b| b == b'\n')
-        .filter(|line| line != b"\n")
-        .take(6)
-        .flat_map(|line| [line, b"\n".as_slice()].concat())
-        .collect();
+    let fed = first_six_events();
     let mut cmd = common::base_command();
     // SAFETY: the closure only calls signal(), which is async-signal-safe.
     unsafe {
