@@ -32,7 +32,9 @@ use tokio::sync::{broadcast, mpsc};
 
 use super::body::log_safe;
 use super::service::{Proxy, json_error, json_response};
-use super::sessions::{Frame as SessionFrame, SUBSCRIBER_BACKLOG, SessionRegistry, Subscription};
+use super::sessions::{
+    ALL_SESSIONS_BACKLOG, Frame as SessionFrame, SUBSCRIBER_BACKLOG, SessionRegistry, Subscription,
+};
 use super::upstream::{BoxError, ProxyBody};
 
 /// The status page: HTML, CSS and JavaScript in one file, in the binary.
@@ -327,7 +329,7 @@ fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
     let Subscription { resume, frames } = watch.subscribe(&registry);
     let max_frames = match watch {
         Watch::Session(_) => SUBSCRIBER_BACKLOG,
-        Watch::All => SUBSCRIBER_BACKLOG * 4,
+        Watch::All => ALL_SESSIONS_BACKLOG,
     };
     tokio::spawn(async move {
         let mut backlog = Backlog::default();

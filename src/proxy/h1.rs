@@ -607,17 +607,22 @@ fn pump(body: &mut DrivenBody) {
     let gone = tx.clone();
     runtime.spawn(async move {
         let mut room = Box::pin(tx.reserve_owned());
+        // Room taken and not yet used: kept while the upstream has nothing.
+        let mut held = None;
         let pumped = std::future::poll_fn(|cx| {
             loop {
-                let permit = match room.as_mut().poll(cx) {
-                    Poll::Ready(Ok(permit)) => permit,
-                    // The client's side is gone.
-                    Poll::Ready(Err(_)) => return Poll::Ready(()),
-                    Poll::Pending => {
-                        // No room: the request still goes on.
-                        driven.send_rest(cx);
-                        return Poll::Pending;
-                    }
+                let permit = match held.take() {
+                    Some(permit) => permit,
+                    None => match room.as_mut().poll(cx) {
+                        Poll::Ready(Ok(permit)) => permit,
+                        // The client's side is gone.
+                        Poll::Ready(Err(_)) => return Poll::Ready(()),
+                        Poll::Pending => {
+                            // No room: the request still goes on.
+                            driven.send_rest(cx);
+                            return Poll::Pending;
+                        }
+                    },
                 };
                 match Pin::new(&mut driven).poll_frame(cx) {
                     Poll::Ready(Some(frame)) => {
@@ -625,10 +630,7 @@ fn pump(body: &mut DrivenBody) {
                     }
                     Poll::Ready(None) => return Poll::Ready(()),
                     Poll::Pending => {
-                        // The permit goes back; asked for again at the
-                        // next wake-up.
-                        let tx = permit.release();
-                        room = Box::pin(tx.reserve_owned());
+                        held = Some(permit);
                         return Poll::Pending;
                     }
                 }

@@ -72,7 +72,7 @@ pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// the current runtime does when there are none. A client connection
 /// gets `head_timeout` (see [`HEAD_READ_TIMEOUT`]) for each request head,
 /// and is closed by the kernel once bytes sent to it have waited
-/// `write_stall` for its window to open (it takes none of them:
+/// `client_timeout` for its window to open (it takes none of them:
 /// `TCP_USER_TIMEOUT`; see `serve`'s body).
 pub async fn serve<H, F>(
     listener: TcpListener,
@@ -80,7 +80,7 @@ pub async fn serve<H, F>(
     shutdown: impl Future<Output = ()>,
     grace: Duration,
     head_timeout: Duration,
-    write_stall: Duration,
+    client_timeout: Duration,
     workers: &[Handle],
 ) where
     H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
@@ -144,7 +144,7 @@ pub async fn serve<H, F>(
     // on the listening socket, whose options an accepted connection takes
     // (checked on the first, as for TCP_NODELAY). Linux only.
     #[cfg(any(target_os = "linux", target_os = "android"))]
-    let _ = rustix::net::sockopt::set_tcp_user_timeout(&listener, user_timeout_ms(write_stall));
+    let _ = rustix::net::sockopt::set_tcp_user_timeout(&listener, user_timeout_ms(client_timeout));
     let graceful = Drain::new();
     let (phase, phase_rx) = watch::channel(Phase::Accepting);
     let loads = Arc::new(Loads::new(workers.len().max(1)));
@@ -153,7 +153,7 @@ pub async fn serve<H, F>(
         http1,
         http2,
         head_timeout,
-        write_stall,
+        client_timeout,
         graceful: graceful.clone(),
         loads,
     });
@@ -217,7 +217,7 @@ struct Shared<H> {
     head_timeout: Duration,
     /// How long a client may leave the bytes sent to it waiting
     /// (`TCP_USER_TIMEOUT`).
-    write_stall: Duration,
+    client_timeout: Duration,
     graceful: Drain,
     loads: Arc<Loads>,
 }
@@ -375,7 +375,7 @@ async fn accept_loop<H, F>(
                 }
                 #[cfg(any(target_os = "linux", target_os = "android"))]
                 {
-                    let wanted = user_timeout_ms(shared.write_stall);
+                    let wanted = user_timeout_ms(shared.client_timeout);
                     let inherited = user_timeout_inherited.get_or_insert_with(|| {
                         rustix::net::sockopt::tcp_user_timeout(&stream).is_ok_and(|ms| ms == wanted)
                     });
@@ -395,7 +395,7 @@ async fn accept_loop<H, F>(
                                 %peer,
                                 "connection closed: the client took none of the bytes sent to \
                                  it for {:?} (--client-timeout)",
-                                shared.write_stall
+                                shared.client_timeout
                             );
                         } else {
                             tracing::debug!(%peer, "connection ended: {err}");

@@ -596,14 +596,21 @@ fn session_id(prefix: &str, n: u64) -> String {
     id
 }
 
-/// Whether a `Transfer-Encoding` value names no coding but `chunked`
-/// (empty list elements, which RFC 9110 §5.6.1 allows, are skipped).
+/// Whether a `Transfer-Encoding` value names no coding but `chunked`.
 fn only_chunked(codings: &HeaderValue) -> bool {
+    names_only(codings, "chunked")
+}
+
+/// Whether a list of codings (`Transfer-Encoding`, `Content-Encoding`)
+/// names none but `coding`, in any case; empty list elements, which RFC
+/// 9110 §5.6.1 allows, are skipped, and a value that is not text names
+/// something else.
+fn names_only(codings: &HeaderValue, coding: &str) -> bool {
     codings.to_str().is_ok_and(|codings| {
         codings
             .split(',')
             .map(str::trim)
-            .all(|coding| coding.is_empty() || coding.eq_ignore_ascii_case("chunked"))
+            .all(|named| named.is_empty() || named.eq_ignore_ascii_case(coding))
     })
 }
 
@@ -649,14 +656,10 @@ fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
     // Any coding but `identity`, in any of the header's fields (a second
     // field was not read: `identity` then `gzip` was annotated), or a
     // value that is not text: not ours to read.
-    let encoded = headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
-        v.to_str().map_or(true, |v| {
-            v.split(',').any(|coding| {
-                let coding = coding.trim();
-                !coding.is_empty() && !coding.eq_ignore_ascii_case("identity")
-            })
-        })
-    });
+    let encoded = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .any(|codings| !names_only(codings, "identity"));
     if encoded {
         return None;
     }

@@ -52,6 +52,10 @@ use crate::render::spinner::{Outcome, ProgressDisplay};
 /// Frames a subscriber may fall behind before it is resent a snapshot.
 pub const SUBSCRIBER_BACKLOG: usize = 256;
 
+/// [`SUBSCRIBER_BACKLOG`] for the subscribers of every session
+/// (`/_aalis/events`), whose one stream carries all their frames.
+pub const ALL_SESSIONS_BACKLOG: usize = 4 * SUBSCRIBER_BACKLOG;
+
 /// One frame for subscribers: a JSON object, rendered once for all.
 pub type Frame = Arc<str>;
 
@@ -227,7 +231,7 @@ impl Default for State {
         State {
             sessions: Sessions::default(),
             next_generation: 0,
-            all: broadcast::channel(SUBSCRIBER_BACKLOG * 4).0,
+            all: broadcast::channel(ALL_SESSIONS_BACKLOG).0,
         }
     }
 }
