@@ -921,17 +921,12 @@ async fn an_upstream_that_ends_mid_event_loses_nothing_and_invents_nothing() {
 }
 
 /// An upstream with 32 MB of text for its client, and then no end (it
-/// waits with its connection open); a proxy whose `--client-timeout` is
-/// `client_timeout`; and a client connected through it, with a receive
-/// buffer of `rcvbuf` bytes when given, whose request has reached the
-/// upstream.
-async fn a_long_stream_to(
-    client_timeout: Duration,
-    rcvbuf: Option<u32>,
-) -> (RawUpstream, Served, TcpStream) {
+/// waits with its connection open), and a proxy whose `--client-timeout`
+/// is `client_timeout`.
+async fn a_long_upstream(client_timeout: Duration) -> (RawUpstream, Served) {
     let event = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}]}\n\n";
     let body: Vec<u8> = event.repeat(32 * 1024 * 1024 / event.len());
-    let mut raw = RawUpstream::start(move |_| {
+    let raw = RawUpstream::start(move |_| {
         vec![
             RawStep::Write(chunked_head("text/event-stream")),
             RawStep::Write(chunk(&body)),
@@ -941,6 +936,17 @@ async fn a_long_stream_to(
     let mut config = proxy_config(&raw.url());
     config.client_timeout = client_timeout;
     let proxy = Served::start(config).await;
+    (raw, proxy)
+}
+
+/// [`a_long_upstream`], and an HTTP/1.1 client connected through it, with
+/// a receive buffer of `rcvbuf` bytes when given, whose request has
+/// reached the upstream.
+async fn a_long_stream_to(
+    client_timeout: Duration,
+    rcvbuf: Option<u32>,
+) -> (RawUpstream, Served, TcpStream) {
+    let (mut raw, proxy) = a_long_upstream(client_timeout).await;
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     if let Some(bytes) = rcvbuf {
         socket.set_recv_buffer_size(bytes).expect("SO_RCVBUF");
@@ -1016,6 +1022,109 @@ async fn a_client_that_reads_slowly_is_not_closed() {
             .expect("read");
         assert!(n > 0, "the connection was closed after {got} bytes");
         got += n;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        raw.next(Duration::ZERO).await.is_none(),
+        "the upstream request was closed after {got} bytes"
+    );
+    assert!(
+        got < 16 * 1024 * 1024,
+        "the client was not behind: {got} bytes"
+    );
+}
+
+/// [`a_long_upstream`], and an HTTP/2 client connected through it (hyper's,
+/// whose windows are h2's first 64 KiB: they open only as the response
+/// body is read), whose request has reached the upstream: its response
+/// and its connection's task.
+async fn a_long_http2_stream_to(
+    client_timeout: Duration,
+) -> (
+    RawUpstream,
+    Served,
+    Response<Incoming>,
+    JoinHandle<hyper::Result<()>>,
+) {
+    let (mut raw, proxy) = a_long_upstream(client_timeout).await;
+    let stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(65_535)
+        .adaptive_window(false)
+        .handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    let conn = tokio::spawn(conn);
+    let request = Request::post(format!("http://{}/v1/chat/completions", proxy.addr))
+        .header("x-aalis-session", "stalled")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .expect("request");
+    let response = tokio::time::timeout(PATIENCE, sender.send_request(request))
+        .await
+        .expect("in time")
+        .expect("response");
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    assert!(
+        matches!(raw.next(PATIENCE).await, Some(RawEvent::Head { n: 0, .. })),
+        "the request reached the upstream"
+    );
+    (raw, proxy, response, conn)
+}
+
+/// An HTTP/2 client whose connection reads its socket (so its TCP window
+/// stays open, and `TCP_USER_TIMEOUT` never fires) but not the response:
+/// once a response's bytes have waited behind its shut HTTP/2
+/// flow-control window for `--client-timeout` (1 s here), its connection
+/// is closed, and with it the upstream request, the stream and the
+/// session, as for an HTTP/1.1 client that stops reading. Before, all of
+/// them stayed until the client read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_keeps_its_window_shut_is_closed_after_the_client_timeout() {
+    let (mut raw, proxy, response, conn) = a_long_http2_stream_to(Duration::from_secs(1)).await;
+    let started = Instant::now();
+    let closed = raw.next(Duration::from_secs(30)).await;
+    assert_eq!(
+        closed,
+        Some(RawEvent::Closed { n: 0 }),
+        "the upstream request was still open after {:?}",
+        started.elapsed()
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900),
+        "closed after {waited:?}, before the client timeout"
+    );
+    let sessions = proxy.sessions().clone();
+    assert!(eventually(PATIENCE, || sessions.is_empty()).await);
+    assert!(eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await);
+    tokio::time::timeout(PATIENCE, conn)
+        .await
+        .expect("the client's connection ended")
+        .expect("no panic")
+        .ok();
+    drop(response);
+    assert_no_foreign_panic();
+}
+
+/// An HTTP/2 client that reads its response slowly (a frame every 100 ms,
+/// far slower than the stream comes) is not closed, however long it stays
+/// behind: each read opens its window, and the proxy's body is asked for
+/// more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_reads_slowly_is_not_closed() {
+    let (mut raw, _proxy, response, _conn) = a_long_http2_stream_to(Duration::from_secs(1)).await;
+    let mut body = response.into_body();
+    let mut got = 0;
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        let frame = tokio::time::timeout(PATIENCE, body.frame())
+            .await
+            .expect("a frame in time");
+        let frame = frame
+            .unwrap_or_else(|| panic!("the stream ended after {got} bytes"))
+            .unwrap_or_else(|err| panic!("the stream failed after {got} bytes: {err}"));
+        got += frame.data_ref().map_or(0, Bytes::len);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(

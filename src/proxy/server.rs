@@ -34,7 +34,6 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
-use http_body_util::BodyExt;
 use http_body_util::combinators::BoxBody;
 use hyper::server::conn::{http1, http2};
 use hyper::service::{Service, service_fn};
@@ -73,7 +72,8 @@ pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// gets `head_timeout` (see [`HEAD_READ_TIMEOUT`]) for each request head,
 /// and is closed by the kernel once bytes sent to it have waited
 /// `client_timeout` for its window to open (it takes none of them:
-/// `TCP_USER_TIMEOUT`; see `serve`'s body).
+/// `TCP_USER_TIMEOUT`; see `serve`'s body), or over HTTP/2 once a
+/// response has waited as long for its flow-control window ([`held_for`]).
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
@@ -492,19 +492,21 @@ where
         let (open, quiet) = watch::channel(0usize);
         let dead = open.subscribe();
         let open = Arc::new(open);
+        let sends = Arc::new(H2Sends::default());
+        let bodies = Arc::clone(&sends);
         let service = service_fn(move |req| {
             let held = StreamOpen::new(&open);
+            let sends = Arc::clone(&bodies);
             let response = service.call(req);
             async move {
                 let response = response.await?;
-                // The body's closure owns the count, dropped with the body
-                // (`map_err`, which runs only on an error, passes the
-                // body's end and size hint on).
                 Ok::<_, Infallible>(response.map(|body| {
-                    BoxBody::new(body.map_err(move |err| {
-                        let _open: &StreamOpen = &held;
-                        err
-                    }))
+                    BoxBody::new(H2Body {
+                        inner: body,
+                        _open: held,
+                        sends,
+                        taken: false,
+                    })
                 }))
             }
         });
@@ -515,6 +517,17 @@ where
                 return Err(format!(
                     "no request on the HTTP/2 connection within {:?}, nor its close after a GOAWAY",
                     2 * limit
+                )
+                .into());
+            }
+            // The kernel's `TCP_USER_TIMEOUT` sees a shut TCP window, not
+            // a shut HTTP/2 one: a client whose connection reads its
+            // socket but not a response is caught here, and reported
+            // alike (`timed_out`).
+            () = held_for(&sends, shared.client_timeout) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "a response's bytes waited behind the client's HTTP/2 flow-control window",
                 )
                 .into());
             }
@@ -572,6 +585,92 @@ impl StreamOpen {
 impl Drop for StreamOpen {
     fn drop(&mut self) {
         self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// What an HTTP/2 connection's response bodies tell its watch
+/// ([`held_for`]).
+#[derive(Debug, Default)]
+struct H2Sends {
+    /// Bodies whose last frame hyper has taken without asking for the
+    /// next yet. hyper asks again at once unless h2 has no room for more:
+    /// the client's flow-control window is shut (or the socket is full).
+    held: AtomicUsize,
+    /// Polls of any of the connection's response bodies, as a sign of
+    /// life.
+    polls: AtomicUsize,
+}
+
+/// A response body on an HTTP/2 connection: a request open while it lives
+/// ([`StreamOpen`]), and counted in its connection's [`H2Sends`].
+struct H2Body {
+    inner: ProxyBody,
+    _open: StreamOpen,
+    sends: Arc<H2Sends>,
+    /// Its last frame was taken, and no poll has come since.
+    taken: bool,
+}
+
+impl http_body::Body for H2Body {
+    type Data = bytes::Bytes;
+    type Error = super::upstream::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        this.sends.polls.fetch_add(1, Ordering::Relaxed);
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let taken = matches!(polled, Poll::Ready(Some(Ok(_))));
+        if taken != this.taken {
+            this.taken = taken;
+            if taken {
+                this.sends.held.fetch_add(1, Ordering::Relaxed);
+            } else {
+                this.sends.held.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for H2Body {
+    fn drop(&mut self) {
+        if self.taken {
+            self.sends.held.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Resolves once `sends` has had a body held ([`H2Sends::held`]) and no
+/// body polled for `limit` (within an eighth of it, looked at that often):
+/// the client has left the bytes sent to it waiting that long. A body
+/// held while others move is not caught.
+async fn held_for(sends: &H2Sends, limit: Duration) {
+    let tick = (limit / 8).max(Duration::from_millis(10));
+    let mut still = Duration::ZERO;
+    let mut polls = sends.polls.load(Ordering::Relaxed);
+    loop {
+        tokio::time::sleep(tick).await;
+        let now = sends.polls.load(Ordering::Relaxed);
+        if now == polls && sends.held.load(Ordering::Relaxed) > 0 {
+            still += tick;
+            if still >= limit {
+                return;
+            }
+        } else {
+            still = Duration::ZERO;
+        }
+        polls = now;
     }
 }
 
