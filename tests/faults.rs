@@ -966,6 +966,28 @@ async fn a_long_stream_to(
     (raw, proxy, client)
 }
 
+/// Waits for `raw`'s request to be closed by a proxy whose
+/// `--client-timeout` is 1 s, with a client that takes nothing: not
+/// before that second, within 30; then the session and the stream are
+/// gone.
+async fn cancelled_after_a_second(raw: &mut RawUpstream, proxy: &Served) {
+    let started = Instant::now();
+    let closed = raw.next(Duration::from_secs(30)).await;
+    let waited = started.elapsed();
+    assert_eq!(
+        closed,
+        Some(RawEvent::Closed { n: 0 }),
+        "the upstream request was still open after {waited:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(900),
+        "closed after {waited:?}, before the client timeout"
+    );
+    let sessions = proxy.sessions().clone();
+    assert!(eventually(PATIENCE, || sessions.is_empty()).await);
+    assert!(eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await);
+}
+
 /// A client that stops reading, with a stream's bytes waiting for it: once
 /// they have waited behind its shut TCP window for `--client-timeout` (1 s
 /// here), its connection is closed, and with it the upstream request (the
@@ -977,17 +999,7 @@ async fn a_long_stream_to(
 async fn a_client_that_takes_no_bytes_is_closed_after_the_client_timeout() {
     let (mut raw, proxy, mut client) = a_long_stream_to(Duration::from_secs(1), Some(4096)).await;
     // The client reads nothing; the proxy closes the upstream connection.
-    let started = Instant::now();
-    let closed = raw.next(Duration::from_secs(30)).await;
-    assert_eq!(
-        closed,
-        Some(RawEvent::Closed { n: 0 }),
-        "the upstream request was still open after {:?}",
-        started.elapsed()
-    );
-    let sessions = proxy.sessions().clone();
-    assert!(eventually(PATIENCE, || sessions.is_empty()).await);
-    assert!(eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await);
+    cancelled_after_a_second(&mut raw, &proxy).await;
     // The client, reading at last, gets what was in the buffers, then the
     // end of a connection that was closed.
     let mut buf = vec![0u8; 64 * 1024];
@@ -1093,22 +1105,7 @@ async fn a_long_http2_stream_to(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_client_that_keeps_its_window_shut_is_closed_after_the_client_timeout() {
     let (mut raw, proxy, response, conn) = a_long_http2_stream_to(Duration::from_secs(1)).await;
-    let started = Instant::now();
-    let closed = raw.next(Duration::from_secs(30)).await;
-    assert_eq!(
-        closed,
-        Some(RawEvent::Closed { n: 0 }),
-        "the upstream request was still open after {:?}",
-        started.elapsed()
-    );
-    let waited = started.elapsed();
-    assert!(
-        waited >= Duration::from_millis(900),
-        "closed after {waited:?}, before the client timeout"
-    );
-    let sessions = proxy.sessions().clone();
-    assert!(eventually(PATIENCE, || sessions.is_empty()).await);
-    assert!(eventually(PATIENCE, || proxy.metric("aalis_streams_open") == 0.0).await);
+    cancelled_after_a_second(&mut raw, &proxy).await;
     tokio::time::timeout(PATIENCE, conn)
         .await
         .expect("the client's connection ended")
