@@ -32,7 +32,7 @@ use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
 use aalis_proxy::proxy::server::Workers;
 use aalis_proxy::proxy::service::Proxy;
 use aalis_proxy::proxy::sessions::SessionRegistry;
-use aalis_proxy::proxy::upstream::{Upstream, build_client};
+use aalis_proxy::proxy::upstream::{Upstream, UpstreamClient, build_client};
 use aalis_proxy::proxy::{ProxyConfig, server};
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode, Version};
@@ -79,6 +79,17 @@ fn proxy_config(upstream: &str) -> ProxyConfig {
     }
 }
 
+/// The upstream client `serve` builds for `config`.
+fn upstream_client(config: &ProxyConfig) -> UpstreamClient {
+    build_client(
+        &config.upstream,
+        config.upstream_ca.as_deref(),
+        config.connect_timeout,
+        config.idle_timeout,
+    )
+    .expect("upstream client")
+}
+
 /// A proxy whose accept loop runs in this test's runtime.
 struct TestProxy {
     addr: SocketAddr,
@@ -102,16 +113,20 @@ impl TestProxy {
 
     /// [`TestProxy::start`], with `head_timeout` for a client's request heads.
     async fn start_with_head_timeout(config: ProxyConfig, head_timeout: Duration) -> TestProxy {
+        let client = upstream_client(&config);
+        TestProxy::start_with(config, client, head_timeout).await
+    }
+
+    /// [`TestProxy::start`], with `client` for the upstream and
+    /// `head_timeout` for a client's request heads.
+    async fn start_with(
+        config: ProxyConfig,
+        client: UpstreamClient,
+        head_timeout: Duration,
+    ) -> TestProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");
         let sessions = SessionRegistry::new();
-        let client = build_client(
-            &config.upstream,
-            config.upstream_ca.as_deref(),
-            config.connect_timeout,
-            config.idle_timeout,
-        )
-        .expect("upstream client");
         let grace = config.shutdown_grace;
         let client_timeout = config.client_timeout;
         let proxy = Proxy::new(config, client, sessions.clone());
@@ -2611,6 +2626,154 @@ async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
         "{value}"
     );
     assert_eq!(upstream.requests().len(), 1, "a request got past TLS");
+}
+
+/// An HTTP/2 upstream whose connection lets in `h2_streams` streams at
+/// once (all when `None`), over TLS with the test CA, answering
+/// `/v1/big` with 32 MiB of text and anything else with the single-call
+/// fixture, one event every `pace`; and the path of its CA file (the
+/// caller removes it).
+fn a_tls_http2_upstream(
+    name: &str,
+    h2_streams: Option<u32>,
+    pace: Duration,
+) -> (FakeUpstream, ProxyConfig, std::path::PathBuf) {
+    let pki = test_pki();
+    let ca_path = write_test_ca(&pki, name);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let listener = TcpListener::from_std(listener).expect("listener");
+    let frames = frames_of(SINGLE_CALL);
+    let upstream =
+        FakeUpstream::start_on_with(listener, Some(pki.server.clone()), h2_streams, move |req| {
+            if req.uri.path() == "/v1/big" {
+                let mut reply = Reply::new(200).header("content-type", "text/plain");
+                let piece = Bytes::from(vec![b'x'; 256 * 1024]);
+                reply.body = (0..128).map(|_| Step::Data(piece.clone())).collect();
+                return reply;
+            }
+            paced_sse(frames.clone(), pace)(req)
+        });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}/v1", upstream.addr.port()));
+    config.upstream_ca = Some(ca_path.clone());
+    (upstream, config, ca_path)
+}
+
+/// Clients that stop reading large responses from an HTTP/2 upstream do
+/// not stop the other streams on its connection: each holds at most its
+/// stream's window (1 MiB), and the connection's window has room for
+/// all. One stream, then four such clients on the same connection, then
+/// a stream that must come whole. With hyper's default windows (2 MiB a
+/// stream, 5 MiB the connection), three were enough to use up the
+/// connection's window, and the next stream got its head and then
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_stop_reading_do_not_stop_other_streams_to_an_http2_upstream() {
+    let (upstream, mut config, ca_path) =
+        a_tls_http2_upstream("aalis-proxy-test-ca-windows", None, Duration::ZERO);
+    // Longer than the test: the stalled clients are not closed meanwhile.
+    config.client_timeout = Duration::from_secs(60);
+    let proxy = TestProxy::start(config).await;
+    let expected = annotate(&fixture(SINGLE_CALL), Framing::Sse, InjectMode::Field);
+    // One stream first, so that the upstream's connection is made and
+    // pooled, and every request after it goes on it (made at once, they
+    // could each have made their own).
+    let response = send(&client(), get(&proxy.url("/v1/chat/completions"))).await;
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+    end.expect("the first stream");
+    assert!(got == expected, "{}", first_difference(&got, &expected));
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        // A 4 KiB receive buffer, so that the sockets take little of it.
+        let socket = TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+        let mut stream = socket.connect(proxy.addr).await.expect("connect");
+        stream
+            .write_all(b"GET /v1/big HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("request");
+        stalled.push(stream);
+    }
+    assert!(
+        eventually(PATIENCE, || upstream.requests().len() == 5).await,
+        "the four requests reached the upstream"
+    );
+    // The upstream fills what the sockets and the windows take, then
+    // stops: its count stays put for 300 ms.
+    let mut written = upstream.bytes_written();
+    let until = Instant::now() + PATIENCE;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = upstream.bytes_written();
+        if now == written {
+            break;
+        }
+        assert!(Instant::now() < until, "the upstream was still sending");
+        written = now;
+    }
+    let response = send(&client(), get(&proxy.url("/v1/chat/completions"))).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+    let _ = std::fs::remove_file(&ca_path);
+    end.expect("the stream came whole beside four stalled ones");
+    assert!(got == expected, "{}", first_difference(&got, &expected));
+    assert!(
+        upstream
+            .requests()
+            .iter()
+            .all(|seen| seen.version == Version::HTTP_2),
+        "the upstream was reached over HTTP/2"
+    );
+    drop(stalled);
+}
+
+/// Past the streams one HTTP/2 connection may carry, the next request to
+/// an `https://` upstream opens another connection rather than waiting
+/// for a stream to end. Here the upstream lets in 2 streams a connection
+/// and the proxy sends at most 2 on one; four streams of 1.5 s each, at
+/// once: every first byte comes within 1 s. (hyper-util's one connection
+/// queued the third and fourth until the first two ended.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_past_one_http2_connections_limit_open_another() {
+    let pace = Duration::from_millis(100);
+    let (upstream, config, ca_path) =
+        a_tls_http2_upstream("aalis-proxy-test-ca-streams", Some(2), pace);
+    let limit = NonZeroUsize::new(2).expect("2 > 0");
+    let upstream_side = upstream_client(&config).with_h2_streams_per_connection(limit);
+    let proxy = TestProxy::start_with(config, upstream_side, server::HEAD_READ_TIMEOUT).await;
+    let started = Instant::now();
+    let firsts = (0..4).map(|_| {
+        let client = client();
+        let url = proxy.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            let response = send(&client, get(&url)).await;
+            assert_eq!(response.status(), StatusCode::OK);
+            let mut body = response.into_body();
+            let mut got = Vec::new();
+            read_at_least(&mut body, &mut got, 1, PATIENCE).await;
+            let first = started.elapsed();
+            let (_, end) = read_body(&mut body, PATIENCE).await;
+            end.expect("the whole stream");
+            first
+        })
+    });
+    let mut firsts: Vec<Duration> = futures_join(firsts).await;
+    let _ = std::fs::remove_file(&ca_path);
+    firsts.sort();
+    assert!(
+        firsts.iter().all(|first| *first < Duration::from_secs(1)),
+        "first bytes at {firsts:?}"
+    );
+    assert_eq!(upstream.requests().len(), 4);
+}
+
+/// The results of `tasks`, in order.
+async fn futures_join<T>(tasks: impl Iterator<Item = JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for task in tasks.collect::<Vec<_>>() {
+        out.push(task.await.expect("no panic"));
+    }
+    out
 }
 
 // === 10. graceful shutdown ===

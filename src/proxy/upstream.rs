@@ -3,19 +3,22 @@
 //!
 //! - [`Upstream`]: the validated `--upstream` URL and how a request path
 //!   maps onto it.
-//! - [`build_client`]: for `https://`, a hyper-util legacy client over
+//! - [`build_client`]: for `https://`, hyper-util legacy clients over
 //!   rustls (bundled web PKI roots plus `--upstream-ca`), HTTP/1.1 and
-//!   HTTP/2 (ALPN); for `http://`, the self-driven HTTP/1.1 connections of
-//!   [`h1`](super::h1). Both with a connect timeout.
+//!   HTTP/2 (ALPN), at most [`H2_STREAMS_PER_CONNECTION`] requests on a
+//!   connection ([`TlsClients`]); for `http://`, the self-driven HTTP/1.1
+//!   connections of [`h1`](super::h1). Both with a connect timeout.
 //! - [`strip_hop_by_hop`]: removes the headers that describe one hop, both
 //!   ways.
 //!
 //! It does not log header values: `Authorization`, `api-key`, `x-api-key`
 //! and cookies must never reach a log.
 
+use std::num::NonZeroUsize;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -45,12 +48,82 @@ pub type ProxyBody = BoxBody<Bytes, BoxError>;
 // One per proxy: the size of its variants does not matter.
 #[allow(clippy::large_enum_variant)]
 pub enum UpstreamClient {
-    /// `https://`: hyper-util's pooled client over rustls (HTTP/2 or
+    /// `https://`: hyper-util's pooled clients over rustls (HTTP/2 or
     /// HTTP/1.1 by ALPN); each connection runs in a task of its own.
-    Tls(Client<TimedConnect<HttpsConnector<HttpConnector>>, ProxyBody>),
+    Tls(TlsClients),
     /// `http://`: HTTP/1.1 connections driven by the responses that use
     /// them (see [`h1`](super::h1) for why).
     Plain(Arc<H1Pool>),
+}
+
+/// The most requests an `https://` upstream is sent on one of its HTTP/2
+/// connections at once; the next opens another. hyper-util's client keeps
+/// one HTTP/2 connection to a host and queues what its peer's
+/// `SETTINGS_MAX_CONCURRENT_STREAMS` does not let in (hyper issue #2197),
+/// so that stream 129 to a server that allows 128 (nginx's default)
+/// waited for a stream to end: minutes, for a model's answers. 100 is the
+/// least RFC 9113 (section 6.5.2) asks a server to allow.
+pub const H2_STREAMS_PER_CONNECTION: usize = 100;
+
+/// How much of a response an HTTP/2 upstream may send before the proxy's
+/// client reads it (the stream's flow-control window). The proxy reads
+/// a response as its client takes it, so a client that stops reading
+/// leaves this much waiting, and no more.
+const H2_STREAM_WINDOW: u32 = 1 << 20;
+
+/// The window of a whole HTTP/2 connection: room for every stream it
+/// carries to hold its own window. With hyper's default (5 MiB against
+/// 2 MiB a stream), three clients that stopped reading stopped every
+/// other stream on the connection.
+const H2_CONNECTION_WINDOW: u32 = H2_STREAM_WINDOW * H2_STREAMS_PER_CONNECTION as u32;
+
+type TlsClient = Client<TimedConnect<HttpsConnector<HttpConnector>>, ProxyBody>;
+
+/// hyper-util clients to an `https://` upstream, each with a pool (and so
+/// an HTTP/2 connection) of its own, and the requests each has open: a
+/// request goes to the least busy, and a new client is made when all
+/// have [`H2_STREAMS_PER_CONNECTION`] open. There are as many as the
+/// most requests ever open at once need; an idle one holds no connection
+/// past its pool's idle timeout.
+pub struct TlsClients {
+    builder: hyper_util::client::legacy::Builder,
+    connector: TimedConnect<HttpsConnector<HttpConnector>>,
+    per_client: usize,
+    clients: Mutex<Vec<(TlsClient, Arc<AtomicUsize>)>>,
+}
+
+/// A request open on one of [`TlsClients`]: counted until dropped.
+pub struct Open(Arc<AtomicUsize>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl TlsClients {
+    /// A client for the next request, and its count taken.
+    fn pick(&self) -> (TlsClient, Open) {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        let least = clients
+            .iter()
+            .min_by_key(|(_, open)| open.load(Ordering::Relaxed))
+            .filter(|(_, open)| open.load(Ordering::Relaxed) < self.per_client)
+            .cloned();
+        let (client, open) = match least {
+            Some(least) => least,
+            None => {
+                let made = (
+                    self.builder.build(self.connector.clone()),
+                    Arc::new(AtomicUsize::new(0)),
+                );
+                clients.push(made.clone());
+                made
+            }
+        };
+        open.fetch_add(1, Ordering::Relaxed);
+        (client, Open(open))
+    }
 }
 
 /// Why an upstream request got no response.
@@ -77,7 +150,8 @@ impl SendError {
 // add an allocation per response.
 #[allow(clippy::large_enum_variant)]
 pub enum UpstreamBody {
-    Tls(Incoming),
+    /// With its request counted open on its client until it is dropped.
+    Tls(Incoming, Open),
     Plain(DrivenBody),
 }
 
@@ -88,7 +162,11 @@ impl UpstreamClient {
         req: Request<ProxyBody>,
     ) -> Result<Response<UpstreamBody>, SendError> {
         match self {
-            UpstreamClient::Tls(client) => Ok(client.request(req).await?.map(UpstreamBody::Tls)),
+            UpstreamClient::Tls(clients) => {
+                let (client, open) = clients.pick();
+                let response = client.request(req).await?;
+                Ok(response.map(|body| UpstreamBody::Tls(body, open)))
+            }
             UpstreamClient::Plain(pool) => Ok(pool.request(req).await?.map(UpstreamBody::Plain)),
         }
     }
@@ -103,7 +181,7 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            UpstreamBody::Tls(body) => Pin::new(body)
+            UpstreamBody::Tls(body, _) => Pin::new(body)
                 .poll_frame(cx)
                 .map_err(|err| Box::new(err) as BoxError),
             UpstreamBody::Plain(body) => Pin::new(body).poll_frame(cx),
@@ -112,14 +190,14 @@ impl Body for UpstreamBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            UpstreamBody::Tls(body) => body.is_end_stream(),
+            UpstreamBody::Tls(body, _) => body.is_end_stream(),
             UpstreamBody::Plain(body) => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            UpstreamBody::Tls(body) => body.size_hint(),
+            UpstreamBody::Tls(body, _) => body.size_hint(),
             UpstreamBody::Plain(body) => body.size_hint(),
         }
     }
@@ -412,9 +490,28 @@ pub fn build_client(
         inner: connector,
         timeout: connect_timeout,
     };
-    Ok(UpstreamClient::Tls(
-        Client::builder(TokioExecutor::new()).build(connector),
-    ))
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
+        .http2_initial_stream_window_size(H2_STREAM_WINDOW)
+        .http2_initial_connection_window_size(H2_CONNECTION_WINDOW);
+    Ok(UpstreamClient::Tls(TlsClients {
+        builder,
+        connector,
+        per_client: H2_STREAMS_PER_CONNECTION,
+        clients: Mutex::new(Vec::new()),
+    }))
+}
+
+impl UpstreamClient {
+    /// The same client, sending at most `streams` requests on one HTTP/2
+    /// connection to an `https://` upstream (see
+    /// [`H2_STREAMS_PER_CONNECTION`]); for tests.
+    pub fn with_h2_streams_per_connection(mut self, streams: NonZeroUsize) -> UpstreamClient {
+        if let UpstreamClient::Tls(clients) = &mut self {
+            clients.per_client = streams.get();
+        }
+        self
+    }
 }
 
 /// A connector whose connections, handshakes included, must be made

@@ -144,6 +144,8 @@ type Handler = dyn Fn(&Recorded) -> Reply + Send + Sync;
 
 struct Shared {
     handler: Box<Handler>,
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS` of its HTTP/2 connections.
+    h2_streams: Option<u32>,
     requests: Mutex<Vec<Recorded>>,
     bytes_written: AtomicU64,
     events: mpsc::UnboundedSender<Event>,
@@ -180,10 +182,22 @@ impl FakeUpstream {
         tls: Option<Arc<rustls::ServerConfig>>,
         handler: impl Fn(&Recorded) -> Reply + Send + Sync + 'static,
     ) -> Self {
+        Self::start_on_with(listener, tls, None, handler)
+    }
+
+    /// [`FakeUpstream::start_on`], letting at most `h2_streams` streams
+    /// open at once on one HTTP/2 connection when given.
+    pub fn start_on_with(
+        listener: TcpListener,
+        tls: Option<Arc<rustls::ServerConfig>>,
+        h2_streams: Option<u32>,
+        handler: impl Fn(&Recorded) -> Reply + Send + Sync + 'static,
+    ) -> Self {
         let addr = listener.local_addr().expect("upstream addr");
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             handler: Box::new(handler),
+            h2_streams,
             requests: Mutex::new(Vec::new()),
             bytes_written: AtomicU64::new(0),
             events: tx,
@@ -266,13 +280,15 @@ async fn serve_io<I>(io: I, shared: Arc<Shared>)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    if let Some(streams) = shared.h2_streams {
+        builder.http2().max_concurrent_streams(streams);
+    }
     let service = service_fn(move |req: Request<Incoming>| {
         let shared = shared.clone();
         async move { Ok::<_, Infallible>(respond(req, shared).await) }
     });
-    let _ = auto::Builder::new(TokioExecutor::new())
-        .serve_connection(TokioIo::new(io), service)
-        .await;
+    let _ = builder.serve_connection(TokioIo::new(io), service).await;
 }
 
 async fn respond(req: Request<Incoming>, shared: Arc<Shared>) -> Response<ScriptBody> {
