@@ -266,8 +266,8 @@ pub struct ServeArgs {
     /// https://api.example.com/v1, both /v1/chat/completions and
     /// /chat/completions go to https://api.example.com/v1/chat/completions.
     /// Under such a prefix, a request path with a `.` or `..` segment (also
-    /// written %2e) gets 400: the upstream could resolve it outside the
-    /// prefix.
+    /// written %2e, or with parameters: `..;x`) gets 400: the upstream could
+    /// resolve it outside the prefix.
     ///
     /// Example: --upstream https://api.openai.com
     #[arg(long, value_name = "URL")]

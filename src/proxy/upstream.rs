@@ -410,8 +410,19 @@ fn has_dot_segment(path: &str) -> bool {
     is_dot_segment(&path[start..])
 }
 
-/// `.` or `..`, either dot written as it is or as `%2e` / `%2E`.
+/// `.` or `..`, either dot written as it is or as `%2e` / `%2E`, with
+/// any parameters after it (`..;x`, `..%3B`): servlet containers (Tomcat,
+/// Jetty) drop a segment's parameters before they resolve dots.
 fn is_dot_segment(segment: &str) -> bool {
+    let segment = segment.split(';').next().unwrap_or_default();
+    let segment = match segment
+        .as_bytes()
+        .windows(3)
+        .position(|w| w.eq_ignore_ascii_case(b"%3b"))
+    {
+        Some(at) => &segment[..at],
+        None => segment,
+    };
     let rest = segment
         .strip_prefix('.')
         .or_else(|| strip_encoded_dot(segment));
@@ -704,6 +715,11 @@ mod tests {
             "/v1/..%2Fadmin",
             "/v1/x%2f..%5cadmin",
             "/v1/..%5Cadmin",
+            "/v1/..;/admin",
+            "/v1/..;x=1/admin",
+            "/v1/..%3b/admin",
+            "/v1/%2e%2E%3Bx/admin",
+            "/v1/.;/x",
         ] {
             let err = up
                 .uri_for(&path.parse().expect("valid request uri"))
@@ -717,6 +733,8 @@ mod tests {
             ("/v1/..a", "http://h/v1/..a"),
             ("/v1/%2e%2e%2e", "http://h/v1/%2e%2e%2e"),
             ("/v1/.well-known/x", "http://h/v1/.well-known/x"),
+            ("/v1/a;b/x", "http://h/v1/a;b/x"),
+            ("/v1/...;x", "http://h/v1/...;x"),
         ] {
             assert_eq!(map("http://h/v1", path), mapped, "{path}");
         }
