@@ -361,7 +361,10 @@ impl Body for TapBody {
                             return Poll::Ready(Some(Ok(Frame::data(chunk))));
                         }
                     };
-                    if *this.bytes_in == 0 {
+                    // An empty first frame (HTTP/2 allows them) is no
+                    // first byte; it would also leave `bytes_in` at 0 and
+                    // count the next one again.
+                    if *this.bytes_in == 0 && !data.is_empty() {
                         this.metrics
                             .time_to_first_byte
                             .observe(this.log.started.elapsed());

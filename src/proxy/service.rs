@@ -31,8 +31,8 @@ use super::record::{self, OpenRecordings, Recorder};
 use super::server::Peer;
 use super::sessions::SessionRegistry;
 use super::upstream::{
-    BoxError, ProxyBody, SendError, UpstreamClient, UpstreamConfigError, build_client,
-    strip_hop_by_hop,
+    BoxError, ProxyBody, SendError, UpstreamClient, UpstreamConfigError, build_client, error_chain,
+    mark_credentials_sensitive, strip_hop_by_hop,
 };
 use crate::encode::{InjectMode, OutputFormat};
 use crate::framing::Framing;
@@ -342,6 +342,11 @@ impl Proxy {
         }
         parts.version = http::Version::HTTP_11;
         strip_hop_by_hop(&mut parts.headers);
+        // Over HTTP/2 (only `https://` upstreams speak it), the clients'
+        // credentials share a connection's header compression table.
+        if !config.upstream.is_plain_http() {
+            mark_credentials_sensitive(&mut parts.headers);
+        }
         parts.headers.remove(header::HOST);
         parts.headers.remove(&SESSION_HEADER);
         parts.headers.remove(&INJECT_HEADER);
@@ -417,7 +422,7 @@ impl Proxy {
                 let (fault, what) = classify(&err);
                 return Err(fail(
                     fault,
-                    format!("upstream {upstream} {what}: {}", chain(&err)),
+                    format!("upstream {upstream} {what}: {}", error_chain(&err)),
                 ));
             }
             Ok(Ok(response)) => response,
@@ -843,18 +848,52 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
             .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
             || e.to_string().contains("timed out")
     });
+    let tls = has_cause(err, &|e| e.is::<rustls::Error>());
+    let head_too_large =
+        std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
+            e.source()
+        })
+        .filter_map(|e| e.downcast_ref::<hyper::Error>())
+        .any(hyper::Error::is_parse_too_large);
     if request_body_failed(err) {
         (Fault::ClientAborted, "was sent an incomplete request body")
-    } else if timed_out {
+    } else if timed_out && err.is_connect() {
         (
             Fault::UpstreamTimeout,
             "did not accept the connection in time",
         )
+    } else if timed_out {
+        (Fault::UpstreamTimeout, "timed out before its response")
+    } else if err.is_connect() && tls {
+        (Fault::UpstreamUnreachable, "failed the TLS handshake")
     } else if err.is_connect() {
         (Fault::UpstreamUnreachable, "is unreachable")
+    } else if head_too_large {
+        (Fault::UpstreamError, "sent a response head over 64 KiB")
     } else {
         (Fault::UpstreamError, "failed")
     }
+}
+
+/// Whether `err` or one of its causes passes `test`, the errors that I/O
+/// errors carry included: an I/O error's `source` skips the error inside
+/// it (hyper-rustls's, inside hyper-util's connect error, is an I/O
+/// error that holds rustls's).
+fn has_cause(
+    err: &(dyn std::error::Error + 'static),
+    test: &dyn Fn(&(dyn std::error::Error + 'static)) -> bool,
+) -> bool {
+    if test(err) {
+        return true;
+    }
+    if let Some(inner) = err
+        .downcast_ref::<std::io::Error>()
+        .and_then(std::io::Error::get_ref)
+        && has_cause(inner, test)
+    {
+        return true;
+    }
+    err.source().is_some_and(|source| has_cause(source, test))
 }
 
 /// The body being sent failed, not the upstream: the plain-HTTP client
@@ -874,21 +913,6 @@ fn request_body_failed(err: &SendError) -> bool {
     .any(|e| {
         e.is_user() && std::error::Error::source(e).is_some_and(|cause| cause.is::<hyper::Error>())
     })
-}
-
-/// An error and its causes, `: `-separated, each once.
-fn chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(e) = source {
-        let text = e.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = e.source();
-    }
-    out
 }
 
 /// An OpenAI-style error response.

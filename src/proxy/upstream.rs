@@ -36,7 +36,7 @@ use hyper_util::rt::TokioExecutor;
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 
-use super::h1::{DrivenBody, H1Error, H1Pool};
+use super::h1::{CONN_BUF_BYTES, DrivenBody, H1Error, H1Pool};
 
 /// Errors of bodies the proxy forwards, both ways.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -181,9 +181,12 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            UpstreamBody::Tls(body, _) => Pin::new(body)
-                .poll_frame(cx)
-                .map_err(|err| Box::new(err) as BoxError),
+            UpstreamBody::Tls(body, _) => Pin::new(body).poll_frame(cx).map_err(|err| {
+                Box::new(TlsBodyError {
+                    message: error_chain(&err),
+                    source: err,
+                }) as BoxError
+            }),
             UpstreamBody::Plain(body) => Pin::new(body).poll_frame(cx),
         }
     }
@@ -201,6 +204,32 @@ impl Body for UpstreamBody {
             UpstreamBody::Plain(body) => body.size_hint(),
         }
     }
+}
+
+/// An error and its causes, `: `-separated, each once.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        let text = e.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = e.source();
+    }
+    out
+}
+
+/// An error of an `https://` upstream's response body, its causes in its
+/// message: hyper's own says "error reading a body from connection", and
+/// not why.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct TlsBodyError {
+    message: String,
+    #[source]
+    source: hyper::Error,
 }
 
 /// Why the upstream configuration is unusable.
@@ -504,7 +533,11 @@ pub fn build_client(
     let mut builder = Client::builder(TokioExecutor::new());
     builder
         .http2_initial_stream_window_size(H2_STREAM_WINDOW)
-        .http2_initial_connection_window_size(H2_CONNECTION_WINDOW);
+        .http2_initial_connection_window_size(H2_CONNECTION_WINDOW)
+        // A response head's limit, as for `http://` upstreams (hyper's
+        // would be about 400 KiB over HTTP/1.1, 16 KiB over HTTP/2).
+        .http1_max_buf_size(CONN_BUF_BYTES)
+        .http2_max_header_list_size(CONN_BUF_BYTES as u32);
     Ok(UpstreamClient::Tls(TlsClients {
         builder,
         connector,
@@ -582,6 +615,30 @@ const HOPS: usize = 8;
 /// Where `Transfer-Encoding` is in [`HOP_BY_HOP`].
 const TRANSFER_ENCODING_AT: usize = 6;
 
+/// The request headers that carry credentials, in the forms OpenAI-style
+/// APIs take them.
+const CREDENTIALS: [HeaderName; 4] = [
+    header::AUTHORIZATION,
+    header::COOKIE,
+    HeaderName::from_static("api-key"),
+    HeaderName::from_static("x-api-key"),
+];
+
+/// Marks the values of [`CREDENTIALS`] sensitive, so that HTTP/2's header
+/// compression never puts them in its table (RFC 7541 §7.1.3): one
+/// connection to the upstream carries the requests of every client, and a
+/// value in its table could be probed by a client whose own headers are
+/// compressed against it.
+pub fn mark_credentials_sensitive(headers: &mut HeaderMap) {
+    for name in &CREDENTIALS {
+        if let http::header::Entry::Occupied(mut entry) = headers.entry(name) {
+            for value in entry.iter_mut() {
+                value.set_sensitive(true);
+            }
+        }
+    }
+}
+
 /// Removes hop-by-hop headers, including those `Connection` names, and
 /// `Upgrade` (the proxy does not tunnel). A `Content-Length` beside a
 /// `Transfer-Encoding` goes too: the body was framed by the latter, and
@@ -645,6 +702,36 @@ mod tests {
         up.uri_for(&request.parse().expect("valid request uri"))
             .expect("maps")
             .to_string()
+    }
+
+    /// The credentials a client sends go to an HTTP/2 upstream marked
+    /// sensitive (never indexed by HPACK), every value of them; other
+    /// headers are left as they are.
+    #[test]
+    fn credentials_are_marked_sensitive() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("authorization", "Bearer sk-1"),
+            ("cookie", "a=1"),
+            ("cookie", "b=2"),
+            ("api-key", "k"),
+            ("x-api-key", "k"),
+            ("content-type", "application/json"),
+        ] {
+            headers.append(
+                HeaderName::from_static(name),
+                http::HeaderValue::from_static(value),
+            );
+        }
+        mark_credentials_sensitive(&mut headers);
+        for (name, value) in &headers {
+            assert_eq!(
+                value.is_sensitive(),
+                name != header::CONTENT_TYPE,
+                "{name}: {value:?}"
+            );
+        }
+        assert_eq!(headers.len(), 6);
     }
 
     #[test]
