@@ -121,14 +121,16 @@ pub fn schedule(
                 let end = usize::try_from(offset)
                     .unwrap_or(usize::MAX)
                     .min(bytes.len());
+                // A mark that brings no bytes (a repeated offset) is no
+                // piece: the next pause counts from the last piece.
                 if end > start {
                     out.push((
                         start..end,
                         Duration::from_millis(ms.saturating_sub(last_ms)),
                     ));
                     start = end;
+                    last_ms = ms;
                 }
-                last_ms = ms;
             }
             if start < bytes.len() {
                 out.push((start..bytes.len(), Duration::ZERO));
@@ -236,6 +238,20 @@ mod tests {
                 (0..5, Duration::ZERO),
                 (5..20, Duration::from_millis(30)),
                 (20..32, Duration::ZERO),
+            ]
+        );
+        // A mark with no new bytes between two pieces, and one before the
+        // first: the pauses count from the pieces, not from those marks.
+        let timing = Timing {
+            marks: vec![(0, 500), (9, 600), (9, 1000), (18, 1100)],
+        };
+        let timed = schedule(bytes, Some(&timing), Duration::ZERO);
+        assert_eq!(
+            timed,
+            vec![
+                (0..9, Duration::from_millis(600)),
+                (9..18, Duration::from_millis(500)),
+                (18..32, Duration::ZERO),
             ]
         );
     }

@@ -64,13 +64,7 @@ pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::
         .await
         .context("cannot listen for the demo proxy")?;
     let proxy_addr = proxy_listener.local_addr()?;
-    let config = ProxyConfig {
-        connect_timeout: Duration::from_secs(5),
-        response_timeout: Duration::from_secs(30),
-        idle_timeout: Duration::from_secs(30),
-        shutdown_grace: Duration::from_secs(1),
-        ..ProxyConfig::new(Upstream::parse(&format!("http://{mock_addr}"))?)
-    };
+    let config = proxy_config(mock_addr, options.delay)?;
     let proxy = Proxy::from_config(config, SessionRegistry::with_display(options.display))?;
     let (stop_proxy, proxy_stopped) = oneshot::channel::<()>();
     let proxy_task = tokio::spawn(serve_proxy(proxy_listener, proxy, async {
@@ -95,7 +89,12 @@ pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::
             .await
             .with_context(|| format!("the demo request for {} failed", capture.name))?;
         let status = response.status();
-        let annotated = response.into_body().collect().await?.to_bytes();
+        let annotated = response
+            .into_body()
+            .collect()
+            .await
+            .with_context(|| format!("the demo stream for {} was cut", capture.name))?
+            .to_bytes();
         if options.stream {
             out.write_all(&annotated).context(CANNOT_WRITE)?;
         }
@@ -160,5 +159,40 @@ fn summarize(annotated: &[u8], framing: Framing) -> Summary {
     Summary {
         calls,
         annotated_events,
+    }
+}
+
+/// The demo proxy's configuration, for the mock at `mock_addr` pausing
+/// `delay` between pieces. The pauses are the demo's own: the proxy waits
+/// 30 s past one (`--delay-ms 30000` was cut at 30 s).
+fn proxy_config(mock_addr: std::net::SocketAddr, delay: Duration) -> anyhow::Result<ProxyConfig> {
+    let patience = delay.saturating_add(Duration::from_secs(30));
+    Ok(ProxyConfig {
+        connect_timeout: Duration::from_secs(5),
+        response_timeout: patience,
+        idle_timeout: patience,
+        shutdown_grace: Duration::from_secs(1),
+        ..ProxyConfig::new(Upstream::parse(&format!("http://{mock_addr}"))?)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pause of the demo's mock never trips the proxy's timeouts, however
+    /// long `--delay-ms` makes it.
+    #[test]
+    fn the_demo_proxy_outwaits_the_mocks_pauses() {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
+        for delay in [
+            Duration::ZERO,
+            Duration::from_secs(31),
+            Duration::from_secs(3600),
+        ] {
+            let config = proxy_config(addr, delay).expect("config");
+            assert!(config.idle_timeout > delay, "{delay:?}");
+            assert!(config.response_timeout > delay, "{delay:?}");
+        }
     }
 }

@@ -192,6 +192,7 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         &mut filter::unix_ms,
     );
     die_if_signalled(&display, &signalled);
+    display.close();
     result?;
     Ok(())
 }
@@ -260,6 +261,15 @@ fn end_spinners_on_signal(display: &Arc<ProgressDisplay>) -> Vec<(i32, Arc<Atomi
 /// [`END_SPINNERS_TIMEOUT`]: one stuck on a paused terminal must not keep
 /// the process alive), then dies of `signal`.
 fn end_spinners_and_die(display: &Arc<ProgressDisplay>, signal: i32) -> ! {
+    end_spinners(display);
+    let _ = signal_hook::low_level::emulate_default_handler(signal);
+    // Not reached: the default action of both signals ends the process.
+    std::process::exit(128 + signal);
+}
+
+/// Ends every spinner with its `✗` line, on a thread of its own, waiting
+/// for it at most [`END_SPINNERS_TIMEOUT`] (a paused terminal).
+fn end_spinners(display: &Arc<ProgressDisplay>) {
     let (ended_tx, ended_rx) = std::sync::mpsc::channel();
     let display = Arc::clone(display);
     let _ = std::thread::Builder::new().spawn(move || {
@@ -267,9 +277,6 @@ fn end_spinners_and_die(display: &Arc<ProgressDisplay>, signal: i32) -> ! {
         let _ = ended_tx.send(());
     });
     let _ = ended_rx.recv_timeout(END_SPINNERS_TIMEOUT);
-    let _ = signal_hook::low_level::emulate_default_handler(signal);
-    // Not reached: the default action of both signals ends the process.
-    std::process::exit(128 + signal);
 }
 
 /// After the filter's end: if a handled signal came meanwhile, the spinners
@@ -357,6 +364,7 @@ fn serve_logged(
         let mut signals = Signals::install();
         let (first, stop) = tokio::sync::oneshot::channel::<()>();
         let log_at_exit = log.clone();
+        let spinners_at_exit = Arc::clone(&spinners);
         let recordings = proxy.open_recordings();
         tokio::spawn(async move {
             signals.next().await;
@@ -372,6 +380,9 @@ fn serve_logged(
                      recordings kept as they stood: {n}"
                 ),
             }
+            // The tools still in progress end with their `✗` lines, as
+            // when `annotate` is interrupted, not frozen mid-turn.
+            end_spinners(&spinners_at_exit);
             end_logging(log_at_exit.as_ref());
             std::process::exit(EXIT_INTERRUPTED);
         });
@@ -398,8 +409,11 @@ fn serve_logged(
     });
     // Stops the workers once every connection has finished or been dropped.
     drop(workers);
-    // Their streams' last lines (`✓`, `✗`), unless the terminal is paused.
-    spinners.flush(stderr_log::FLUSH_TIMEOUT);
+    // Their streams' last lines (`✓`, `✗`), unless the terminal is paused;
+    // then the cursor goes below them.
+    if spinners.flush(stderr_log::FLUSH_TIMEOUT) {
+        spinners.close();
+    }
     result
 }
 

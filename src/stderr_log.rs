@@ -125,9 +125,11 @@ impl StderrLog {
         let (queue, received) = mpsc::sync_channel(lines);
         let queued_bytes = Arc::new(AtomicUsize::new(0));
         let queued_lines = Arc::new(AtomicUsize::new(0));
+        let dropped = Arc::new(AtomicUsize::new(0));
         let written = Queued {
             bytes: Arc::clone(&queued_bytes),
             lines: Arc::clone(&queued_lines),
+            dropped: Arc::clone(&dropped),
         };
         let writer = thread::Builder::new()
             .name("aalis-log".to_owned())
@@ -139,7 +141,7 @@ impl StderrLog {
             max_bytes: bytes,
             queued_lines,
             max_lines: lines,
-            dropped: Arc::new(AtomicUsize::new(0)),
+            dropped,
             reported: Arc::new(AtomicUsize::new(0)),
         })
     }
@@ -262,14 +264,21 @@ impl std::fmt::Debug for StderrLog {
 struct Queued {
     bytes: Arc<AtomicUsize>,
     lines: Arc<AtomicUsize>,
+    /// [`StderrLog::dropped_lines`]: the writer adds the lines a failed
+    /// write lost.
+    dropped: Arc<AtomicUsize>,
 }
 
 /// The writer thread: every line in order. The lines it finds queued are
 /// written together, with one `write_all`, after which their bytes leave
 /// `queued` (a line leaves its count of lines when it is taken off the
 /// queue: the lines bound counts those waiting, the bytes bound those
-/// written too). A write error (stderr closed) leaves the lines unwritten,
-/// as an `eprintln!` that cannot write would, without stopping the queue.
+/// written too). A stderr left non-blocking (its description shared with
+/// the process that started this one) is waited for when full, as a
+/// blocking one would be. Another write error leaves the lines unwritten,
+/// as an `eprintln!` that cannot write would, without stopping the queue;
+/// they are counted as dropped, unless stderr is a closed pipe (there is
+/// nobody to tell).
 ///
 /// It waits on the queue (where a sender wakes it) only when a look
 /// `linger` after its last write found nothing; in between it is parked,
@@ -321,13 +330,35 @@ const BATCH_KEEP: usize = 2 * BATCH_BYTES;
 /// Writes the lines taken so far, and forgets their bytes.
 fn write_batch<W: Write>(out: &mut W, batch: &mut Vec<u8>, queued: &Queued) {
     if !batch.is_empty() {
-        let _ = out.write_all(batch).and_then(|()| out.flush());
+        if let Err(e) = write_waiting(out, batch).and_then(|()| out.flush())
+            && e.kind() != io::ErrorKind::BrokenPipe
+        {
+            let lines = memchr::memchr_iter(b'\n', batch).count();
+            queued.dropped.fetch_add(lines, Ordering::Relaxed);
+        }
         queued.bytes.fetch_sub(batch.len(), Ordering::Relaxed);
         batch.clear();
         if batch.capacity() > BATCH_KEEP {
             *batch = Vec::new();
         }
     }
+}
+
+/// Writes `bytes` whole, waiting out `WouldBlock` (a non-blocking stderr
+/// that is full) a millisecond at a time.
+fn write_waiting<W: Write>(out: &mut W, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        match out.write(bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = bytes.get(n..).unwrap_or_default(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// See [`StderrLog::line_writer`]. What follows the last line break waits
@@ -652,6 +683,88 @@ mod tests {
             open,
             entered,
             got,
+        }
+    }
+
+    /// A writer that answers each write first with `refusals` errors of
+    /// `kind` (a partial write after each refusal when `kind` is
+    /// `WouldBlock`, as a full non-blocking pipe gives), and keeps what it
+    /// takes.
+    struct Refusing {
+        kind: io::ErrorKind,
+        refusals: usize,
+        left: usize,
+        got: Arc<Mutex<Vec<u8>>>,
+    }
+
+    impl Write for Refusing {
+        fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            if self.left > 0 {
+                self.left -= 1;
+                return Err(self.kind.into());
+            }
+            self.left = self.refusals;
+            let n = if self.kind == io::ErrorKind::WouldBlock {
+                bytes.len().min(7)
+            } else {
+                bytes.len()
+            };
+            self.got
+                .lock()
+                .expect("lock")
+                .extend_from_slice(&bytes[..n]);
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A stderr left non-blocking answers `WouldBlock` when full: the lines
+    /// are waited for and written whole, in order, none counted as dropped.
+    /// Before, each batch that met it was lost, and not counted.
+    #[test]
+    fn a_full_non_blocking_stderr_is_waited_for() {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let out = Refusing {
+            kind: io::ErrorKind::WouldBlock,
+            refusals: 2,
+            left: 2,
+            got: Arc::clone(&got),
+        };
+        let log = StderrLog::spawn(out, 64, QUEUE_BYTES).expect("spawn");
+        let mut expected = String::new();
+        for n in 0..20 {
+            let line = format!("line {n}\n");
+            expected.push_str(&line);
+            log.send(line.into_bytes());
+        }
+        assert!(flushed(&log));
+        assert_eq!(text(&got), expected);
+        assert_eq!(log.dropped_lines(), 0);
+    }
+
+    /// Lines a write error lost are counted as dropped (the warning then
+    /// says how many), unless stderr is a closed pipe.
+    #[test]
+    fn lines_a_write_error_lost_are_counted() {
+        for (kind, counted) in [
+            (io::ErrorKind::Other, true),
+            (io::ErrorKind::BrokenPipe, false),
+        ] {
+            let out = Refusing {
+                kind,
+                refusals: usize::MAX,
+                left: usize::MAX,
+                got: Arc::new(Mutex::new(Vec::new())),
+            };
+            let log = StderrLog::spawn(out, 64, QUEUE_BYTES).expect("spawn");
+            for n in 0..5 {
+                log.send(format!("line {n}\n").into_bytes());
+            }
+            assert!(flushed(&log));
+            assert_eq!(log.dropped_lines(), if counted { 5 } else { 0 }, "{kind:?}");
         }
     }
 

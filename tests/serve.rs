@@ -1277,6 +1277,8 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
         "no final line in {:?}",
         text(&drawn)
     );
+    // The cursor is left on a line of its own, for the shell's prompt.
+    assert!(text(&drawn).ends_with('\n'), "{:?}", text(&drawn));
 }
 
 /// The first six events of the single-call fixture: the call and its
@@ -1349,6 +1351,8 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
                 || (then_eof && drawn.contains("✓ get_weather  26 chars")),
             "signal {signum}: no final line in {drawn:?}"
         );
+        // The cursor is left on a line of its own, for the shell's prompt.
+        assert!(drawn.ends_with('\n'), "signal {signum}: {drawn:?}");
     }
 }
 
@@ -1567,6 +1571,39 @@ fn a_second_signal_stops_serve_at_once() {
     let body = text(stream.read_to_end()).to_owned();
     assert!(!stream.complete, "the stream ended properly:\n{body}");
     assert!(!body.contains("[DONE]"), "an end was invented:\n{body}");
+}
+
+/// `serve --progress` on a terminal, stopped by a second signal with a
+/// stream's tools in progress: each ends with its `✗` line before the
+/// process exits 130, as when `annotate` is interrupted. Before, the
+/// spinners were left as drawn, mid-turn, with no line break after them.
+#[test]
+fn a_second_signal_ends_serves_spinners() {
+    let mock = start_mock(&["--delay-ms", "1000"], &[]);
+    let mut serve = Running::start_with(
+        "serve",
+        |port| serve_args(mock.port, port, &["--progress", "--shutdown-grace", "60s"]),
+        // Without TERM (or with TERM=dumb) indicatif draws nothing.
+        &[("TERM", "xterm")],
+        StderrTo::Terminal,
+    );
+    let mut stream = post(
+        serve.port,
+        CHAT_PATH,
+        PARALLEL_REQUEST,
+        &[("x-aalis-session", "cut")],
+    );
+    assert_eq!(stream.status, 200);
+    serve.wait_for_stderr("[cut] get_weather");
+    serve.signal(sig::SIGTERM);
+    serve.wait_for_stderr("shutting down");
+    serve.signal(sig::SIGTERM);
+    let status = serve.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(130), "{status:?}\n{}", serve.stderr());
+    let drawn = serve.stderr();
+    assert!(drawn.contains("✗ [cut] get_weather"), "{drawn}");
+    assert!(drawn.ends_with('\n'), "{drawn:?}");
+    let _ = stream.read_to_end();
 }
 
 /// A second signal does not lose `--record`'s open recordings: what the

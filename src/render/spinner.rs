@@ -256,6 +256,10 @@ struct FinalLine {
 struct Inner {
     target: Target,
     lines: BTreeMap<Key, Line>,
+    /// indicatif drew last on the terminal, and left the cursor at the end
+    /// of the line it drew (to draw over it next time): the end of the
+    /// display moves it to a line of its own ([`ProgressDisplay::close`]).
+    mid_line: bool,
 }
 
 impl std::fmt::Debug for ProgressDisplay {
@@ -329,6 +333,7 @@ impl ProgressDisplay {
             inner: Arc::new(Mutex::new(Inner {
                 target,
                 lines: BTreeMap::new(),
+                mid_line: false,
             })),
             apart: None,
         }
@@ -431,7 +436,17 @@ impl ProgressDisplay {
         for (key, line) in std::mem::take(&mut inner.lines) {
             inner.finish(&key, line, Outcome::Failed, now_ms);
         }
-        inner.target = Target::Off;
+        inner.close();
+    }
+
+    /// Nothing more is drawn (the process ends): the cursor goes below the
+    /// last line drawn, so that the shell's prompt does not follow it on
+    /// that line. Skipped if the drawing thread holds the display (a
+    /// paused terminal): the end of the process is not held up for it.
+    pub fn close(&self) {
+        if let Ok(mut inner) = self.inner.try_lock() {
+            inner.close();
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -492,7 +507,7 @@ impl<W: Write> Write for Above<W> {
             whole_lines,
         } = self;
         let inner = display.upgrade();
-        let inner = inner.as_deref().map(lock);
+        let mut inner = inner.as_deref().map(lock);
         let ready = match inner.as_deref().map(|inner| &inner.target) {
             Some(Target::Terminal { .. }) if *whole_lines => {
                 match held.iter().rposition(|&b| b == b'\n') {
@@ -507,22 +522,42 @@ impl<W: Write> Write for Above<W> {
         if ready == 0 {
             return Ok(());
         }
-        if let Some(Target::Terminal { multi, .. }) = inner.as_deref().map(|inner| &inner.target) {
+        let mut below = false;
+        if let Some(inner) = inner.as_deref()
+            && let Target::Terminal { multi, .. } = &inner.target
+        {
             // Not `suspend`, which panics when the terminal fails (a
             // closed one): a failed clear is the write's to report.
             let _ = multi.clear();
+            // With no spinner to clear, the cursor is still at the end of
+            // the last line indicatif drew (a tool's final line): the
+            // text goes below it, not after it.
+            below = inner.mid_line && !inner.lines.values().any(|line| line.bar.is_some());
         }
-        let written = out.write_all(&held[..ready]).and_then(|()| out.flush());
+        let written = match below {
+            true => out.write_all(b"\n"),
+            false => Ok(()),
+        }
+        .and_then(|()| out.write_all(&held[..ready]))
+        .and_then(|()| out.flush());
         // Drawn again at once below what was written, rather than at the
         // next tick (a stream's flushes came faster: the spinners
         // flickered); not after half a line, which a draw would follow on
         // its terminal line (and a later redraw erase).
-        if held[..ready].ends_with(b"\n")
-            && let Some(inner) = inner.as_deref()
-            && let Some(line) = inner.lines.values().find(|line| line.bar.is_some())
-            && let Some(bar) = &line.bar
+        if let Some(inner) = inner.as_deref_mut()
+            && matches!(inner.target, Target::Terminal { .. })
         {
-            bar.force_draw();
+            let redrawn = held[..ready].ends_with(b"\n")
+                && match inner.lines.values().find_map(|line| line.bar.as_ref()) {
+                    Some(bar) => {
+                        bar.force_draw();
+                        true
+                    }
+                    None => false,
+                };
+            // Text that ended its line leaves the cursor at a line's
+            // start; half a line, in the output's own text.
+            inner.mid_line = redrawn;
         }
         // Written or not (a closed stderr), the bytes go: nothing piles up.
         held.drain(..ready);
@@ -706,6 +741,16 @@ fn draw_apart(inner: &Mutex<Inner>, apart: &Apart) {
 }
 
 impl Inner {
+    /// See [`ProgressDisplay::close`].
+    fn close(&mut self) {
+        if self.mid_line && matches!(self.target, Target::Terminal { .. }) {
+            let mut stderr = std::io::stderr();
+            let _ = stderr.write_all(b"\n").and_then(|()| stderr.flush());
+        }
+        self.mid_line = false;
+        self.target = Target::Off;
+    }
+
     /// [`ProgressDisplay::show`], drawn here and now.
     fn show(&mut self, session: &str, entries: &[ProgressEntry], outcome: Outcome, now_ms: u64) {
         if matches!(self.target, Target::Off) {
@@ -765,6 +810,7 @@ impl Inner {
                     None => multi.add(bar),
                 };
                 bar.enable_steady_tick(Duration::from_millis(100));
+                self.mid_line = true;
                 Some(bar)
             }
             Target::Plain(out) => {
@@ -810,6 +856,7 @@ impl Inner {
         match &mut self.target {
             Target::Terminal { multi, .. } => {
                 let _ = multi.println(text);
+                self.mid_line = true;
             }
             Target::Plain(out) => {
                 let _ = writeln!(out, "{text}");
@@ -833,6 +880,7 @@ impl Inner {
                     multi.remove(&bar);
                 }
                 let _ = multi.println(text);
+                self.mid_line = true;
             }
             Target::Plain(out) => {
                 let _ = writeln!(out, "{text}");

@@ -568,6 +568,68 @@ fn lines_written_above_the_spinners_stay() {
     assert!(lines[3].contains("get_time  3 chars"), "{screen}");
 }
 
+/// A line written once the last spinner has ended goes below that tool's
+/// final line, not after it on the same line (indicatif leaves the cursor
+/// at the end of the line it drew). The terminal here is wider than the
+/// lines indicatif pads, as when it cannot tell the width.
+#[test]
+fn text_after_the_last_final_line_starts_below_it() {
+    let term = InMemoryTerm::new(10, 120);
+    let display = ProgressDisplay::terminal(
+        ProgressDrawTarget::term_like_with_hz(Box::new(NarrowTerm(term.clone())), 100),
+        false,
+    );
+    let now = 1_000_000;
+    display.show("", &[entry(0, "get_weather", 3, now - 200)], Outcome::Done, now);
+    std::thread::sleep(Duration::from_millis(30));
+    display.show("", &[], Outcome::Done, now + 100);
+    let mut above = display.above(TermWriter(term.clone()));
+    above.write_all(b"a log line\n").expect("held");
+    above.flush().expect("written");
+    display.show("", &[entry(1, "get_time", 2, now)], Outcome::Done, now + 200);
+    std::thread::sleep(Duration::from_millis(30));
+    display.show("", &[], Outcome::Done, now + 300);
+    let screen = term.contents();
+    let lines: Vec<&str> = screen.lines().map(str::trim_end).collect();
+    assert_eq!(lines[0], "✓ get_weather  3 chars · 0.3s", "{screen}");
+    assert_eq!(lines[1], "a log line", "{screen}");
+    assert_eq!(lines[2], "✓ get_time  2 chars · 0.3s", "{screen}");
+}
+
+/// An in-memory terminal that tells indicatif it is 80 columns wide.
+#[derive(Debug, Clone)]
+struct NarrowTerm(InMemoryTerm);
+
+impl TermLike for NarrowTerm {
+    fn width(&self) -> u16 {
+        80
+    }
+    fn move_cursor_up(&self, n: usize) -> std::io::Result<()> {
+        self.0.move_cursor_up(n)
+    }
+    fn move_cursor_down(&self, n: usize) -> std::io::Result<()> {
+        self.0.move_cursor_down(n)
+    }
+    fn move_cursor_right(&self, n: usize) -> std::io::Result<()> {
+        self.0.move_cursor_right(n)
+    }
+    fn move_cursor_left(&self, n: usize) -> std::io::Result<()> {
+        self.0.move_cursor_left(n)
+    }
+    fn write_line(&self, s: &str) -> std::io::Result<()> {
+        self.0.write_line(s)
+    }
+    fn write_str(&self, s: &str) -> std::io::Result<()> {
+        self.0.write_str(s)
+    }
+    fn clear_line(&self) -> std::io::Result<()> {
+        self.0.clear_line()
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        TermLike::flush(&self.0)
+    }
+}
+
 /// With `n` > 1, the same tool called by two choices gets two lines that
 /// say which is which (they were the same line twice).
 #[test]
