@@ -441,7 +441,8 @@ impl ServeArgs {
 /// /api/chat an NDJSON capture as application/x-ndjson (Ollama), each event
 /// byte for byte, --delay-ms apart; GET /v1/models lists the captures. A
 /// request whose "model" is a capture's file name (without extension) gets
-/// that capture, any other the first of its kind. Without CAPTURE files,
+/// that capture, any other the first of its kind; a request body over 64
+/// MiB gets 413. Without CAPTURE files,
 /// captures bundled in the binary are served (parallel_tool_calls,
 /// reasoning_then_tool, text_then_tool, thinking_two_tools).
 #[derive(Debug, Args)]

@@ -136,6 +136,10 @@ pub struct MockUpstream {
     delay: Duration,
 }
 
+/// The largest chat request body the mock reads (it needs only its
+/// `model`); a larger one gets 413.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
+
 impl MockUpstream {
     pub fn new(captures: Vec<Capture>, delay: Duration) -> MockUpstream {
         MockUpstream {
@@ -170,8 +174,16 @@ impl MockUpstream {
             Framing::Sse
         } else if path == "/api/chat" {
             Framing::Ndjson
-        } else if req.method() == Method::GET && path.ends_with("/models") {
-            return self.models();
+        } else if path.ends_with("/models") {
+            // HEAD as GET: hyper sends the head alone.
+            if req.method() == Method::GET || req.method() == Method::HEAD {
+                return self.models();
+            }
+            let mut response = json_error(StatusCode::METHOD_NOT_ALLOWED, "use GET");
+            response
+                .headers_mut()
+                .insert(hyper::header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+            return response;
         } else {
             return json_error(StatusCode::NOT_FOUND, &format!("the mock serves no {path}"));
         };
@@ -182,8 +194,19 @@ impl MockUpstream {
                 .insert(hyper::header::ALLOW, HeaderValue::from_static("POST"));
             return response;
         }
-        let body = match req.into_body().collect().await {
+        // Only its `model` is read: a body past the bound is refused, not
+        // held (a 400 MB POST took 832 MB).
+        let body = match http_body_util::Limited::new(req.into_body(), MAX_REQUEST_BYTES)
+            .collect()
+            .await
+        {
             Ok(body) => body.to_bytes(),
+            Err(err) if err.is::<http_body_util::LengthLimitError>() => {
+                return json_error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    &format!("the mock reads request bodies of at most {MAX_REQUEST_BYTES} bytes"),
+                );
+            }
             Err(err) => {
                 return json_error(
                     StatusCode::BAD_REQUEST,

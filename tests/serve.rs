@@ -2085,6 +2085,14 @@ fn the_mock_says_which_method_its_chat_route_takes() {
     let response = request(mock.port, "GET", CHAT_PATH, &[], "");
     assert_eq!(response.status, 405);
     assert_eq!(response.header("allow"), Some("POST"));
+    // Its models route takes GET and HEAD (it was a 404 for both HEAD and
+    // POST, a route the mock has).
+    let response = request(mock.port, "HEAD", "/v1/models", &[], "");
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header("content-type"), Some("application/json"));
+    let response = request(mock.port, "POST", "/v1/models", &[], "{}");
+    assert_eq!(response.status, 405);
+    assert_eq!(response.header("allow"), Some("GET, HEAD"));
 }
 
 /// A response without a body (a 204 here; a HEAD's and a 304's alike)
