@@ -389,7 +389,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub record: Option<PathBuf>,
 
-    /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
+    /// More log lines on stderr: -v debug, -vv trace (a non-empty RUST_LOG
+    /// overrides; one that is not a filter is said, and ignored)
     ///
     /// At the default level there is one line per request: method, path,
     /// status (499 when the client left before the answer), session,
@@ -468,7 +469,8 @@ pub struct MockArgs {
     #[arg(long, value_name = "MS", default_value_t = 50)]
     pub delay_ms: u64,
 
-    /// More log lines on stderr: -v debug, -vv trace (RUST_LOG overrides)
+    /// More log lines on stderr: -v debug, -vv trace (a non-empty RUST_LOG
+    /// overrides; one that is not a filter is said, and ignored)
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
 }

@@ -5,8 +5,10 @@
 //! - [`FilterError`]: `annotate` could not read its input or write its output.
 //!
 //! Exit codes (documented in `man/aalis-proxy.1`): 0 success, also when
-//! stdout is closed early (`| head`); 1 the input or output failed; 2 usage
-//! or configuration error (clap's own); 130 interrupted (SIGINT's default).
+//! stdout is closed early (`| head`); 1 the input or output failed, or
+//! `serve` or `mock` could not start (a port taken, a CA or capture file);
+//! 2 a usage error (clap's own, and values it cannot check); 130
+//! interrupted (SIGINT's default).
 
 use std::io;
 

@@ -424,7 +424,15 @@ pub fn init_to<W: Write + Send + 'static>(verbose: u8, out: W) -> Option<StderrL
         1 => "debug",
         _ => "trace",
     };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    // A RUST_LOG that does not parse is said, once the log is up, not
+    // silently replaced.
+    // An empty one is taken for none (it would log errors alone).
+    let given = std::env::var_os("RUST_LOG").filter(|value| !value.is_empty());
+    let (filter, bad_filter) = match given.map(|_| EnvFilter::try_from_default_env()) {
+        Some(Ok(filter)) => (filter, None),
+        Some(Err(err)) => (EnvFilter::new(default), Some(err)),
+        None => (EnvFilter::new(default), None),
+    };
     let color = io::stderr().is_terminal() && !no_color();
     let builder = tracing_subscriber::fmt()
         .fmt_fields(LogFields)
@@ -432,7 +440,7 @@ pub fn init_to<W: Write + Send + 'static>(verbose: u8, out: W) -> Option<StderrL
         .with_env_filter(filter)
         .with_ansi(color)
         .with_target(false);
-    match StderrLog::spawn(out, QUEUE_LINES, QUEUE_BYTES) {
+    let log = match StderrLog::spawn(out, QUEUE_LINES, QUEUE_BYTES) {
         Ok(log) => {
             builder.with_writer(log.clone()).init();
             Some(log)
@@ -442,7 +450,11 @@ pub fn init_to<W: Write + Send + 'static>(verbose: u8, out: W) -> Option<StderrL
             tracing::warn!("cannot start the log thread, logging on the workers: {err}");
             None
         }
+    };
+    if let Some(err) = bad_filter {
+        tracing::warn!("RUST_LOG is not a filter ({err}); logging at {default} level");
     }
+    log
 }
 
 /// The fields of a log line, written as `tracing-subscriber`'s default

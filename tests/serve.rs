@@ -2077,6 +2077,22 @@ fn mock_leaves_out_what_is_not_a_capture() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A `RUST_LOG` that is not a filter is said, and the default level
+/// (info) is used; an empty one is taken for none. Before, the first was
+/// replaced without a word, and the second logged errors alone (no
+/// "mock upstream on" line).
+#[test]
+fn a_bad_or_empty_rust_log_is_not_silent() {
+    let mut mock = start_mock(&[], &[("RUST_LOG", "x=y=z")]);
+    mock.wait_for_stderr("RUST_LOG is not a filter");
+    mock.wait_for_stderr("mock upstream on");
+    mock.stop();
+    let mut mock = start_mock(&[], &[("RUST_LOG", "")]);
+    mock.wait_for_stderr("mock upstream on");
+    assert!(!mock.stderr().contains("RUST_LOG"), "{}", mock.stderr());
+    mock.stop();
+}
+
 /// The mock's chat routes take POST: another method gets 405 with
 /// `Allow: POST` (RFC 9110 §15.5.6).
 #[test]

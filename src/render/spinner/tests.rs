@@ -580,13 +580,23 @@ fn text_after_the_last_final_line_starts_below_it() {
         false,
     );
     let now = 1_000_000;
-    display.show("", &[entry(0, "get_weather", 3, now - 200)], Outcome::Done, now);
+    display.show(
+        "",
+        &[entry(0, "get_weather", 3, now - 200)],
+        Outcome::Done,
+        now,
+    );
     std::thread::sleep(Duration::from_millis(30));
     display.show("", &[], Outcome::Done, now + 100);
     let mut above = display.above(TermWriter(term.clone()));
     above.write_all(b"a log line\n").expect("held");
     above.flush().expect("written");
-    display.show("", &[entry(1, "get_time", 2, now)], Outcome::Done, now + 200);
+    display.show(
+        "",
+        &[entry(1, "get_time", 2, now)],
+        Outcome::Done,
+        now + 200,
+    );
     std::thread::sleep(Duration::from_millis(30));
     display.show("", &[], Outcome::Done, now + 300);
     let screen = term.contents();
