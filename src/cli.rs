@@ -330,10 +330,11 @@ pub struct ServeArgs {
     /// Counted by the kernel (TCP_USER_TIMEOUT, Linux): bytes that wait
     /// behind the client's shut TCP window this long, or unacknowledged
     /// (a remote client cut off from the network). Over HTTP/2, also a
-    /// response held behind the client's shut flow-control window while
-    /// nothing else on its connection moves. A client that reads, however
-    /// slowly, opens its window (on loopback by 64 KiB at a time) and is
-    /// left alone. At most about 24 days.
+    /// connection whose every open response waits behind the client's shut
+    /// flow-control windows (HTTP/2 clients open a window once half of it
+    /// is read: about 32 KiB). A client that reads, however slowly, opens
+    /// its TCP window (on loopback by 64 KiB at a time) and is left alone.
+    /// At most about 24 days.
     ///
     /// Example: --client-timeout 1m
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_timeout)]

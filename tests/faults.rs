@@ -1115,6 +1115,65 @@ async fn an_http2_client_that_keeps_its_window_shut_is_closed_after_the_client_t
     assert_no_foreign_panic();
 }
 
+/// On one HTTP/2 connection, a response held behind its shut window does
+/// not get the connection closed while another request on it waits on a
+/// quiet upstream: that stream, silent for 2.5 s (past the 1 s
+/// `--client-timeout`), comes whole. Once it has ended, the held one is
+/// alone, and the connection is closed. (A first version closed it while
+/// the quiet stream waited, and cut that stream too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_http2_stream_does_not_cut_a_quiet_one_beside_it() {
+    let upstream = FakeUpstream::start(|req| {
+        if req.uri.path() == "/v1/big" {
+            return Reply::new(200)
+                .header("content-type", "text/plain")
+                .then(Step::Repeat(Bytes::from(vec![b'x'; 16 * 1024])));
+        }
+        Reply::new(200)
+            .header("content-type", "text/plain")
+            .body("before the pause\n")
+            .then(Step::Sleep(Duration::from_millis(2500)))
+            .body("after it\n")
+    })
+    .await;
+    let mut config = proxy_config(&upstream.url(""));
+    config.client_timeout = Duration::from_secs(1);
+    let proxy = Served::start(config).await;
+    let stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    // The connection's window wide, so that the held stream's bytes leave
+    // room for the other's.
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .adaptive_window(false)
+        .handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    let conn = tokio::spawn(conn);
+    let get = |path: &str| {
+        Request::get(format!("http://{}{path}", proxy.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request")
+    };
+    let held = tokio::time::timeout(PATIENCE, sender.send_request(get("/v1/big")))
+        .await
+        .expect("in time")
+        .expect("response");
+    let quiet = tokio::time::timeout(PATIENCE, sender.send_request(get("/v1/quiet")))
+        .await
+        .expect("in time")
+        .expect("response");
+    let (got, end) = read_body(&mut quiet.into_body(), Duration::from_secs(10)).await;
+    end.expect("the quiet stream came whole");
+    assert_eq!(got, b"before the pause\nafter it\n");
+    tokio::time::timeout(Duration::from_secs(10), conn)
+        .await
+        .expect("the connection was closed once the held stream was alone")
+        .expect("no panic")
+        .ok();
+    drop(held);
+}
+
 /// An HTTP/2 client that reads its response slowly (a frame every 100 ms,
 /// far slower than the stream comes) is not closed, however long it stays
 /// behind: each read opens its window, and the proxy's body is asked for

@@ -491,6 +491,7 @@ where
         let limit = shared.head_timeout;
         let (open, quiet) = watch::channel(0usize);
         let dead = open.subscribe();
+        let dead_or_held = open.subscribe();
         let open = Arc::new(open);
         let sends = Arc::new(H2Sends::default());
         let bodies = Arc::clone(&sends);
@@ -524,7 +525,7 @@ where
             // a shut HTTP/2 one: a client whose connection reads its
             // socket but not a response is caught here, and reported
             // alike (`timed_out`).
-            () = held_for(&sends, shared.client_timeout) => {
+            () = held_for(&sends, &dead_or_held, shared.client_timeout) => {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "a response's bytes waited behind the client's HTTP/2 flow-control window",
@@ -599,6 +600,8 @@ struct H2Sends {
     /// Polls of any of the connection's response bodies, as a sign of
     /// life.
     polls: AtomicUsize,
+    /// Told when `held` leaves 0: [`held_for`]'s timer runs only then.
+    first_held: Notify,
 }
 
 /// A response body on an HTTP/2 connection: a request open while it lives
@@ -626,7 +629,9 @@ impl http_body::Body for H2Body {
         if taken != this.taken {
             this.taken = taken;
             if taken {
-                this.sends.held.fetch_add(1, Ordering::Relaxed);
+                if this.sends.held.fetch_add(1, Ordering::Relaxed) == 0 {
+                    this.sends.first_held.notify_one();
+                }
             } else {
                 this.sends.held.fetch_sub(1, Ordering::Relaxed);
             }
@@ -651,26 +656,41 @@ impl Drop for H2Body {
     }
 }
 
-/// Resolves once `sends` has had a body held ([`H2Sends::held`]) and no
-/// body polled for `limit` (within an eighth of it, looked at that often):
-/// the client has left the bytes sent to it waiting that long. A body
-/// held while others move is not caught.
-async fn held_for(sends: &H2Sends, limit: Duration) {
+/// Resolves once every request open on the connection (`open`, the
+/// [`StreamOpen`] count) has had its body held ([`H2Sends::held`]), and
+/// no body was polled, for `limit` (within an eighth of it, looked at
+/// that often): the client has left the bytes sent to it waiting that
+/// long. A request whose response head has not come, or whose body waits
+/// on a quiet upstream, is not held, and keeps the connection open; so is
+/// a body held while another moves. Its timer runs only while a body is
+/// held.
+async fn held_for(sends: &H2Sends, open: &watch::Receiver<usize>, limit: Duration) {
     let tick = (limit / 8).max(Duration::from_millis(10));
-    let mut still = Duration::ZERO;
-    let mut polls = sends.polls.load(Ordering::Relaxed);
     loop {
-        tokio::time::sleep(tick).await;
-        let now = sends.polls.load(Ordering::Relaxed);
-        if now == polls && sends.held.load(Ordering::Relaxed) > 0 {
-            still += tick;
-            if still >= limit {
-                return;
-            }
-        } else {
-            still = Duration::ZERO;
+        if sends.held.load(Ordering::Relaxed) == 0 {
+            // A permit stored by a `notify_one` meanwhile is taken here.
+            sends.first_held.notified().await;
+            continue;
         }
-        polls = now;
+        let mut still = Duration::ZERO;
+        let mut polls = sends.polls.load(Ordering::Relaxed);
+        loop {
+            tokio::time::sleep(tick).await;
+            let held = sends.held.load(Ordering::Relaxed);
+            if held == 0 {
+                break;
+            }
+            let now = sends.polls.load(Ordering::Relaxed);
+            if now == polls && held >= *open.borrow() {
+                still += tick;
+                if still >= limit {
+                    return;
+                }
+            } else {
+                still = Duration::ZERO;
+            }
+            polls = now;
+        }
     }
 }
 
