@@ -142,8 +142,9 @@ pub struct StreamFlags {
     /// Spinners on stderr, one per tool being generated
     ///
     /// `auto` (what --progress alone means) draws them when stderr is a
-    /// terminal; `always` also prints plain lines (at most one per tool per
-    /// second) when it is not, for logs; `never` is the default. stdout is
+    /// terminal (one that can move its cursor: not TERM=dumb); `always`
+    /// also prints plain lines (at most one per tool per second) when it is
+    /// not, for logs; `never` is the default. stdout is
     /// never touched. NO_COLOR is honoured. Stopped by Ctrl-C or SIGTERM,
     /// annotate ends each spinner with its ✗ line, then dies of the signal.
     ///

@@ -19,7 +19,7 @@ use aalis_proxy::proxy::service::Proxy;
 use aalis_proxy::proxy::sessions::SessionRegistry;
 use aalis_proxy::proxy::upstream::UpstreamConfigError;
 use aalis_proxy::proxy::{ProxyConfig, serve_proxy_on};
-use aalis_proxy::render::spinner::{ProgressDisplay, ProgressMode};
+use aalis_proxy::render::spinner::{self, ProgressDisplay, ProgressMode};
 use aalis_proxy::stderr_log::{self, StderrLog};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -311,7 +311,7 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
     // (written past them, a line was erased by the next redraw); plain
     // lines, without a terminal, go through the log's queue.
     let mode = args.stream.progress;
-    let (log, spinners) = match mode.draws_on_a_terminal(io::stderr().is_terminal()) {
+    let (log, spinners) = match mode.draws_on_a_terminal(spinner::stderr_draws()) {
         true => {
             let spinners = display(mode, None).drawn_apart();
             (
@@ -472,7 +472,7 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
 /// lines go through `log`'s queue when there is one (`serve`).
 fn display(mode: ProgressMode, log: Option<&StderrLog>) -> ProgressDisplay {
     let color = !stderr_log::no_color();
-    let terminal = io::stderr().is_terminal();
+    let terminal = spinner::stderr_draws();
     match log {
         Some(log) => {
             ProgressDisplay::new_plain_to(mode, terminal, color, || Box::new(log.line_writer()))

@@ -1281,6 +1281,47 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
     assert!(text(&drawn).ends_with('\n'), "{:?}", text(&drawn));
 }
 
+/// `annotate --progress` with stdout and stderr on one terminal that
+/// cannot draw spinners (`TERM=dumb`): the terminal gets the annotated
+/// stream and nothing else. (Taken for a terminal that draws, the display
+/// drew nothing, and still put line breaks of its own into stdout: a blank
+/// line in the stream, where a tool's final line would have been.)
+#[test]
+fn annotate_on_a_dumb_terminal_shows_the_stream_alone() {
+    let (mut master, slave) = pty::open(24, 100);
+    let mut child = aalis_proxy()
+        .args(["annotate", "--progress", "--realtime", "--pace", "20"])
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fixtures")
+                .join(SINGLE_FIXTURE),
+        )
+        .env("TERM", "dumb")
+        .stdin(Stdio::null())
+        .stdout(slave.try_clone().expect("a second slave descriptor"))
+        .stderr(slave)
+        .spawn()
+        .expect("spawn annotate");
+    let drawn = thread::spawn(move || {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        // EIO once the child has exited and no slave is left open.
+        while let Ok(n) = master.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        seen
+    });
+    let status = exit_or_kill(&mut child, Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    let drawn = drawn.join().expect("terminal thread");
+    // The terminal turns each line break into CR LF.
+    let expected = text(&annotated(SINGLE_FIXTURE, Framing::Sse)).replace('\n', "\r\n");
+    assert_eq!(text(&drawn), expected);
+}
+
 /// The first six events of the single-call fixture: the call and its
 /// arguments up to `{"location":"Paris, France` (26 characters), and no
 /// end.

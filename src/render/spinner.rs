@@ -281,9 +281,20 @@ impl std::fmt::Debug for ProgressDisplay {
     }
 }
 
+/// Whether stderr is a terminal spinners can be drawn on: one that
+/// indicatif does not hide (`TERM` unset or `dumb`: no cursor motion).
+/// On a terminal it hides, a display drew nothing, not even a tool's final
+/// line; such a terminal is taken for no terminal (`--progress=always`
+/// writes plain lines to it).
+pub fn stderr_draws() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && !ProgressDrawTarget::stderr().is_hidden()
+}
+
 impl ProgressDisplay {
     /// The display `--progress=<mode>` asks for, given whether stderr is a
-    /// terminal and whether colour is allowed (`NO_COLOR`).
+    /// terminal spinners can be drawn on ([`stderr_draws`]) and whether
+    /// colour is allowed (`NO_COLOR`).
     pub fn new(mode: ProgressMode, stderr_is_terminal: bool, color: bool) -> ProgressDisplay {
         ProgressDisplay::new_plain_to(mode, stderr_is_terminal, color, || {
             Box::new(std::io::stderr())
@@ -532,7 +543,9 @@ impl<W: Write> Write for Above<W> {
             // With no spinner to clear, the cursor is still at the end of
             // the last line indicatif drew (a tool's final line): the
             // text goes below it, not after it.
-            below = inner.mid_line && !inner.lines.values().any(|line| line.bar.is_some());
+            below = inner.mid_line
+                && !multi.is_hidden()
+                && !inner.lines.values().any(|line| line.bar.is_some());
         }
         let written = match below {
             true => out.write_all(b"\n"),
@@ -743,7 +756,10 @@ fn draw_apart(inner: &Mutex<Inner>, apart: &Apart) {
 impl Inner {
     /// See [`ProgressDisplay::close`].
     fn close(&mut self) {
-        if self.mid_line && matches!(self.target, Target::Terminal { .. }) {
+        if self.mid_line
+            && let Target::Terminal { multi, .. } = &self.target
+            && !multi.is_hidden()
+        {
             let mut stderr = std::io::stderr();
             let _ = stderr.write_all(b"\n").and_then(|()| stderr.flush());
         }
