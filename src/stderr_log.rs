@@ -345,8 +345,8 @@ fn write_batch<W: Write>(out: &mut W, batch: &mut Vec<u8>, queued: &Queued) {
 }
 
 /// Writes `bytes` whole, waiting out `WouldBlock` (a non-blocking stderr
-/// that is full) a millisecond at a time.
-fn write_waiting<W: Write>(out: &mut W, mut bytes: &[u8]) -> io::Result<()> {
+/// that is full) a millisecond at a time, as a blocking one would wait.
+pub fn write_waiting<W: Write>(out: &mut W, mut bytes: &[u8]) -> io::Result<()> {
     while !bytes.is_empty() {
         match out.write(bytes) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),

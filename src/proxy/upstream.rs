@@ -32,7 +32,7 @@ use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 
@@ -83,8 +83,9 @@ type TlsClient = Client<TimedConnect<HttpsConnector<HttpConnector>>, ProxyBody>;
 /// an HTTP/2 connection) of its own, and the requests each has open: a
 /// request goes to the least busy, and a new client is made when all
 /// have [`H2_STREAMS_PER_CONNECTION`] open. There are as many as the
-/// most requests ever open at once need; an idle one holds no connection
-/// past its pool's idle timeout.
+/// most requests ever open at once needed (they are kept: a client is a
+/// few hundred bytes); an idle one's connections close after its pool's
+/// idle timeout (hyper-util's 90 s, swept by the pool's timer).
 pub struct TlsClients {
     builder: hyper_util::client::legacy::Builder,
     connector: TimedConnect<HttpsConnector<HttpConnector>>,
@@ -532,6 +533,9 @@ pub fn build_client(
     };
     let mut builder = Client::builder(TokioExecutor::new());
     builder
+        // Without a timer, an idle connection is found expired only when
+        // its client next takes one from its pool.
+        .pool_timer(TokioTimer::new())
         .http2_initial_stream_window_size(H2_STREAM_WINDOW)
         .http2_initial_connection_window_size(H2_CONNECTION_WINDOW)
         // A response head's limit, as for `http://` upstreams (hyper's

@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::progress::ProgressEntry;
+use crate::stderr_log::write_waiting;
 
 /// Longest tool name shown, in characters.
 pub const MAX_NAME_CHARS: usize = 48;
@@ -547,11 +548,14 @@ impl<W: Write> Write for Above<W> {
                 && !multi.is_hidden()
                 && !inner.lines.values().any(|line| line.bar.is_some());
         }
+        // Waited for when full, as a blocking stderr would be, if it was
+        // left non-blocking: the log's writer, whose lines come through
+        // here on a terminal, waits the same way.
         let written = match below {
-            true => out.write_all(b"\n"),
+            true => write_waiting(out, b"\n"),
             false => Ok(()),
         }
-        .and_then(|()| out.write_all(&held[..ready]))
+        .and_then(|()| write_waiting(out, &held[..ready]))
         .and_then(|()| out.flush());
         // Drawn again at once below what was written, rather than at the
         // next tick (a stream's flushes came faster: the spinners

@@ -606,6 +606,40 @@ fn text_after_the_last_final_line_starts_below_it() {
     assert_eq!(lines[2], "✓ get_time  2 chars · 0.3s", "{screen}");
 }
 
+/// A writer that refuses every other write with `WouldBlock` and takes
+/// at most 5 bytes of the others, as a full non-blocking stderr does.
+struct Full(Arc<Mutex<Vec<u8>>>, bool);
+
+impl Write for Full {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.1 = !self.1;
+        if self.1 {
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        let n = buf.len().min(5);
+        self.0.lock().expect("lock").extend_from_slice(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Lines written above the spinners to a stderr left non-blocking are
+/// waited for when it is full, and go whole (`serve`'s log lines on a
+/// terminal come this way). They were dropped at the first `WouldBlock`.
+#[test]
+fn lines_above_the_spinners_wait_for_a_full_stderr() {
+    let term = InMemoryTerm::new(10, 80);
+    let display = on_memory_term(&term);
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let mut above = display.above(Full(Arc::clone(&got), false));
+    above.write_all(b"one line\nand another\n").expect("held");
+    above.flush().expect("written");
+    assert_eq!(*got.lock().expect("lock"), b"one line\nand another\n");
+}
+
 /// An in-memory terminal that tells indicatif it is 80 columns wide.
 #[derive(Debug, Clone)]
 struct NarrowTerm(InMemoryTerm);
