@@ -73,7 +73,7 @@ pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// and is closed by the kernel once bytes sent to it have waited
 /// `client_timeout` for its window to open (it takes none of them:
 /// `TCP_USER_TIMEOUT`; see `serve`'s body), or over HTTP/2 once a
-/// response has waited as long for its flow-control window ([`held_for`]).
+/// response has waited as long for its flow-control window (`held_for`).
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,

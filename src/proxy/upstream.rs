@@ -628,7 +628,8 @@ const CREDENTIALS: [HeaderName; 4] = [
     HeaderName::from_static("x-api-key"),
 ];
 
-/// Marks the values of [`CREDENTIALS`] sensitive, so that HTTP/2's header
+/// Marks the credentials a client sends (`Authorization`, `Cookie`,
+/// `api-key`, `x-api-key`) sensitive, so that HTTP/2's header
 /// compression never puts them in its table (RFC 7541 §7.1.3): one
 /// connection to the upstream carries the requests of every client, and a
 /// value in its table could be probed by a client whose own headers are
