@@ -86,7 +86,8 @@ pub struct AnnotateArgs {
     #[arg(long, value_enum, default_value_t = OutputFormat::Sse, value_name = "FORMAT")]
     pub format: OutputFormat,
 
-    /// How progress is added to the forwarded stream (with --format sse)
+    /// How progress is added to the forwarded stream, with --format sse
+    /// (the other formats refuse it) [default: field]
     ///
     /// `field` is safe for every SDK: the chunk that carried the tool-call
     /// delta gets a top-level "toolCallProgress":{…} before its closing
@@ -94,8 +95,8 @@ pub struct AnnotateArgs {
     /// `none`.
     ///
     /// Example: --inject comment
-    #[arg(long, value_enum, default_value_t = InjectMode::Field, value_name = "MODE")]
-    pub inject: InjectMode,
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub inject: Option<InjectMode>,
 
     /// Session id written in every line of --format messages (required
     /// there, refused with other formats)
@@ -115,7 +116,7 @@ pub struct AnnotateArgs {
     pub realtime: bool,
 
     /// With --realtime, the pause between events when the input has no
-    /// recorded timing (implies --realtime)
+    /// recorded timing (implies --realtime) [default: 100]
     ///
     /// Example: --pace 200
     #[arg(long, value_name = "MS")]
@@ -146,7 +147,9 @@ pub struct StreamFlags {
     /// also prints plain lines (at most one per tool per second) when it is
     /// not, for logs; `never` is the default. stdout is
     /// never touched. NO_COLOR is honoured. Stopped by Ctrl-C or SIGTERM,
-    /// annotate ends each spinner with its ✗ line, then dies of the signal.
+    /// annotate ends each spinner with its ✗ line, then dies of the signal;
+    /// serve ends each as its stream ends, and a second signal ends those
+    /// left with ✗.
     ///
     /// Example: --progress
     #[arg(
@@ -186,6 +189,27 @@ impl AnnotateArgs {
                 "--session applies only to --format messages",
             ));
         }
+        // The line formats write progress as lines of their own: an
+        // injection mode would be ignored without a word.
+        if self.inject.is_some() && self.format != OutputFormat::Sse {
+            let kind = clap::error::ErrorKind::ArgumentConflict;
+            return Err(annotate_error(
+                kind,
+                "--inject applies only to --format sse (the default)",
+            ));
+        }
+        // As serve takes X-Aalis-Session.
+        if let Some(session) = &self.session
+            && (session.is_empty()
+                || session.len() > 128
+                || !session.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            let kind = clap::error::ErrorKind::ValueValidation;
+            return Err(annotate_error(
+                kind,
+                "--session must be 1 to 128 visible ASCII characters, without spaces",
+            ));
+        }
         Ok(())
     }
 
@@ -211,7 +235,7 @@ impl AnnotateArgs {
     pub fn annotator_config(&self) -> AnnotatorConfig {
         AnnotatorConfig {
             output: self.format,
-            inject: self.inject,
+            inject: self.inject.unwrap_or(InjectMode::Field),
             session_id: self.session.clone(),
             framing: None,
             max_event_bytes: self.stream.max_event_bytes,
@@ -335,10 +359,10 @@ pub struct ServeArgs {
     /// flow-control windows (HTTP/2 clients open a window once half of it
     /// is read: about 32 KiB). A client that reads, however slowly, opens
     /// its TCP window (on loopback by 64 KiB at a time) and is left alone.
-    /// At most about 24 days.
+    /// At most 2147483647ms (about 24.8 days: the kernel's bound).
     ///
     /// Example: --client-timeout 1m
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_timeout)]
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_client_timeout)]
     pub client_timeout: Duration,
 
     /// After SIGINT or SIGTERM, how long open streams may go on (a second
@@ -396,9 +420,12 @@ pub struct ServeArgs {
     ///
     /// At the default level there is one line per request: method, path,
     /// status (499 when the client left before the answer), session,
-    /// duration, bytes, tool calls, outcome; and a warning that says
-    /// why when the upstream could not be reached, answered too late or
-    /// failed mid-stream. Header values are never logged. Lines are written by a thread of their own, so a stderr that
+    /// duration, bytes, tool calls, outcome (ok, cancelled, idle_timeout,
+    /// upstream_error, upstream_unreachable, upstream_timeout,
+    /// client_body_timeout, invalid_request_error, not_implemented); and a
+    /// warning that says why when the upstream could not be reached,
+    /// answered too late or failed mid-stream. Header values are never
+    /// logged. Lines are written by a thread of their own, so a stderr that
     /// nobody reads stops no stream: past 1,024 lines (or 1 MiB) waiting,
     /// lines are dropped, and a warning says how many (checked every 10 s,
     /// and at exit).
@@ -588,6 +615,19 @@ pub fn parse_timeout(text: &str) -> Result<Duration, String> {
         )),
         duration => Ok(duration),
     }
+}
+
+/// Parses `--client-timeout`: a timeout the kernel can hold
+/// (`TCP_USER_TIMEOUT` takes an `int` of milliseconds: about 24.8 days).
+fn parse_client_timeout(text: &str) -> Result<Duration, String> {
+    let limit = parse_timeout(text)?;
+    if limit.as_millis() > i32::MAX as u128 {
+        return Err(format!(
+            "{:?} is longer than the kernel's bound, 2147483647ms (about 24.8 days)",
+            text.trim()
+        ));
+    }
+    Ok(limit)
 }
 
 /// Parses `--listen`: an IP address and a port (host names are not looked
@@ -809,6 +849,14 @@ mod tests {
 
     #[test]
     fn durations() {
+        // --client-timeout: the kernel's int of milliseconds, no more (a
+        // longer one was cut to it without a word).
+        assert_eq!(
+            parse_client_timeout("2147483647ms"),
+            Ok(Duration::from_millis(2_147_483_647))
+        );
+        assert!(parse_client_timeout("2147483648ms").is_err());
+        assert!(parse_client_timeout("40000m").is_err());
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
@@ -874,5 +922,42 @@ mod tests {
             .expect_err("--session needs --format messages");
         assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
         assert_eq!(err.exit_code(), 2);
+    }
+
+    /// `--inject` with a line format, and an empty or spaced `--session`,
+    /// are usage errors (status 2): the first was ignored without a word,
+    /// the second written into every line.
+    #[test]
+    fn inject_and_session_are_refused_where_they_mean_nothing() {
+        let validate = |words: &[&str]| {
+            let cli = Cli::try_parse_from([&["aalis-proxy", "annotate"], words].concat())
+                .expect("parses");
+            let Command::Annotate(args) = cli.command else {
+                panic!("annotate parses as annotate");
+            };
+            args.validate().map_err(|err| err.exit_code())
+        };
+        for words in [
+            &["--format", "ndjson", "--inject", "comment"][..],
+            &[
+                "--format",
+                "messages",
+                "--session",
+                "s",
+                "--inject",
+                "field",
+            ],
+            &["--format", "messages", "--session", ""],
+            &["--format", "messages", "--session", "a b"],
+        ] {
+            assert_eq!(validate(words), Err(2), "{words:?}");
+        }
+        for words in [
+            &["--inject", "none"][..],
+            &["--format", "ndjson"],
+            &["--format", "messages", "--session", "chat-42"],
+        ] {
+            assert_eq!(validate(words), Ok(()), "{words:?}");
+        }
     }
 }

@@ -2158,6 +2158,30 @@ fn the_mock_says_which_method_its_chat_route_takes() {
     assert_eq!(response.header("allow"), Some("GET, HEAD"));
 }
 
+/// An upstream that fails mid-stream is logged `outcome="upstream_error"`,
+/// spelled as a failure before any response is (and as the JSON error's
+/// type); it was `upstream-error`.
+#[test]
+fn an_upstream_failure_mid_stream_is_logged_upstream_error() {
+    let (upstream_port, upstream) = one_write_upstream(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+          transfer-encoding: chunked\r\n\r\n6\r\ndata: \r\n"
+            .to_vec(),
+    );
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    let mut response = post(serve.port, CHAT_PATH, "{}", &[("X-Aalis-Session", "cut")]);
+    assert_eq!(response.status, 200);
+    let _ = response.read_to_end();
+    let stderr = serve.wait_for_stderr("status=200");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("status=200"))
+        .unwrap_or_default();
+    assert!(line.contains("outcome=\"upstream_error\""), "{line}");
+    serve.stop();
+    upstream.join().expect("the upstream thread");
+}
+
 /// A response without a body (a 204 here; a HEAD's and a 304's alike)
 /// is logged as what it is, `ok`: hyper never polls such a body, and its
 /// drop was taken for a client that went away (`cancelled`).

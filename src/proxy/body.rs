@@ -86,9 +86,10 @@ pub struct RequestLog {
 
 impl RequestLog {
     /// The one info line of a request, the same for every outcome:
-    /// `ok`, `cancelled` (the client went away), `idle-timeout`,
-    /// `upstream-error`, or the fault of a request that got no upstream
-    /// response (`upstream_unreachable`, `upstream_timeout`, …).
+    /// `ok`, `cancelled` (the client went away), `idle_timeout`,
+    /// `upstream_error`, or the fault of a request that got no upstream
+    /// response (`upstream_unreachable`, `upstream_timeout`, …): one
+    /// spelling, that of the error types of the JSON answers.
     pub fn write(&self, bytes_in: u64, bytes_out: u64, tool_calls: usize, outcome: &str) {
         tracing::info!(
             method = %self.method,
@@ -175,8 +176,8 @@ pin_project! {
             this.log.write(*this.bytes_in, *this.bytes_out, tool_calls, this.outcome);
             let metrics = &**this.metrics;
             match *this.outcome {
-                "idle-timeout" => metrics.upstream_error(UpstreamErrorKind::IdleTimeout),
-                "upstream-error" => metrics.upstream_error(UpstreamErrorKind::Reset),
+                "idle_timeout" => metrics.upstream_error(UpstreamErrorKind::IdleTimeout),
+                "upstream_error" => metrics.upstream_error(UpstreamErrorKind::Reset),
                 _ => {}
             }
             if let Some(annotator) = this.annotator.as_ref() {
@@ -334,7 +335,7 @@ impl Body for TapBody {
                         continue;
                     }
                     // Silent too long: end as if the upstream failed.
-                    *this.outcome = "idle-timeout";
+                    *this.outcome = "idle_timeout";
                     Some(Err(Box::new(IdleTimeout(*this.idle_timeout)) as BoxError))
                 }
             };
@@ -411,7 +412,7 @@ impl Body for TapBody {
                 }
                 Some(Err(err)) => {
                     if *this.outcome == "ok" {
-                        *this.outcome = "upstream-error";
+                        *this.outcome = "upstream_error";
                     }
                     tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
                     // Before `finish` publishes the calls' end: their

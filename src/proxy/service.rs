@@ -227,7 +227,7 @@ impl Proxy {
                     Fault::ClientAborted => "cancelled",
                     // Not `client-timeout`: that is `--client-timeout`'s,
                     // a client that stops reading (logged as `cancelled`).
-                    Fault::ClientTimeout => "client-body-timeout",
+                    Fault::ClientTimeout => "client_body_timeout",
                     Fault::BadRequest
                     | Fault::NotImplemented
                     | Fault::UpstreamUnreachable
