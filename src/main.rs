@@ -137,6 +137,11 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
         Some(path) => {
             let file =
                 File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+            // Opened, a directory fails only at its first read: the line
+            // formats had written their `done` line by then.
+            if file.metadata().is_ok_and(|meta| meta.is_dir()) {
+                anyhow::bail!("cannot open {}: it is a directory", path.display());
+            }
             filter::widen_pipe(&file);
             Box::new(file)
         }

@@ -440,27 +440,37 @@ fn bad_inject_value_is_status_2() {
 
 // === Exit status 1: read and write failures ===
 
-/// An input that opens but cannot be read (a directory): status 1, an
-/// error on stderr, nothing on stdout.
+/// A directory given as the input: status 1 and a clear error, before
+/// anything is written, in every format. (It opened, and failed at its
+/// first read, after `--format ndjson` had written its `done` line: a
+/// consumer of stdout saw a stream that ended well.)
 #[test]
-fn unreadable_input_is_status_1() {
-    let output = run(aalis_proxy_with(&["annotate", "fixtures"]));
-    assert_eq!(output.status.code(), Some(1));
-    assert!(output.stdout.is_empty());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.starts_with("aalis-proxy: error: cannot read fixtures: Is a directory"),
-        "{stderr}"
-    );
+fn a_directory_is_refused_before_anything_is_written() {
+    for format in ["sse", "ndjson"] {
+        let output = run(aalis_proxy_with(&[
+            "annotate", "--format", format, "fixtures",
+        ]));
+        assert_eq!(output.status.code(), Some(1), "{format}");
+        assert!(output.stdout.is_empty(), "{format}");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stderr),
+            "aalis-proxy: error: cannot open fixtures: it is a directory\n",
+            "{format}"
+        );
+    }
 }
 
-/// The read error says its cause once.
+/// An input that opens but cannot be read (`/proc/self/mem` at offset 0):
+/// status 1, and the error says its cause once.
+#[cfg(target_os = "linux")]
 #[test]
 fn read_error_names_its_cause_once() {
-    let output = run(aalis_proxy_with(&["annotate", "fixtures"]));
+    let output = run(aalis_proxy_with(&["annotate", "/proc/self/mem"]));
+    assert_eq!(output.status.code(), Some(1));
+    assert!(output.stdout.is_empty());
     assert_eq!(
         String::from_utf8_lossy(&output.stderr),
-        "aalis-proxy: error: cannot read fixtures: Is a directory (os error 21)\n"
+        "aalis-proxy: error: cannot read /proc/self/mem: Input/output error (os error 5)\n"
     );
 }
 
