@@ -440,6 +440,43 @@ fn bad_inject_value_is_status_2() {
 
 // === Exit status 1: read and write failures ===
 
+/// A stdin left non-blocking by the process that started `annotate` (its
+/// pipe's description is shared; Node does this) has nothing for a while:
+/// that is no end. Both events come through, and the status is 0. (The
+/// first `EAGAIN` ended the stream: a `done` line, then "cannot read
+/// stdin: Resource temporarily unavailable", status 1.)
+#[cfg(target_os = "linux")]
+#[test]
+fn a_non_blocking_stdin_is_waited_for() {
+    use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+    // Close-on-exec: the child gets the read end as its stdin alone (with
+    // the write end too, it would never see the input's end).
+    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
+    fcntl_setfl(&read, fcntl_getfl(&read).expect("flags") | OFlags::NONBLOCK).expect("O_NONBLOCK");
+    let mut child = aalis_proxy_with(&["annotate", "--format", "ndjson"])
+        .stdin(std::fs::File::from(read))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn annotate");
+    let mut write = std::fs::File::from(write);
+    let event = |text: &str| {
+        format!(r#"data: {{"choices":[{{"index":0,"delta":{{"content":"{text}"}}}}]}}"#) + "\n\n"
+    };
+    write.write_all(event("a").as_bytes()).expect("write");
+    thread::sleep(Duration::from_millis(300));
+    write.write_all(event("b").as_bytes()).expect("write");
+    drop(write);
+    let output = child.wait_with_output().expect("annotate ends");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "{\"contentDelta\":\"a\"}\n{\"contentDelta\":\"b\"}\n{\"done\":true}\n",
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(output.status.code(), Some(0));
+}
+
 /// A directory given as the input: status 1 and a clear error, before
 /// anything is written, in every format. (It opened, and failed at its
 /// first read, after `--format ndjson` had written its `done` line: a

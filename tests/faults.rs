@@ -1180,7 +1180,9 @@ async fn a_held_http2_stream_does_not_cut_a_quiet_one_beside_it() {
 /// more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_client_that_reads_slowly_is_not_closed() {
-    let (mut raw, _proxy, response, _conn) = a_long_http2_stream_to(Duration::from_secs(1)).await;
+    // 3 s: the client opens its window every other frame (200 ms apart),
+    // and a CI run of the suite once starved this test past 1 s.
+    let (mut raw, _proxy, response, _conn) = a_long_http2_stream_to(Duration::from_secs(3)).await;
     let mut body = response.into_body();
     reads_slowly_and_stays_open(&mut raw, async || {
         let frame = tokio::time::timeout(PATIENCE, body.frame())
