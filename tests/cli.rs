@@ -453,7 +453,7 @@ fn a_non_blocking_stdin_is_waited_for() {
     // the write end too, it would never see the input's end).
     let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
     fcntl_setfl(&read, fcntl_getfl(&read).expect("flags") | OFlags::NONBLOCK).expect("O_NONBLOCK");
-    let mut child = aalis_proxy_with(&["annotate", "--format", "ndjson"])
+    let child = aalis_proxy_with(&["annotate", "--format", "ndjson"])
         .stdin(std::fs::File::from(read))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
