@@ -39,6 +39,14 @@ pub enum Warning {
     },
     #[error("{at}: upstream error: {message}")]
     Upstream { at: Location, message: String },
+    #[error("{at}: an event named `{name}` is no chunk; passed on as an unparsed line: {excerpt}")]
+    NamedEvent {
+        at: Location,
+        /// Its `event:` name, sanitized for a terminal.
+        name: String,
+        /// The start of its data, sanitized for a terminal.
+        excerpt: String,
+    },
     #[error(
         "stream ended inside SSE event {number} (byte {offset}) before its blank line: \
          its data was not dispatched, {}",

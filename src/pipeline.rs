@@ -705,6 +705,30 @@ impl StreamState {
                 // Only default-type events are chunks; named events (ours,
                 // or a provider's) are forwarded.
                 let is_chunk = matches!(event.event_type, b"" | b"message");
+                // The line formats carry no event as it is: a provider's
+                // named event (an `event: error`, say) goes out as an
+                // `unparsed` line, said once, rather than nowhere. Ours,
+                // from a stream annotated before, is progress the lines
+                // give afresh.
+                if !is_chunk
+                    && self.output != OutputFormat::Sse
+                    && !self.ended
+                    && event.event_type != b"toolCallProgress"
+                {
+                    self.lines.unparsed(out, event.data);
+                    self.undecodable += 1;
+                    if self.undecodable <= MAX_REPORTED {
+                        self.warnings.push(Warning::NamedEvent {
+                            at: Location {
+                                unit: "SSE event",
+                                number: event.number,
+                                offset: block.offset,
+                            },
+                            name: excerpt(event.event_type, EXCERPT_CHARS),
+                            excerpt: excerpt(event.data, EXCERPT_CHARS),
+                        });
+                    }
+                }
                 let frame = RawFrame {
                     raw: block.raw,
                     data: is_chunk.then_some(event.data),

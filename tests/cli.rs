@@ -300,6 +300,37 @@ fn a_pair_cut_between_a_choices_texts_is_joined_across_another_choice() {
     );
 }
 
+/// A provider's named event (`event: error` here) reaches the line
+/// formats as an `unparsed` line, with a warning that names it; our own
+/// `toolCallProgress` events, from a stream annotated before, are left
+/// out (the lines give progress afresh). `--format sse` passes both on
+/// untouched. (The line formats dropped the error without a word, and the
+/// stream looked clean.)
+#[test]
+fn named_events_reach_the_line_formats() {
+    let input = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n",
+        "event: error\ndata: {\"error\":{\"message\":\"overloaded\"}}\n\n",
+        "event: toolCallProgress\ndata: {\"index\":0}\n\n",
+    );
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        concat!(
+            "{\"contentDelta\":\"Hi\"}\n",
+            "{\"unparsed\":\"{\\\"error\\\":{\\\"message\\\":\\\"overloaded\\\"}}\"}\n",
+            "{\"done\":true}\n",
+        )
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        "aalis-proxy: warning: SSE event 2 (byte 58): an event named `error` is no chunk; \
+         passed on as an unparsed line: {\"error\":{\"message\":\"overloaded\"}}\n"
+    );
+    let output = annotate_ok(&[], input.as_bytes());
+    assert_eq!(output.stdout, input.as_bytes());
+}
+
 /// The line formats lose nothing either: an upstream's mid-stream error is
 /// an `error` line holding its `error` value (on one line, though the
 /// event spread it over two `data:` lines), and an event that cannot be
