@@ -282,6 +282,16 @@ impl AnnotateArgs {
 /// The log and the --progress spinners are written to stderr by threads of
 /// their own: a stderr nobody reads, or a terminal paused with Ctrl-S, stops
 /// no stream.
+///
+/// Its own routes, under /_aalis/ (loopback clients only, unless
+/// --admin-token): GET /_aalis/ a live status page; GET /_aalis/sessions
+/// the sessions with something in progress, and /_aalis/events every
+/// session's frames as SSE; GET /_aalis/sessions/{id} a session's
+/// stream_resume snapshot, and /_aalis/sessions/{id}/events that snapshot
+/// then every increment as SSE (what a UI that reconnects resumes from);
+/// POST /_aalis/tool-execute with {sessionId, toolName, args, phase} clears
+/// a session on phase "start"; GET /_aalis/metrics Prometheus text.
+/// README.md's "Resume after reconnect" has the frames.
 #[derive(Debug, Args)]
 #[command(after_long_help = SERVE_EXAMPLES, display_name = "aalis-proxy")]
 pub struct ServeArgs {

@@ -103,11 +103,16 @@ pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::
         if !options.stream {
             writeln!(
                 out,
-                "{}  {status}  {} → {} bytes  {} events with progress  {:.1}s",
+                "{}  {status}  {} → {} bytes  {} {} with progress  {:.1}s",
                 capture.name,
                 capture.bytes.len(),
                 annotated.len(),
                 summary.annotated_events,
+                if summary.annotated_events == 1 {
+                    "event"
+                } else {
+                    "events"
+                },
                 started.elapsed().as_secs_f64(),
             )
             .context(CANNOT_WRITE)?;

@@ -150,9 +150,16 @@ impl MockUpstream {
 
     /// Serves until `shutdown` resolves.
     pub async fn run(self, listener: TcpListener, shutdown: impl Future<Output = ()>) {
-        let handler = move |req, _peer| {
+        let handler = move |req: Request<Incoming>, _peer| {
             let mock = self.clone();
-            async move { mock.handle(req).await }
+            async move {
+                // One line a request with -v (the replay itself is the
+                // mock's whole job; it logs nothing at the default level).
+                let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+                let response = mock.handle(req).await;
+                tracing::debug!(%method, %path, status = response.status().as_u16(), "request");
+                response
+            }
         };
         server::serve(
             listener,

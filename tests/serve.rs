@@ -2158,6 +2158,17 @@ fn the_mock_says_which_method_its_chat_route_takes() {
     assert_eq!(response.header("allow"), Some("GET, HEAD"));
 }
 
+/// `mock -v` logs a line per request (it logged none at any level, though
+/// its help offered -v).
+#[test]
+fn mock_v_logs_each_request() {
+    let mut mock = start_mock(&["-v"], &[]);
+    let response = request(mock.port, "GET", "/v1/models", &[], "");
+    assert_eq!(response.status, 200);
+    mock.wait_for_stderr("request method=GET path=/v1/models status=200");
+    mock.stop();
+}
+
 /// An upstream that fails mid-stream is logged `outcome="upstream_error"`,
 /// spelled as a failure before any response is (and as the JSON error's
 /// type); it was `upstream-error`.
