@@ -83,7 +83,9 @@ pub enum Warning {
          many); it and any later new ones are passed on without progress"
     )]
     TooManyCalls { at: Location, max_calls: usize },
-    #[error("{count} more undecodable frames were passed on unchanged without a warning")]
+    #[error(
+        "{count} more frames that could not be read (undecodable, oversized or named events in a line format) were passed on without a warning"
+    )]
     Suppressed { count: u64 },
     #[error(
         "the stream's first {bytes} bytes are whitespace: it is taken for SSE (an NDJSON \

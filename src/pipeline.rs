@@ -835,11 +835,17 @@ impl StreamState {
     /// A piece of a frame too large to parse: forwarded, reported once.
     fn oversized(&mut self, at: Location, first: bool, raw: &[u8], out: &mut impl Sink) {
         if first {
-            self.warnings.push(Warning::Oversized {
-                at,
-                max_bytes: self.max_event_bytes,
-                lines: self.output != OutputFormat::Sse,
-            });
+            // Counted with the undecodable frames: past the first few, a
+            // count at the end says how many more (a small
+            // --max-event-bytes made one warning an event).
+            self.undecodable += 1;
+            if self.undecodable <= MAX_REPORTED {
+                self.warnings.push(Warning::Oversized {
+                    at,
+                    max_bytes: self.max_event_bytes,
+                    lines: self.output != OutputFormat::Sse,
+                });
+            }
         }
         self.forward(raw, out);
     }

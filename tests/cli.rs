@@ -300,6 +300,30 @@ fn a_pair_cut_between_a_choices_texts_is_joined_across_another_choice() {
     );
 }
 
+/// Events over `--max-event-bytes` are warned about as undecodable ones
+/// are: the first ten, then a count of the rest (one warning an event
+/// before, however many), and the stream passes unchanged.
+#[test]
+fn oversized_events_are_warned_about_ten_times_then_counted() {
+    let event = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"xxxxxxxx\"}}]}\n\n";
+    let input = event.repeat(15);
+    let output = annotate_ok(&["--max-event-bytes", "10"], input.as_bytes());
+    assert_eq!(output.stdout, input.as_bytes());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 11, "{stderr}");
+    assert!(
+        lines[..10]
+            .iter()
+            .all(|l| l.contains("larger than 10 bytes")),
+        "{stderr}"
+    );
+    assert!(
+        lines[10].starts_with("aalis-proxy: warning: 5 more frames"),
+        "{stderr}"
+    );
+}
+
 /// A provider's named event (`event: error` here) reaches the line
 /// formats as an `unparsed` line, with a warning that names it; our own
 /// `toolCallProgress` events, from a stream annotated before, are left
