@@ -99,7 +99,8 @@ pub struct AnnotateArgs {
     pub inject: Option<InjectMode>,
 
     /// Session id written in every line of --format messages (required
-    /// there, refused with other formats)
+    /// there, refused with other formats): 1 to 128 visible ASCII
+    /// characters, as serve takes X-Aalis-Session
     ///
     /// Example: --format messages --session chat-42
     #[arg(long, value_name = "ID", required_if_eq("format", "messages"))]
@@ -130,7 +131,7 @@ pub struct AnnotateArgs {
 #[derive(Debug, Args)]
 pub struct StreamFlags {
     /// Events (SSE) or lines (NDJSON) larger than this are passed on as they
-    /// stream, unparsed, with one warning; memory stays bounded whatever the
+    /// stream, unparsed, with a warning; memory stays bounded whatever the
     /// input
     ///
     /// Sizes are a number with an optional unit: B, KiB, MiB, GiB (K, M, G

@@ -39,7 +39,10 @@ pub enum Warning {
     },
     #[error("{at}: upstream error: {message}")]
     Upstream { at: Location, message: String },
-    #[error("{at}: an event named `{name}` is no chunk; passed on as an unparsed line: {excerpt}")]
+    #[error(
+        "{at}: an event named `{name}` is no chunk; passed on as an unparsed line (so are \
+         the stream's later ones, without a warning): {excerpt}"
+    )]
     NamedEvent {
         at: Location,
         /// Its `event:` name, sanitized for a terminal.
@@ -84,7 +87,8 @@ pub enum Warning {
     )]
     TooManyCalls { at: Location, max_calls: usize },
     #[error(
-        "{count} more frames that could not be read (undecodable, oversized or named events in a line format) were passed on without a warning"
+        "{count} more frames that could not be read (undecodable or oversized) were passed on, \
+         or left out of the lines (--format), without a warning"
     )]
     Suppressed { count: u64 },
     #[error(

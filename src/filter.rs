@@ -85,7 +85,9 @@ pub fn run(
             let read = read_ahead(input, |piece| filter.feed(piece, clock()));
             if let Err(stop) = read {
                 if let Stop::Read(_) = stop {
-                    // Whatever came before the failure still goes out.
+                    // Whatever came before the failure still goes out; no
+                    // done line says the stream ended well.
+                    filter.annotator.input_failed();
                     let _ = filter.end(clock());
                 }
                 return Err(stop.into_error(input_name));
@@ -221,8 +223,9 @@ fn read_inline(
     }
 }
 
-/// One read, again after an interruption by a signal.
-fn read_retrying(input: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
+/// One read, again after an interruption by a signal, and after a
+/// `WouldBlock` of a non-blocking input (see below).
+pub fn read_retrying(input: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
     loop {
         match input.read(buf) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

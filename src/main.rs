@@ -155,9 +155,17 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
     let source = match args.replay_pace() {
         None => filter::Source::Live(input),
         Some(pace) => {
-            input
-                .read_to_end(&mut capture)
-                .with_context(|| format!("cannot read {input_name}"))?;
+            // As the live path reads: a non-blocking stdin's pauses are no
+            // end.
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = filter::read_retrying(&mut input, &mut buf)
+                    .with_context(|| format!("cannot read {input_name}"))?;
+                if n == 0 {
+                    break;
+                }
+                capture.extend_from_slice(&buf[..n]);
+            }
             let timing = match args.input_path() {
                 Some(path) => Timing::load_for(path)
                     .with_context(|| format!("cannot read {}", Timing::sidecar(path).display()))?,

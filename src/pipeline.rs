@@ -339,6 +339,9 @@ struct StreamState {
     ended: bool,
     /// Frames after the end were reported.
     ended_warned: bool,
+    /// A named event was warned about (once a stream: the line formats
+    /// carry each as an `unparsed` line).
+    named_warned: bool,
     /// A call refused past the tracker's limits was reported.
     refused_warned: bool,
     /// The `done` line(s) were written.
@@ -425,6 +428,7 @@ impl Annotator {
                 undecodable: 0,
                 ended: false,
                 ended_warned: false,
+                named_warned: false,
                 refused_warned: false,
                 done_written: false,
                 frames: 0,
@@ -485,6 +489,13 @@ impl Annotator {
 
     /// Ends the input: writes what is left, and the `done` line(s) if no
     /// frame said the stream was over.
+    /// The input failed (a read error): [`finish`](Self::finish) then
+    /// writes what it holds but no done line(s), which would tell a
+    /// consumer of the lines that the stream ended well.
+    pub fn input_failed(&mut self) {
+        self.state.done_written = true;
+    }
+
     pub fn finish(&mut self, now: impl Into<Now>, out: &mut impl Sink) {
         let now = now.into();
         if let Framer::Sniffing(seen) = &mut self.framer {
@@ -712,21 +723,27 @@ impl StreamState {
                 // give afresh.
                 if !is_chunk
                     && self.output != OutputFormat::Sse
-                    && !self.ended
                     && event.event_type != b"toolCallProgress"
                 {
-                    self.lines.unparsed(out, event.data);
-                    self.undecodable += 1;
-                    if self.undecodable <= MAX_REPORTED {
-                        self.warnings.push(Warning::NamedEvent {
-                            at: Location {
-                                unit: "SSE event",
-                                number: event.number,
-                                offset: block.offset,
-                            },
-                            name: excerpt(event.event_type, EXCERPT_CHARS),
-                            excerpt: excerpt(event.data, EXCERPT_CHARS),
-                        });
+                    let at = Location {
+                        unit: "SSE event",
+                        number: event.number,
+                        offset: block.offset,
+                    };
+                    if self.ended {
+                        // After the done line(s), as any data.
+                        self.warn_after_end(at);
+                    } else {
+                        self.lines.unparsed_between(out, event.data);
+                        // Said once a stream: a provider's keep-alive
+                        // events would drown the rest.
+                        if !std::mem::replace(&mut self.named_warned, true) {
+                            self.warnings.push(Warning::NamedEvent {
+                                at,
+                                name: excerpt(event.event_type, EXCERPT_CHARS),
+                                excerpt: excerpt(event.data, EXCERPT_CHARS),
+                            });
+                        }
                     }
                 }
                 let frame = RawFrame {

@@ -349,10 +349,43 @@ fn named_events_reach_the_line_formats() {
     assert_eq!(
         String::from_utf8_lossy(&output.stderr),
         "aalis-proxy: warning: SSE event 2 (byte 58): an event named `error` is no chunk; \
-         passed on as an unparsed line: {\"error\":{\"message\":\"overloaded\"}}\n"
+         passed on as an unparsed line (so are the stream's later ones, without a warning): \
+         {\"error\":{\"message\":\"overloaded\"}}\n"
     );
     let output = annotate_ok(&[], input.as_bytes());
     assert_eq!(output.stdout, input.as_bytes());
+}
+
+/// A named event (a keep-alive `ping`) between the halves of a surrogate
+/// pair leaves the pair whole in the line formats, and one after `[DONE]`
+/// is left out with the after-the-end warning, as data would be. (The
+/// first version wrote two U+FFFD around the ping's line, and dropped the
+/// late event without a word.)
+#[test]
+fn named_events_leave_the_text_whole_and_the_end_last() {
+    let input = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\\ud83d\"}}]}\n\n",
+        "event: ping\ndata: {}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"\\ude00b\"}}]}\n\n",
+        "data: [DONE]\n\n",
+        "event: error\ndata: {}\n\n",
+    );
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        concat!(
+            "{\"contentDelta\":\"a\"}\n",
+            "{\"unparsed\":\"{}\"}\n",
+            "{\"contentDelta\":\"\u{1F600}b\"}\n",
+            "{\"done\":true}\n",
+        )
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.lines().count(), 2, "{stderr}");
+    assert!(
+        stderr.contains("SSE event 5 (byte 162): data after the end of the stream"),
+        "{stderr}"
+    );
 }
 
 /// The line formats lose nothing either: an upstream's mid-stream error is
@@ -508,7 +541,7 @@ fn a_non_blocking_stdin_is_waited_for() {
     // the write end too, it would never see the input's end).
     let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
     fcntl_setfl(&read, fcntl_getfl(&read).expect("flags") | OFlags::NONBLOCK).expect("O_NONBLOCK");
-    let child = aalis_proxy_with(&["annotate", "--format", "ndjson"])
+    let mut child = aalis_proxy_with(&["annotate", "--format", "ndjson"])
         .stdin(std::fs::File::from(read))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -519,17 +552,65 @@ fn a_non_blocking_stdin_is_waited_for() {
         format!(r#"data: {{"choices":[{{"index":0,"delta":{{"content":"{text}"}}}}]}}"#) + "\n\n"
     };
     write.write_all(event("a").as_bytes()).expect("write");
-    thread::sleep(Duration::from_millis(300));
+    // The first event's line is out: annotate has read all there was, and
+    // its next read finds the pipe empty.
+    let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut first = String::new();
+    stdout.read_line(&mut first).expect("the first line");
+    assert_eq!(first, "{\"contentDelta\":\"a\"}\n");
+    thread::sleep(Duration::from_millis(100));
     write.write_all(event("b").as_bytes()).expect("write");
     drop(write);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).expect("the rest");
     let output = child.wait_with_output().expect("annotate ends");
     assert_eq!(
-        String::from_utf8_lossy(&output.stdout),
-        "{\"contentDelta\":\"a\"}\n{\"contentDelta\":\"b\"}\n{\"done\":true}\n",
+        rest,
+        "{\"contentDelta\":\"b\"}\n{\"done\":true}\n",
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
     assert_eq!(output.status.code(), Some(0));
+}
+
+/// A stdout left non-blocking, and full (its reader away for a while):
+/// waited for, and everything comes out. (The first `EAGAIN` failed the
+/// run: "cannot write the output: Resource temporarily unavailable".)
+#[cfg(target_os = "linux")]
+#[test]
+fn a_non_blocking_stdout_is_waited_for() {
+    use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
+    fcntl_setfl(
+        &write,
+        fcntl_getfl(&write).expect("flags") | OFlags::NONBLOCK,
+    )
+    .expect("O_NONBLOCK");
+    let input =
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\n\n".repeat(40_000);
+    let path = std::env::temp_dir().join(format!("aalis-nonblocking-{}.sse", std::process::id()));
+    std::fs::write(&path, &input).expect("write the input");
+    let mut child = aalis_proxy_with(&["annotate", "--inject", "none"])
+        .arg(&path)
+        .stdout(std::fs::File::from(write))
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn annotate");
+    // Away long enough for the pipe to fill.
+    thread::sleep(Duration::from_millis(300));
+    let mut got = Vec::new();
+    std::fs::File::from(read)
+        .read_to_end(&mut got)
+        .expect("read");
+    let status = child.wait().expect("annotate ends");
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        got == input.as_bytes(),
+        "{} of {} bytes",
+        got.len(),
+        input.len()
+    );
 }
 
 /// A directory given as the input: status 1 and a clear error, before
@@ -554,15 +635,41 @@ fn a_directory_is_refused_before_anything_is_written() {
 
 /// An input that opens but cannot be read (`/proc/self/mem` at offset 0):
 /// status 1, and the error says its cause once.
+/// With a line format, nothing is written: no done line tells a consumer
+/// the stream ended well (one was). So for a stdin that is a directory.
 #[cfg(target_os = "linux")]
 #[test]
 fn read_error_names_its_cause_once() {
-    let output = run(aalis_proxy_with(&["annotate", "/proc/self/mem"]));
+    for format in ["sse", "ndjson", "messages"] {
+        let args: Vec<&str> = match format {
+            "messages" => vec![
+                "annotate",
+                "--format",
+                format,
+                "--session",
+                "s",
+                "/proc/self/mem",
+            ],
+            _ => vec!["annotate", "--format", format, "/proc/self/mem"],
+        };
+        let output = run(aalis_proxy_with(&args));
+        assert_eq!(output.status.code(), Some(1), "{format}");
+        assert!(output.stdout.is_empty(), "{format}");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stderr),
+            "aalis-proxy: error: cannot read /proc/self/mem: Input/output error (os error 5)\n",
+            "{format}"
+        );
+    }
+    let output = aalis_proxy_with(&["annotate", "--format", "ndjson"])
+        .stdin(std::fs::File::open("fixtures").expect("open the directory"))
+        .output()
+        .expect("run annotate");
     assert_eq!(output.status.code(), Some(1));
     assert!(output.stdout.is_empty());
     assert_eq!(
         String::from_utf8_lossy(&output.stderr),
-        "aalis-proxy: error: cannot read /proc/self/mem: Input/output error (os error 5)\n"
+        "aalis-proxy: error: cannot read stdin: Is a directory (os error 21)\n"
     );
 }
 

@@ -167,6 +167,17 @@ impl LineEncoder {
     /// a string, so that nothing is lost.
     pub fn unparsed(&mut self, out: &mut impl Sink, data: &[u8]) {
         self.write_carries(out, |_, _| true);
+        self.unparsed_line(out, data);
+    }
+
+    /// An `unparsed` line for a frame that is no chunk (a provider's named
+    /// SSE event), which leaves the text around it whole: a high surrogate
+    /// held back stays held for the low one that may follow.
+    pub fn unparsed_between(&mut self, out: &mut impl Sink, data: &[u8]) {
+        self.unparsed_line(out, data);
+    }
+
+    fn unparsed_line(&mut self, out: &mut impl Sink, data: &[u8]) {
         self.open();
         self.line.push_str("\"unparsed\":");
         push_string(&String::from_utf8_lossy(data), &mut self.line);

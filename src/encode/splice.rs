@@ -97,6 +97,11 @@ fn write_all_vectored(out: &mut dyn Write, mut slices: &mut [IoSlice<'_>]) -> io
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut slices, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // A stdout left non-blocking by the process that started this
+            // one, full: waited for, as a blocking one would be.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
             Err(e) => return Err(e),
         }
     }
