@@ -1188,8 +1188,23 @@ fn annotate_on_a_terminal_from(mut cmd: Command, watch: &'static str) -> OnATerm
         .spawn()
         .expect("spawn annotate");
     let (shown_tx, shown) = mpsc::channel();
-    let drawn = thread::spawn(move || {
-        let mut master = master;
+    let drawn = read_terminal(master, watch, shown_tx);
+    OnATerminal {
+        child,
+        drawn,
+        shown,
+    }
+}
+
+/// What is drawn on a pseudoterminal's `master` side, read on a thread of
+/// its own until the child has exited and no slave is left open; `shown`
+/// is told each time what was read holds `watch`.
+fn read_terminal(
+    mut master: std::fs::File,
+    watch: &'static str,
+    shown: mpsc::Sender<()>,
+) -> JoinHandle<Vec<u8>> {
+    thread::spawn(move || {
         let mut seen = Vec::new();
         let mut buf = [0u8; 4096];
         // EIO once the child has exited and no slave is left open.
@@ -1199,16 +1214,11 @@ fn annotate_on_a_terminal_from(mut cmd: Command, watch: &'static str) -> OnATerm
             }
             seen.extend_from_slice(&buf[..n]);
             if text(&seen).contains(watch) {
-                let _ = shown_tx.send(());
+                let _ = shown.send(());
             }
         }
         seen
-    });
-    OnATerminal {
-        child,
-        drawn,
-        shown,
-    }
+    })
 }
 
 /// All of `from`, read on a thread of its own.
@@ -1288,7 +1298,7 @@ fn annotate_with_spinners_on_a_terminal_runs_to_the_end() {
 /// line in the stream, where a tool's final line would have been.)
 #[test]
 fn annotate_on_a_dumb_terminal_shows_the_stream_alone() {
-    let (mut master, slave) = pty::open(24, 100);
+    let (master, slave) = pty::open(24, 100);
     let mut child = aalis_proxy()
         .args(["annotate", "--progress", "--realtime", "--pace", "20"])
         .arg(
@@ -1302,18 +1312,7 @@ fn annotate_on_a_dumb_terminal_shows_the_stream_alone() {
         .stderr(slave)
         .spawn()
         .expect("spawn annotate");
-    let drawn = thread::spawn(move || {
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        // EIO once the child has exited and no slave is left open.
-        while let Ok(n) = master.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            seen.extend_from_slice(&buf[..n]);
-        }
-        seen
-    });
+    let drawn = read_terminal(master, "", mpsc::channel().0);
     let status = exit_or_kill(&mut child, Duration::from_secs(30));
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
     let drawn = drawn.join().expect("terminal thread");
