@@ -324,6 +324,26 @@ fn oversized_events_are_warned_about_ten_times_then_counted() {
     );
 }
 
+/// A text answer cut short (no `finish_reason`, no `[DONE]`) ends with
+/// `"incomplete":true` in `--format ndjson`, as a cut tool call does; one
+/// that finished, or reached `[DONE]`, and an empty input, end plainly.
+/// (A cut answer ended exactly as a whole one.)
+#[test]
+fn a_cut_text_answer_ends_incomplete() {
+    let text = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"The answer is\"}}]}\n\n";
+    let finish = "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
+    for (input, done) in [
+        (text.to_owned(), "{\"done\":true,\"incomplete\":true}\n"),
+        (format!("{text}{finish}"), "{\"done\":true}\n"),
+        (format!("{text}data: [DONE]\n\n"), "{\"done\":true}\n"),
+        (String::new(), "{\"done\":true}\n"),
+    ] {
+        let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.ends_with(done), "{input:?}: {stdout}");
+    }
+}
+
 /// A provider's named event (`event: error` here) reaches the line
 /// formats as an `unparsed` line, with a warning that names it; our own
 /// `toolCallProgress` events, from a stream annotated before, are left
@@ -343,7 +363,7 @@ fn named_events_reach_the_line_formats() {
         concat!(
             "{\"contentDelta\":\"Hi\"}\n",
             "{\"unparsed\":\"{\\\"error\\\":{\\\"message\\\":\\\"overloaded\\\"}}\"}\n",
-            "{\"done\":true}\n",
+            "{\"done\":true,\"incomplete\":true}\n",
         )
     );
     assert_eq!(
@@ -566,7 +586,7 @@ fn a_non_blocking_stdin_is_waited_for() {
     let output = child.wait_with_output().expect("annotate ends");
     assert_eq!(
         rest,
-        "{\"contentDelta\":\"b\"}\n{\"done\":true}\n",
+        "{\"contentDelta\":\"b\"}\n{\"done\":true,\"incomplete\":true}\n",
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );

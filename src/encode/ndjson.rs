@@ -29,7 +29,9 @@
 //!   `{"done":true}`. When a choice never reported a `finish_reason` (the
 //!   stream failed or just stopped), its `done` line has
 //!   `"incomplete":true`: its last call's arguments may be cut short, so do
-//!   not run it blindly.
+//!   not run it blindly. Without tool calls, the one `done` line has it
+//!   when the stream stopped with neither `[DONE]` (or Ollama's `done`)
+//!   nor a `finish_reason` for choice 0: the text was cut short.
 //! - `usage` is `{"promptTokens":…,"completionTokens":…,"totalTokens":…}`,
 //!   the last usage of the stream, on the last `done` line only, so it is
 //!   counted once. Progress lines never carry text or usage: concatenating
@@ -186,7 +188,7 @@ impl LineEncoder {
 
     /// The final `done` line(s), after a line of U+FFFD for each high
     /// surrogate still held back (no fragment completed it).
-    pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker) {
+    pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker, cut: bool) {
         self.write_carries(out, |_, _| true);
         if matches!(self.format, LineFormat::Messages { .. }) {
             self.open();
@@ -198,6 +200,10 @@ impl LineEncoder {
         if choices == 0 {
             self.open();
             self.line.push_str("\"done\":true");
+            if cut && !tracker.finished(0) {
+                // A text answer cut short would end as a whole one does.
+                self.line.push_str(",\"incomplete\":true");
+            }
             self.usage(usage);
             return self.close(out);
         }
