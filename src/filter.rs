@@ -234,15 +234,12 @@ pub fn read_retrying(input: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> 
             // has nothing yet: that is no end. Looked at again every
             // millisecond, on this reading thread of its own.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(NON_BLOCKING_RETRY);
+                std::thread::sleep(crate::stderr_log::WOULD_BLOCK_RETRY);
             }
             other => return other,
         }
     }
 }
-
-/// How often a non-blocking input with nothing to read is read again.
-const NON_BLOCKING_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The pipeline with its output and spinners.
 struct Filter<'a> {

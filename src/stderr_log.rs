@@ -344,8 +344,13 @@ fn write_batch<W: Write>(out: &mut W, batch: &mut Vec<u8>, queued: &Queued) {
     }
 }
 
+/// How long a write to a full non-blocking output, or a read of an empty
+/// non-blocking input, waits before it tries again (a descriptor shared
+/// with the process that started this one may have been left so).
+pub const WOULD_BLOCK_RETRY: Duration = Duration::from_millis(1);
+
 /// Writes `bytes` whole, waiting out `WouldBlock` (a non-blocking stderr
-/// that is full) a millisecond at a time, as a blocking one would wait.
+/// that is full) [`WOULD_BLOCK_RETRY`] at a time, as a blocking one would wait.
 pub fn write_waiting<W: Write>(out: &mut W, mut bytes: &[u8]) -> io::Result<()> {
     while !bytes.is_empty() {
         match out.write(bytes) {
@@ -353,7 +358,7 @@ pub fn write_waiting<W: Write>(out: &mut W, mut bytes: &[u8]) -> io::Result<()> 
             Ok(n) => bytes = bytes.get(n..).unwrap_or_default(),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                thread::sleep(Duration::from_millis(1));
+                thread::sleep(WOULD_BLOCK_RETRY);
             }
             Err(e) => return Err(e),
         }

@@ -100,7 +100,7 @@ fn write_all_vectored(out: &mut dyn Write, mut slices: &mut [IoSlice<'_>]) -> io
             // A stdout left non-blocking by the process that started this
             // one, full: waited for, as a blocking one would be.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(std::time::Duration::from_millis(1));
+                std::thread::sleep(crate::stderr_log::WOULD_BLOCK_RETRY);
             }
             Err(e) => return Err(e),
         }

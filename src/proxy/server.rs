@@ -491,7 +491,7 @@ where
         let limit = shared.head_timeout;
         let (open, quiet) = watch::channel(0usize);
         let dead = open.subscribe();
-        let dead_or_held = open.subscribe();
+        let open_now = open.subscribe();
         let open = Arc::new(open);
         let sends = Arc::new(H2Sends::default());
         let bodies = Arc::clone(&sends);
@@ -525,7 +525,7 @@ where
             // a shut HTTP/2 one: a client whose connection reads its
             // socket but not a response is caught here, and reported
             // alike (`timed_out`).
-            () = held_for(&sends, &dead_or_held, shared.client_timeout) => {
+            () = held_for(&sends, &open_now, shared.client_timeout) => {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "a response's bytes waited behind the client's HTTP/2 flow-control window",

@@ -840,21 +840,16 @@ async fn with_deadline<F: std::future::Future>(
 
 /// Which fault a client error is, and how to say it.
 fn classify(err: &SendError) -> (Fault, &'static str) {
-    let timed_out = std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
-        e.source()
-    })
-    .any(|e| {
+    let timed_out = has_cause(err, &|e| {
         e.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
             || e.to_string().contains("timed out")
     });
     let tls = has_cause(err, &|e| e.is::<rustls::Error>());
-    let head_too_large =
-        std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
-            e.source()
-        })
-        .filter_map(|e| e.downcast_ref::<hyper::Error>())
-        .any(hyper::Error::is_parse_too_large);
+    let head_too_large = has_cause(err, &|e| {
+        e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_parse_too_large)
+    });
     if request_body_failed(err) {
         (Fault::ClientAborted, "was sent an incomplete request body")
     } else if timed_out && err.is_connect() {
