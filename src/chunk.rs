@@ -19,8 +19,9 @@ pub enum Chunk<'a> {
     Reasoning { choice: i64, text: ChunkText<'a> },
     /// One entry of a `tool_calls` list.
     ToolCallDelta(ToolCallDelta<'a>),
-    /// The choice reported a `finish_reason`.
-    Finish { choice: i64 },
+    /// The choice reported a `finish_reason` (Ollama: the `done` line,
+    /// with its `done_reason`).
+    Finish { choice: i64, kind: FinishKind },
     /// Token usage; the last one of a stream wins.
     Usage(Usage),
     /// The provider reported an error inside the stream: its `error`
@@ -28,6 +29,34 @@ pub enum Chunk<'a> {
     Error { raw: &'a str, message: String },
     /// The provider said the stream is over (`[DONE]`, Ollama `done: true`).
     Done,
+}
+
+/// How a choice ended, by its `finish_reason` (Ollama: `done_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishKind {
+    /// As the model meant to: `stop`, `tool_calls` and every reason not
+    /// below.
+    Whole,
+    /// Cut short: `length` or `max_tokens` (the token limit),
+    /// `content_filter`, `error`. Its text, and its last call's arguments,
+    /// may stop in the middle.
+    CutShort,
+}
+
+impl FinishKind {
+    /// The kind of a `finish_reason` (or `done_reason`) given as its raw
+    /// JSON value, or `None` when the value says nothing: `null`, or an
+    /// empty string (Ollama's `/v1` sent `"finish_reason":""` on every
+    /// chunk).
+    pub fn of(raw: &str) -> Option<FinishKind> {
+        match raw {
+            "null" | "\"\"" => None,
+            "\"length\"" | "\"max_tokens\"" | "\"content_filter\"" | "\"error\"" => {
+                Some(FinishKind::CutShort)
+            }
+            _ => Some(FinishKind::Whole),
+        }
+    }
 }
 
 /// A text field of a choice: answer or reasoning.

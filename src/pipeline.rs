@@ -1090,10 +1090,9 @@ impl StreamState {
         match self.output {
             OutputFormat::Sse => {}
             OutputFormat::Ndjson | OutputFormat::Messages => {
-                // A stream with frames that ended with neither its end
-                // marker nor a finish of choice 0 was cut short.
-                let cut = self.frames > 0 && !self.ended;
-                self.lines.done(out, &self.tracker, cut);
+                // A stream with frames that ended without its end marker.
+                let stopped_early = self.frames > 0 && !self.ended;
+                self.lines.done(out, &self.tracker, stopped_early);
             }
         }
     }

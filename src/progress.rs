@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
+use crate::chunk::{ArgumentsDelta, Chunk, FinishKind, ToolCallDelta, Usage};
 use crate::js::utf16_len;
 
 /// The most tool calls one stream's tracker keeps, over all its choices;
@@ -204,8 +204,8 @@ struct ChoiceCalls {
     /// Ollama stream names every call with a new id, and a linear search
     /// made a long stream quadratic.
     ids: HashMap<String, i64>,
-    /// The choice reported a `finish_reason`: its calls are whole.
-    finished: bool,
+    /// How the choice finished, if it reported a `finish_reason`.
+    finish: Option<FinishKind>,
 }
 
 /// The progress state of one stream; see the module docs.
@@ -297,7 +297,7 @@ impl ToolCallTracker {
                     None => Applied::Unchanged,
                 }
             }
-            Chunk::Finish { choice } => {
+            Chunk::Finish { choice, kind } => {
                 if self.choices.len() >= MAX_CHOICES
                     && self
                         .choices
@@ -307,7 +307,7 @@ impl ToolCallTracker {
                     return Applied::Unchanged;
                 }
                 let c = self.choice_mut(*choice);
-                c.finished = true;
+                c.finish = Some(*kind);
                 for call in &mut c.calls {
                     call.state = CallState::Complete;
                 }
@@ -477,12 +477,19 @@ impl ToolCallTracker {
             .map(|c| (c.choice, c.calls.as_slice()))
     }
 
-    /// True when `choice` reported a `finish_reason` (so its calls are not
-    /// cut short by an error or a stream that just stopped).
-    pub fn finished(&self, choice: i64) -> bool {
-        self.choices
-            .iter()
-            .any(|c| c.choice == choice && c.finished)
+    /// Whether `choice`'s answer may stop in the middle (the `done` lines'
+    /// `incomplete`): its `finish_reason` says it was cut short (`length`,
+    /// …); or it reported none, and the stream failed (an error inside it)
+    /// or `stopped_early`, with neither `[DONE]` nor Ollama's `done`. A
+    /// choice that reported none before `[DONE]` is whole: some providers
+    /// never send one.
+    pub fn cut_short(&self, choice: i64, stopped_early: bool) -> bool {
+        let finish = self.choices.iter().find(|c| c.choice == choice);
+        match finish.and_then(|c| c.finish) {
+            Some(FinishKind::Whole) => false,
+            Some(FinishKind::CutShort) => true,
+            None => stopped_early || self.phase == StreamPhase::Failed,
+        }
     }
 
     fn call(&self, choice: i64, index: i64) -> Option<&ToolCall> {
@@ -889,11 +896,15 @@ mod tests {
         // one is kept.
         let mut t = ToolCallTracker::new(false);
         for choice in 0..MAX_CHOICES as i64 {
-            t.apply(&Chunk::Finish { choice }, 1);
+            let kind = FinishKind::Whole;
+            t.apply(&Chunk::Finish { choice, kind }, 1);
         }
         let past = MAX_CHOICES as i64;
-        t.apply(&Chunk::Finish { choice: past }, 1);
-        assert!(t.finished(past - 1) && !t.finished(past));
+        let kind = FinishKind::CutShort;
+        t.apply(&Chunk::Finish { choice: past, kind }, 1);
+        // Kept, the last one would say "whole" however the stream stopped;
+        // the one past them, not kept, says nothing.
+        assert!(!t.cut_short(past - 1, true) && !t.cut_short(past, false));
         let mut new_choice = delta(Some(0), None, Some("f"), "x");
         if let Chunk::ToolCallDelta(d) = &mut new_choice {
             d.choice = past;
@@ -1057,6 +1068,7 @@ mod tests {
                 // moves.
                 Chunk::Finish {
                     choice: [0, 1, 5, -1 - step as i64][self.roll(4) as usize],
+                    kind: FinishKind::Whole,
                 }
             }
         }

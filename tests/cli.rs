@@ -266,7 +266,7 @@ fn a_lone_high_surrogate_keeps_its_place_among_the_lines() {
             r#"{"contentDelta":"Hi "}"#,
             "{\"contentDelta\":\"\u{1F600}!\"}",
             r#"{"toolCallProgress":{"index":0,"name":"f","charsAccumulated":2}}"#,
-            r#"{"done":true,"toolCalls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}],"incomplete":true}"#,
+            r#"{"done":true,"toolCalls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
             "",
         ]
         .join("\n")
@@ -324,24 +324,97 @@ fn oversized_events_are_warned_about_ten_times_then_counted() {
     );
 }
 
-/// A text answer cut short (no `finish_reason`, no `[DONE]`) ends with
-/// `"incomplete":true` in `--format ndjson`, as a cut tool call does; one
-/// that finished, or reached `[DONE]`, and an empty input, end plainly.
-/// (A cut answer ended exactly as a whole one.)
+/// `"incomplete":true` in `--format ndjson` marks an answer that may stop
+/// in the middle, text or tool call alike: a `finish_reason` (Ollama:
+/// `done_reason`) that cuts (`length`, `content_filter`, …), or none and a
+/// stream that failed or stopped before `[DONE]`. `[DONE]` without a
+/// `finish_reason` is whole (NVIDIA NIM and others send none), and `""`
+/// is no reason (Ollama's old `/v1`). On the code before, a call was
+/// incomplete whenever its choice had no `finish_reason`, `length` passed
+/// as whole, and `""` counted as a finish.
 #[test]
-fn a_cut_text_answer_ends_incomplete() {
-    let text = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"The answer is\"}}]}\n\n";
-    let finish = "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
-    for (input, done) in [
-        (text.to_owned(), "{\"done\":true,\"incomplete\":true}\n"),
-        (format!("{text}{finish}"), "{\"done\":true}\n"),
-        (format!("{text}data: [DONE]\n\n"), "{\"done\":true}\n"),
-        (String::new(), "{\"done\":true}\n"),
+fn incomplete_marks_answers_that_may_stop_in_the_middle() {
+    let event = |choice: &str| format!("data: {{\"choices\":[{choice}]}}\n\n");
+    let text = event(r#"{"index":0,"delta":{"content":"The answer is"}}"#);
+    let call = event(
+        r#"{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":"{\"a\":"}}]}}"#,
+    );
+    let finish = |reason: &str| {
+        event(&format!(
+            r#"{{"index":0,"delta":{{}},"finish_reason":{reason}}}"#
+        ))
+    };
+    let done = "data: [DONE]\n\n";
+    let error = "data: {\"error\":{\"message\":\"overloaded\"}}\n\n";
+    let whole = "{\"done\":true}\n";
+    let cut = "{\"done\":true,\"incomplete\":true}\n";
+    let call_whole = "\"arguments\":\"{\\\"a\\\":\"}}]}\n";
+    let call_cut = "\"arguments\":\"{\\\"a\\\":\"}}],\"incomplete\":true}\n";
+    for (input, end) in [
+        (text.clone(), cut),
+        (format!("{text}{}", finish(r#""stop""#)), whole),
+        (format!("{text}{done}"), whole),
+        (String::new(), whole),
+        (format!("{text}{}{done}", finish(r#""length""#)), cut),
+        (format!("{text}{}", finish(r#""""#)), cut),
+        (format!("{text}{}{done}", finish(r#""""#)), whole),
+        (format!("{text}{error}{done}"), cut),
+        (format!("{call}{done}"), call_whole),
+        (format!("{call}{}", finish(r#""tool_calls""#)), call_whole),
+        (call.clone(), call_cut),
+        (format!("{call}{}{done}", finish(r#""length""#)), call_cut),
+        (
+            format!("{call}{}{done}", finish(r#""content_filter""#)),
+            call_cut,
+        ),
+        (format!("{call}{error}{done}"), call_cut),
     ] {
         let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
         let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(stdout.ends_with(done), "{input:?}: {stdout}");
+        assert!(stdout.ends_with(end), "{input:?}: {stdout}");
     }
+    // Ollama's done line, by its `done_reason`.
+    let line = |reason: &str| {
+        format!(
+            "{{\"message\":{{\"role\":\"assistant\",\"content\":\"Hi\"}},\"done\":false}}\n\
+             {{\"message\":{{\"role\":\"assistant\",\"content\":\"\"}},\"done_reason\":\"{reason}\",\"done\":true}}\n"
+        )
+    };
+    for (reason, incomplete) in [("stop", false), ("length", true)] {
+        let output = annotate_ok(&["--format", "ndjson"], line(reason).as_bytes());
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let last = stdout.lines().last().unwrap_or_default();
+        assert!(last.starts_with("{\"done\":true"), "{reason}: {stdout}");
+        assert_eq!(
+            last.contains("\"incomplete\":true"),
+            incomplete,
+            "{reason}: {stdout}"
+        );
+    }
+}
+
+/// `"finish_reason":""` on every chunk (Ollama's old `/v1`) is no finish:
+/// `--inject chunk` adds its progress chunk after such an event, as after
+/// any other. (It added none: every chunk looked like the finish chunk.)
+#[test]
+fn an_empty_finish_reason_does_not_stop_chunk_injection() {
+    let input = concat!(
+        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",",
+        "\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",",
+        "\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"\"}]}\n\n",
+    );
+    let output = annotate_ok(&["--inject", "chunk"], input.as_bytes());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let added = stdout
+        .strip_prefix(input)
+        .expect("the event first, unchanged");
+    assert!(
+        added.starts_with("data: {\"id\":\"chatcmpl-1\"")
+            && added.contains(
+                "\"toolCallProgress\":{\"index\":0,\"name\":\"f\",\"charsAccumulated\":2}"
+            ),
+        "{stdout}"
+    );
 }
 
 /// A provider's named event (`event: error` here) reaches the line
@@ -431,7 +504,8 @@ fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
             "{\"contentDelta\":\"Hi\"}\n",
             "{\"error\":{\"message\":\"overloaded\",\"type\":\"server_error\"}}\n",
             "{\"unparsed\":\"{bad\"}\n",
-            "{\"done\":true}\n",
+            // The error cut the answer short.
+            "{\"done\":true,\"incomplete\":true}\n",
         )
     );
     assert!(

@@ -26,12 +26,14 @@
 //!   (`id` is `""` when the provider sent none). When several choices made
 //!   tool calls, each gets its own `done` line, in choice order, with
 //!   `"choice":k` for k > 0; with no tool calls at all there is one
-//!   `{"done":true}`. When a choice never reported a `finish_reason` (the
-//!   stream failed or just stopped), its `done` line has
-//!   `"incomplete":true`: its last call's arguments may be cut short, so do
-//!   not run it blindly. Without tool calls, the one `done` line has it
-//!   when the stream stopped with neither `[DONE]` (or Ollama's `done`)
-//!   nor a `finish_reason` for choice 0: the text was cut short.
+//!   `{"done":true}`. A choice's `done` line has `"incomplete":true` when
+//!   its answer may stop in the middle: its `finish_reason` (Ollama:
+//!   `done_reason`) is `length`, `max_tokens`, `content_filter` or
+//!   `error`; or it reported none (`null` and `""` are none) and the stream
+//!   carried an error or ended with neither `[DONE]` nor Ollama's `done`.
+//!   Its last call's arguments may then be cut short, so do not run it
+//!   blindly. Without tool calls, the one `done` line has it by choice 0's
+//!   answer, its text.
 //! - `usage` is `{"promptTokens":…,"completionTokens":…,"totalTokens":…}`,
 //!   the last usage of the stream, on the last `done` line only, so it is
 //!   counted once. Progress lines never carry text or usage: concatenating
@@ -188,7 +190,9 @@ impl LineEncoder {
 
     /// The final `done` line(s), after a line of U+FFFD for each high
     /// surrogate still held back (no fragment completed it).
-    pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker, cut: bool) {
+    /// `stopped_early`: the stream had frames and ended with neither
+    /// `[DONE]` nor Ollama's `done` ([`ToolCallTracker::cut_short`]).
+    pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker, stopped_early: bool) {
         self.write_carries(out, |_, _| true);
         if matches!(self.format, LineFormat::Messages { .. }) {
             self.open();
@@ -200,7 +204,7 @@ impl LineEncoder {
         if choices == 0 {
             self.open();
             self.line.push_str("\"done\":true");
-            if cut && !tracker.finished(0) {
+            if tracker.cut_short(0, stopped_early) {
                 // A text answer cut short would end as a whole one does.
                 self.line.push_str(",\"incomplete\":true");
             }
@@ -226,9 +230,8 @@ impl LineEncoder {
                 self.line.push_str("}}");
             }
             self.line.push(']');
-            if !tracker.finished(choice) {
-                // The stream stopped (error, cut, no finish_reason) before
-                // this choice finished: its calls may be cut short.
+            if tracker.cut_short(choice, stopped_early) {
+                // Its last call's arguments may stop in the middle.
                 self.line.push_str(",\"incomplete\":true");
             }
             if i + 1 == choices {

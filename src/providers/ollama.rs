@@ -25,7 +25,7 @@ use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, expect_object, is_set,
     raw_i64, raw_u64,
 };
-use crate::chunk::{ArgumentsDelta, Chunk, ToolCallDelta, Usage};
+use crate::chunk::{ArgumentsDelta, Chunk, FinishKind, ToolCallDelta, Usage};
 
 #[derive(Deserialize)]
 struct LineView<'a> {
@@ -97,7 +97,8 @@ pub(super) fn decode_serde<'a>(
     let view: LineView<'a> = serde_json::from_str(data)?;
     let done = view.done == Some(true);
     let mut info = FrameInfo::object(view.tool_call_progress.is_some());
-    info.set_finishes(done || is_set(view.done_reason));
+    let finish = view.done_reason.and_then(|r| FinishKind::of(r.get()));
+    info.set_finishes(done || finish.is_some());
     if let Some(error) = view.error.filter(|e| is_set(Some(e))) {
         emit(Chunk::Error {
             raw: error.get(),
@@ -123,7 +124,10 @@ pub(super) fn decode_serde<'a>(
     }
     if done {
         info.set_has_usage(true);
-        emit(Chunk::Finish { choice: 0 });
+        emit(Chunk::Finish {
+            choice: 0,
+            kind: finish.unwrap_or(FinishKind::Whole),
+        });
         emit(Chunk::Usage(Usage::new(
             raw_u64(view.prompt_eval_count.map(RawValue::get)),
             raw_u64(view.eval_count.map(RawValue::get)),
@@ -340,7 +344,8 @@ impl LineSpans {
     fn emit<'a>(&self, data: &'a str, emit: &mut dyn FnMut(Chunk<'a>)) -> FrameInfo<'a> {
         let raw = |span: Option<Span>| span.map(|s| s.of(data));
         let mut info = FrameInfo::object(self.annotated);
-        info.set_finishes(self.done || self.done_reason.is_some());
+        let finish = raw(self.done_reason).and_then(FinishKind::of);
+        info.set_finishes(self.done || finish.is_some());
         info.set_has_usage(self.done);
         if let Some(error) = raw(self.error) {
             emit(Chunk::Error {
@@ -355,7 +360,10 @@ impl LineSpans {
             emit(Chunk::Text { choice: 0, text });
         }
         if self.done {
-            emit(Chunk::Finish { choice: 0 });
+            emit(Chunk::Finish {
+                choice: 0,
+                kind: finish.unwrap_or(FinishKind::Whole),
+            });
             emit(Chunk::Usage(Usage::new(
                 raw_u64(raw(self.prompt_eval_count)),
                 raw_u64(raw(self.eval_count)),
@@ -424,7 +432,10 @@ mod tests {
         assert_eq!(
             chunks(line, &mut state),
             vec![
-                Chunk::Finish { choice: 0 },
+                Chunk::Finish {
+                    choice: 0,
+                    kind: FinishKind::Whole
+                },
                 Chunk::Usage(Usage {
                     prompt_tokens: 10,
                     completion_tokens: 5,

@@ -23,7 +23,9 @@ use super::{
     ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, decode_string,
     expect_object, is_set, raw_i64, raw_u64,
 };
-use crate::chunk::{ArgumentsDelta, Chunk, ChunkText, JsonLiteral, ToolCallDelta, Usage};
+use crate::chunk::{
+    ArgumentsDelta, Chunk, ChunkText, FinishKind, JsonLiteral, ToolCallDelta, Usage,
+};
 
 #[derive(Deserialize)]
 struct ChunkView<'a> {
@@ -212,9 +214,9 @@ pub(super) fn decode_serde<'a>(
         if let Some(delta) = choice.delta {
             decode_delta(k, delta, emit);
         }
-        if is_set(choice.finish_reason) {
+        if let Some(kind) = choice.finish_reason.and_then(|r| FinishKind::of(r.get())) {
             info.set_finishes(true);
-            emit(Chunk::Finish { choice: k });
+            emit(Chunk::Finish { choice: k, kind });
         }
     }
     let usage = view
@@ -969,9 +971,9 @@ impl Spans {
                     }));
                 }
             }
-            if choice.finish_reason.is_some() {
+            if let Some(kind) = raw(choice.finish_reason).and_then(FinishKind::of) {
                 info.set_finishes(true);
-                emit(Chunk::Finish { choice: k });
+                emit(Chunk::Finish { choice: k, kind });
             }
         }
         if let Some(usage) = top.usage.or(top.groq_usage) {
@@ -1271,7 +1273,10 @@ mod tests {
         assert_eq!(
             chunks(data),
             vec![
-                Chunk::Finish { choice: 0 },
+                Chunk::Finish {
+                    choice: 0,
+                    kind: FinishKind::Whole
+                },
                 Chunk::Usage(Usage {
                     prompt_tokens: 1,
                     completion_tokens: 2,
