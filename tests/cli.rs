@@ -417,6 +417,38 @@ fn an_empty_finish_reason_does_not_stop_chunk_injection() {
     );
 }
 
+/// A JSON object with none of a chunk's keys (another API's stream, here
+/// a native Workers AI one) is reported, with its place, and becomes an
+/// `unparsed` line; vLLM's older error object is an upstream error. (Both
+/// vanished from the line formats without a word.)
+#[test]
+fn objects_that_are_no_chunks_are_reported() {
+    let input = concat!(
+        "data: {\"object\":\"error\",\"message\":\"prompt too long\",\"code\":400}\n\n",
+        "data: {\"response\":\"Hi\"}\n\n",
+        "data: [DONE]\n\n",
+    );
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        concat!(
+            "{\"error\":{\"object\":\"error\",\"message\":\"prompt too long\",\"code\":400}}\n",
+            "{\"unparsed\":\"{\\\"response\\\":\\\"Hi\\\"}\"}\n",
+            "{\"done\":true,\"incomplete\":true}\n",
+        )
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        concat!(
+            "aalis-proxy: warning: SSE event 1 (byte 0): upstream error: prompt too long\n",
+            "aalis-proxy: warning: SSE event 2 (byte 65): a JSON object without `choices`, ",
+            "`usage` or `error`, so no chat chunk; passed on as an unparsed line: {\"response\":\"Hi\"}\n",
+        )
+    );
+    let output = annotate_ok(&[], input.as_bytes());
+    assert_eq!(output.stdout, input.as_bytes());
+}
+
 /// A provider's named event (`event: error` here) reaches the line
 /// formats as an `unparsed` line, with a warning that names it; our own
 /// `toolCallProgress` events, from a stream annotated before, are left

@@ -14,8 +14,8 @@
 //! | `{"contentDelta":"…"}` | non-empty answer text |
 //! | `{"toolCallProgress":{"index":0,"name":"get_weather","charsAccumulated":42}}` | every entry of every `tool_calls` delta, after it is applied |
 //! | `{"done":true,"toolCalls":[…],"usage":{…}}` | once, at `[DONE]`, Ollama's `done: true`, or the end of input |
-//! | `{"error":{…}}` | the upstream reported an error inside the stream: its `error` value, as it came (on one line) |
-//! | `{"unparsed":"…"}` | an event or line that could not be read as JSON, or an SSE event with a name of its own (`event: error`; not this tool's `toolCallProgress`, left out): its data, as a string (bytes that are not UTF-8 become U+FFFD; what comes after the end, an event too large to parse and one the input ended inside are left out, with a warning: the done line(s) stay last) |
+//! | `{"error":{…}}` | the upstream reported an error inside the stream: its `error` value, as it came (on one line); for vLLM's older `{"object":"error",…}`, that whole object |
+//! | `{"unparsed":"…"}` | an event or line that could not be read as JSON, a JSON object that is no chunk (none of `choices`, `usage` and `error`), or an SSE event with a name of its own (`event: error`; not this tool's `toolCallProgress`, left out): its data, as a string (bytes that are not UTF-8 become U+FFFD; what comes after the end, an event too large to parse and one the input ended inside are left out, with a warning: the done line(s) stay last) |
 //!
 //! - `charsAccumulated` is the length of the arguments so far, unescaped, in
 //!   UTF-16 code units (JavaScript `String.length`); the name is not counted.

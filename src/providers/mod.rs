@@ -115,6 +115,10 @@ pub enum FrameError {
     InvalidJson(serde_json::Error),
     #[error("not a JSON object")]
     NotAnObject,
+    /// An object with none of a chunk's keys: `choices`, `usage` or
+    /// `error` (each `null` or absent), as another API's stream has.
+    #[error("a JSON object without `choices`, `usage` or `error`, so no chat chunk")]
+    NotAChunk,
     #[error("unexpected JSON shape: {0}")]
     UnexpectedShape(serde_json::Error),
 }

@@ -196,6 +196,19 @@ pub(super) fn decode_serde<'a>(
     // The whole frame is parsed here; from now on nothing can fail, so a
     // bad frame emits no chunk at all.
     let view: ChunkView<'a> = serde_json::from_str(data)?;
+    let groq_usage = view.x_groq.as_ref().is_some_and(|x| x.usage.is_some());
+    if view.choices.is_none() && view.usage.is_none() && !groq_usage && !is_set(view.error) {
+        // vLLM's older errors: `{"object":"error","message":…}`.
+        if view.object.map(RawValue::get) == Some("\"error\"") {
+            let raw = data.trim();
+            emit(Chunk::Error {
+                raw,
+                message: error_message(raw),
+            });
+            return Ok(FrameInfo::object(view.tool_call_progress.is_some()));
+        }
+        return Err(FrameError::NotAChunk);
+    }
     let mut info = FrameInfo {
         id: view.id.map(RawValue::get),
         object: view.object.map(RawValue::get),
@@ -691,12 +704,16 @@ impl Spans {
     fn walk(&mut self, c: &mut Cursor<'_>) -> Result<TopSpans, Bail> {
         let mut top = TopSpans::default();
         let mut seen = 0;
+        // `choices` that is not `null`: with usage or an error, what makes
+        // the object a chunk. One that is none is the serde path's to tell.
+        let mut has_choices = false;
         let mut walk = c.object()?;
         while let Some(key) = c.key(&mut walk)? {
             match key {
                 b"choices" => {
                     first_time(&mut seen, 1)?;
                     if !c.null()? {
+                        has_choices = true;
                         let mut choices = c.array()?;
                         while c.element(&mut choices)? {
                             self.scan_choice(c)?;
@@ -752,6 +769,9 @@ impl Spans {
             }
         }
         c.end()?;
+        if !has_choices && top.usage.is_none() && top.groq_usage.is_none() && top.error.is_none() {
+            return Err(Bail);
+        }
         Ok(top)
     }
 
@@ -1265,6 +1285,43 @@ mod tests {
                 }),
             ]
         );
+    }
+
+    /// An object with none of a chunk's keys is no chunk, on both paths;
+    /// one whose `object` is `"error"` (vLLM's older errors) is an error,
+    /// whole. One key is enough, `null` is none. (Both decoded to nothing,
+    /// without a word.)
+    #[test]
+    fn objects_without_a_chunks_keys_are_no_chunks() {
+        let vllm = r#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#;
+        assert_eq!(
+            chunks(&format!("{vllm} ")),
+            vec![Chunk::Error {
+                raw: vllm,
+                message: "too long".to_owned()
+            }]
+        );
+        for data in [
+            r#"{"response":"Hi"}"#,
+            r#"{"id":"x","object":"chat.completion.chunk","choices":null,"usage":null}"#,
+            "{}",
+        ] {
+            let mut state = DecoderState::default();
+            // Twice: what the fast path gave up on, it did not learn.
+            for _ in 0..2 {
+                let got = decode(data, &mut state, &mut |c| panic!("{c:?}"));
+                assert!(matches!(got, Err(FrameError::NotAChunk)), "{data}: {got:?}");
+            }
+        }
+        for data in [
+            r#"{"choices":[]}"#,
+            r#"{"usage":{"prompt_tokens":1}}"#,
+            r#"{"x_groq":{"usage":{"prompt_tokens":1}}}"#,
+            r#"{"error":"overloaded"}"#,
+        ] {
+            let mut state = DecoderState::default();
+            assert!(decode(data, &mut state, &mut |_| {}).is_ok(), "{data}");
+        }
     }
 
     #[test]
