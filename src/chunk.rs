@@ -332,9 +332,13 @@ pub struct ToolCallDelta<'a> {
     pub index: Option<i64>,
     /// A non-empty `id`, if sent.
     pub id: Option<Cow<'a, str>>,
-    /// A non-empty `function.name`, if sent.
+    /// A non-empty `function.name` (or `custom.name`), if sent.
     pub name: Option<Cow<'a, str>>,
+    /// `function.arguments` (or `custom.input`).
     pub arguments: ArgumentsDelta<'a>,
+    /// The entry came as a custom tool's, `custom: {name, input}` (OpenAI's
+    /// freeform tools), rather than as a function's.
+    pub custom: bool,
 }
 
 /// What a delta does to the accumulated arguments string.

@@ -121,6 +121,19 @@ pub struct ToolCall {
     /// `arguments` in UTF-16 code units (JavaScript `String.length`).
     pub chars_accumulated: usize,
     pub state: CallState,
+    /// A function's call, or a custom tool's (its `arguments` are the
+    /// tool's `input`).
+    pub kind: CallKind,
+}
+
+/// What a call calls: the `type` of an assembled call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    /// `{"type":"function","function":{"name","arguments"}}`.
+    Function,
+    /// `{"type":"custom","custom":{"name","input"}}`: one of OpenAI's
+    /// freeform tools. A call is custom once one of its deltas was.
+    Custom,
 }
 
 impl ToolCall {
@@ -598,6 +611,9 @@ impl ToolCallTracker {
             let choice = &mut self.choices[to.choice_pos];
             choice.last_touched = Some(to.index);
             let call = &mut choice.calls[to.slot];
+            if delta.custom {
+                call.kind = CallKind::Custom;
+            }
             append_arguments(call, &delta.arguments, keep_arguments);
             return Some(Progress {
                 choice: to.choice,
@@ -653,6 +669,7 @@ impl ToolCallTracker {
                     carry: None,
                     chars_accumulated: 0,
                     state: CallState::Announced,
+                    kind: CallKind::Function,
                 };
                 choice.calls.insert(slot, call);
                 self.call_count += 1;
@@ -671,6 +688,9 @@ impl ToolCallTracker {
             && *call.name != **name
         {
             call.name = Arc::from(name.as_ref());
+        }
+        if delta.custom {
+            call.kind = CallKind::Custom;
         }
         append_arguments(call, &delta.arguments, keep_arguments);
         let started_at_ms = *self
@@ -799,6 +819,7 @@ mod tests {
             id: id.map(|s| Cow::Owned(s.to_owned())),
             name: name.map(|s| Cow::Owned(s.to_owned())),
             arguments: ArgumentsDelta::Append(Cow::<str>::Owned(args.to_owned()).into()),
+            custom: false,
         })
     }
 
@@ -1057,6 +1078,7 @@ mod tests {
                     id,
                     name,
                     arguments,
+                    custom: false,
                 })
             } else if roll < 90 {
                 Chunk::Text {
@@ -1111,6 +1133,7 @@ mod tests {
                         id: None,
                         name: None,
                         arguments: ArgumentsDelta::Append(Cow::Borrowed("ab😀").into()),
+                        custom: false,
                     }),
                     None => chunks.next(step),
                 };
@@ -1189,6 +1212,7 @@ mod tests {
             id: None,
             name: None,
             arguments: ArgumentsDelta::Replace("{}".into()),
+            custom: false,
         });
         assert_eq!(progress(&mut t, replace, 2).2, 2);
         t.end();

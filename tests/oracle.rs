@@ -4,7 +4,8 @@
 //! and usage. The generator aims at what fixed fixtures miss: lone
 //! surrogate escapes split across fragments, entries without `index`,
 //! negative indexes, ids that change, object arguments, several entries per
-//! delta, several choices, and CR, LF and CRLF line endings.
+//! delta, custom tools' entries, several choices, and CR, LF and CRLF line
+//! endings.
 //!
 //! node is part of the machine image; the test fails, not skips, without it.
 
@@ -114,7 +115,19 @@ fn generate(rng: &mut Rng) -> (String, bool) {
                     function.push(format!("\"arguments\":\"{text}\""));
                 }
             }
-            fields.push(format!("\"function\":{{{}}}", function.join(",")));
+            match rng.below(10) {
+                // A custom tool's payload, its input in place of arguments.
+                0 => fields.push(format!(
+                    "\"custom\":{{{}}}",
+                    function.join(",").replace("\"arguments\":", "\"input\":")
+                )),
+                // Beside a function's, it counts for nothing.
+                1 => {
+                    fields.push(format!("\"function\":{{{}}}", function.join(",")));
+                    fields.push("\"custom\":{\"name\":\"other\",\"input\":\"zz\"}".to_owned());
+                }
+                _ => fields.push(format!("\"function\":{{{}}}", function.join(","))),
+            }
             delta.push('{');
             delta.push_str(&fields.join(","));
             delta.push('}');

@@ -23,7 +23,10 @@
 //!   objects carry `"choice":k` inside `toolCallProgress`.
 //! - `toolCalls` lists the assembled calls in index order:
 //!   `{"id":"call_…","type":"function","function":{"name":"…","arguments":"…"}}`
-//!   (`id` is `""` when the provider sent none). When several choices made
+//!   (`id` is `""` when the provider sent none); a custom tool's call
+//!   (OpenAI's freeform tools, whose deltas carry `custom.name` and
+//!   `custom.input`) is `{"id":…,"type":"custom","custom":{"name":…,"input":…}}`,
+//!   and its progress counts its input. When several choices made
 //!   tool calls, each gets its own `done` line, in choice order, with
 //!   `"choice":k` for k > 0; with no tool calls at all there is one
 //!   `{"done":true}`. A choice's `done` line has `"incomplete":true` when
@@ -53,7 +56,7 @@ use super::Sink;
 pub use crate::chunk::TextField;
 use crate::chunk::{ChunkText, HeldHalves, Usage};
 use crate::js::push_string;
-use crate::progress::ToolCallTracker;
+use crate::progress::{CallKind, ToolCallTracker};
 
 /// Which line format.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,10 +225,18 @@ impl LineEncoder {
                 }
                 self.line.push_str("{\"id\":");
                 push_string(&call.id, &mut self.line);
-                self.line
-                    .push_str(",\"type\":\"function\",\"function\":{\"name\":");
+                let (head, arguments) = match call.kind {
+                    CallKind::Function => (
+                        ",\"type\":\"function\",\"function\":{\"name\":",
+                        ",\"arguments\":",
+                    ),
+                    CallKind::Custom => {
+                        (",\"type\":\"custom\",\"custom\":{\"name\":", ",\"input\":")
+                    }
+                };
+                self.line.push_str(head);
                 push_string(&call.name, &mut self.line);
-                self.line.push_str(",\"arguments\":");
+                self.line.push_str(arguments);
                 push_string(&call.arguments(), &mut self.line);
                 self.line.push_str("}}");
             }

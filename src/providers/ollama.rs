@@ -167,6 +167,7 @@ fn whole_call<'a>(call: ToolCallView<'a>, state: &mut DecoderState) -> ToolCallD
         id: JsonStr::non_empty(call.id),
         name,
         arguments,
+        custom: false,
     }
 }
 

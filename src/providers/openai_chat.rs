@@ -79,6 +79,18 @@ struct ToolCallView<'a> {
     id: Option<JsonStr<'a>>,
     #[serde(borrow, default)]
     function: Option<FunctionView<'a>>,
+    #[serde(borrow, default)]
+    custom: Option<CustomView<'a>>,
+}
+
+/// A custom (freeform) tool's payload: its text input is what a function's
+/// arguments are.
+#[derive(Deserialize)]
+struct CustomView<'a> {
+    #[serde(borrow, default)]
+    name: Option<JsonStr<'a>>,
+    #[serde(borrow, default)]
+    input: Option<ArgumentsView<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -257,12 +269,18 @@ fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chun
         decode_content(choice, content, emit);
     }
     for call in delta.tool_calls.into_iter().flatten() {
-        let (name, arguments) = match call.function {
-            Some(f) => (
+        let (name, arguments, custom) = match (call.function, call.custom) {
+            (Some(f), _) => (
                 JsonStr::non_empty(f.name),
                 f.arguments.map_or(ArgumentsDelta::Unchanged, |a| a.0),
+                false,
             ),
-            None => (None, ArgumentsDelta::Unchanged),
+            (None, Some(c)) => (
+                JsonStr::non_empty(c.name),
+                c.input.map_or(ArgumentsDelta::Unchanged, |a| a.0),
+                true,
+            ),
+            (None, None) => (None, ArgumentsDelta::Unchanged, false),
         };
         emit(Chunk::ToolCallDelta(ToolCallDelta {
             choice,
@@ -270,6 +288,7 @@ fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chun
             id: JsonStr::non_empty(call.id),
             name,
             arguments,
+            custom,
         }));
     }
 }
@@ -885,6 +904,12 @@ impl Spans {
                         }
                     }
                 }
+                // A custom tool's payload: the serde path.
+                b"custom" => {
+                    if !c.null()? {
+                        return Err(Bail);
+                    }
+                }
                 _ => {
                     c.value()?;
                 }
@@ -925,6 +950,7 @@ impl Spans {
             id: None,
             name: None,
             arguments,
+            custom: false,
         }
     }
 
@@ -988,6 +1014,7 @@ impl Spans {
                         id: text(data, call.id),
                         name: text(data, call.name),
                         arguments,
+                        custom: false,
                     }));
                 }
             }
@@ -1232,6 +1259,7 @@ mod tests {
             id: id.map(Cow::Borrowed),
             name: name.map(Cow::Borrowed),
             arguments,
+            custom: false,
         })
     }
 
@@ -1284,6 +1312,39 @@ mod tests {
                     total_tokens: 7
                 }),
             ]
+        );
+    }
+
+    /// A custom tool's entry (`custom: {name, input}`) reads as a
+    /// function's, marked custom, on both paths; beside a function's
+    /// payload it counts for nothing.
+    #[test]
+    fn custom_tool_entries_read_as_function_ones() {
+        let custom = r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","type":"custom","custom":{"name":"apply_patch","input":"*** Begin"}}]}}]}"#;
+        let both = r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"},"custom":{"name":"x","input":"y"}}]}}]}"#;
+        let mut state = DecoderState::default();
+        for _ in 0..2 {
+            let mut got = Vec::new();
+            decode(custom, &mut state, &mut |c| got.push(c)).expect("decodes");
+            let mut want = delta(
+                Some(0),
+                Some("c"),
+                Some("apply_patch"),
+                ArgumentsDelta::Append("*** Begin".into()),
+            );
+            if let Chunk::ToolCallDelta(d) = &mut want {
+                d.custom = true;
+            }
+            assert_eq!(got, vec![want]);
+        }
+        assert_eq!(
+            chunks(both),
+            vec![delta(
+                Some(0),
+                None,
+                None,
+                ArgumentsDelta::Append("{}".into())
+            )]
         );
     }
 

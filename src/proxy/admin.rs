@@ -627,6 +627,7 @@ mod tests {
                 id: None,
                 name: Some("f".into()),
                 arguments: ArgumentsDelta::Append(std::borrow::Cow::<str>::Borrowed("").into()),
+                custom: false,
             }),
             1,
         );

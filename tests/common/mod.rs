@@ -258,9 +258,14 @@ pub fn observed(output: &[u8]) -> Value {
         "usage": usage,
         "choices": choices.into_iter().map(|(k, (content, reasoning, calls))| json!({
             "choice": k, "content": content, "reasoning": reasoning,
-            "toolCalls": calls.iter().map(|c| json!({
-                "id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-            })).collect::<Vec<_>>(),
+            "toolCalls": calls.iter().map(|c| match c["type"].as_str() {
+                Some("custom") => json!({
+                    "id": c["id"], "type": "custom", "name": c["custom"]["name"], "arguments": c["custom"]["input"],
+                }),
+                _ => json!({
+                    "id": c["id"], "type": c["type"], "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                }),
+            }).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     })
 }
@@ -277,7 +282,7 @@ pub fn oracle_choices(want: &Value) -> Value {
             json!({
                 "choice": c["choice"], "content": c["content"], "reasoning": c["reasoning"],
                 "toolCalls": c["toolCalls"].as_array().expect("toolCalls").iter().map(|t| json!({
-                    "id": t["id"], "name": t["name"], "arguments": t["arguments"],
+                    "id": t["id"], "type": t["type"], "name": t["name"], "arguments": t["arguments"],
                 })).collect::<Vec<_>>(),
             })
         })

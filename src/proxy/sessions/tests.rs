@@ -19,6 +19,7 @@ fn delta(index: i64, name: &str, args: &str) -> Chunk<'static> {
         id: None,
         name: Some(name.to_owned().into()),
         arguments: ArgumentsDelta::Append(std::borrow::Cow::<str>::Owned(args.to_owned()).into()),
+        custom: false,
     })
 }
 
