@@ -273,7 +273,8 @@ impl AnnotateArgs {
 /// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
 /// headers in time, 408 when the client stops sending its request body; a
-/// request head over 64 KiB gets 431. A client connection that sends nothing
+/// request head over 64 KiB or 100 header fields gets 431 (with an empty
+/// body). A client connection that sends nothing
 /// within 30 s is closed, as is one whose HTTP/1.1 request head does not
 /// come whole within 30 s of its first bytes (or of its last response's
 /// end), or an HTTP/2 one with no request open for 30 s (a GOAWAY; dropped

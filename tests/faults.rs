@@ -3394,6 +3394,27 @@ async fn session_ids_cannot_split_responses() {
     assert_no_foreign_panic();
 }
 
+/// A request head of 100 header fields is served; one of 101, however
+/// small, gets `431`, as README says (hyper's bound, which README did not
+/// name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_more_than_100_header_fields_gets_431() {
+    let stream = fixture(SINGLE_CALL);
+    let upstream =
+        FakeUpstream::start(move |_| Reply::stream("text/event-stream", [&stream[..]])).await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    // `raw_request` sends four fields of its own.
+    for (extra, status) in [(96, 200), (97, 431)] {
+        let lines: Vec<Vec<u8>> = (0..extra)
+            .map(|i| format!("x-field-{i}: v").into_bytes())
+            .collect();
+        let lines: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
+        let response = raw_request(proxy.addr, "/v1/chat/completions", &lines).await;
+        assert_eq!(response.status, status, "{} fields", extra + 4);
+    }
+    assert_eq!(upstream.requests().len(), 1);
+}
+
 /// Session ids in the path of the `/_aalis/` routes are percent-decoded,
 /// so they can hold CR, LF, NUL and `data:`: the snapshot route answers
 /// JSON with them escaped (`"a\r\nX-Injected: 1"`), and the events route's

@@ -226,6 +226,30 @@ struct ToolExecute {
     phase: String,
 }
 
+/// A `tool-execute` body, up to [`MAX_TOOL_EXECUTE_BYTES`], in one buffer
+/// that each frame is copied into as it comes, sized by `Content-Length`
+/// when there is one: the payload is held once, where collecting its
+/// frames and then joining them held it twice. (Parsing it where its
+/// frames lie, with `serde_json::from_reader`, held it once too, but held
+/// its worker thread, and the streams on it, for about a second a 32 MiB
+/// payload: `tests/admin_memory.rs` ran 1.1 s against 0.2 s.) Without a
+/// `Content-Length` the buffer grows as a `Vec` does.
+async fn read_whole(req: Request<Incoming>) -> Result<bytes::BytesMut, BoxError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+        .unwrap_or(0);
+    let mut body = Limited::new(req.into_body(), MAX_TOOL_EXECUTE_BYTES);
+    let mut whole = bytes::BytesMut::with_capacity(declared.min(MAX_TOOL_EXECUTE_BYTES));
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            whole.extend_from_slice(&data);
+        }
+    }
+    Ok(whole)
+}
+
 async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBody> {
     let bad =
         |message: String| json_error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
@@ -248,11 +272,8 @@ async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBo
             "send the tool:execute payload with Content-Type: application/json",
         );
     }
-    let body = match Limited::new(req.into_body(), MAX_TOOL_EXECUTE_BYTES)
-        .collect()
-        .await
-    {
-        Ok(body) => body.to_bytes(),
+    let body = match read_whole(req).await {
+        Ok(body) => body,
         Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => {
             return json_error(
                 StatusCode::PAYLOAD_TOO_LARGE,
