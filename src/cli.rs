@@ -91,7 +91,9 @@ pub struct AnnotateArgs {
     ///
     /// `field` is safe for every SDK: the chunk that carried the tool-call
     /// delta gets a top-level "toolCallProgress":{…} before its closing
-    /// brace, nothing else changes. NDJSON input takes only `field` and
+    /// brace, nothing else changes; it holds an event that arrives in
+    /// several reads until its end. The others write after an event, so
+    /// its bytes go out as they come. NDJSON input takes only `field` and
     /// `none`.
     ///
     /// Example: --inject comment

@@ -284,6 +284,9 @@ enum Framer {
 pub struct Annotator {
     framer: Framer,
     max_event_bytes: usize,
+    /// Bytes at the start of the framer's pending input (a frame cut by
+    /// the end of a piece) that were forwarded already ([`SentAhead`]).
+    sent_ahead: usize,
     /// Everything after framing; a separate struct so a frame borrowed from
     /// the framer can be handled while the rest is mutated.
     state: StreamState,
@@ -408,6 +411,7 @@ impl Annotator {
         let mut annotator = Annotator {
             framer: Framer::Sniffing(Vec::new()),
             max_event_bytes: config.max_event_bytes,
+            sent_ahead: 0,
             state: StreamState {
                 output: config.output,
                 inject: config.inject,
@@ -662,17 +666,69 @@ impl Annotator {
             Framer::Ndjson(_) => Provider::OllamaChat,
             Framer::Sse(_) | Framer::Sniffing(_) => Provider::OpenAiChat,
         };
+        // Only `field` writes inside an event: with SSE output in any other
+        // mode, the bytes of an event cut by the end of a piece go out at
+        // once, and the event is parsed once it is whole.
+        let ahead =
+            self.state.output == OutputFormat::Sse && self.state.inject != InjectMode::Field;
+        let mut out = SentAhead {
+            out,
+            skip: &mut self.sent_ahead,
+        };
         let mut frames = FrameHandler {
             state: &mut self.state,
             provider,
             now,
-            out,
+            out: &mut out,
         };
-        match &mut self.framer {
-            Framer::Sse(decoder) => decoder.feed_probing(input, &mut frames),
-            Framer::Ndjson(decoder) => decoder.feed_probing(input, &mut frames),
-            Framer::Sniffing(_) => {}
+        let pending = match &mut self.framer {
+            Framer::Sse(decoder) => {
+                decoder.feed_probing(input, &mut frames);
+                decoder.pending()
+            }
+            Framer::Ndjson(decoder) => {
+                decoder.feed_probing(input, &mut frames);
+                decoder.pending()
+            }
+            Framer::Sniffing(_) => &[],
+        };
+        if ahead
+            && let Some(new) = pending.get(*out.skip..)
+            && !new.is_empty()
+        {
+            out.out.forward(new);
+            *out.skip = pending.len();
         }
+    }
+}
+
+/// The sink of a stream whose cut frames go out ahead: the first `skip`
+/// bytes forwarded are dropped, having been forwarded when they came. The
+/// blocks a framer hands out cover its input in order, each once, so they
+/// are the bytes of the frame that was cut, which comes first.
+struct SentAhead<'a, O> {
+    out: &'a mut O,
+    skip: &'a mut usize,
+}
+
+impl<O: Sink> Sink for SentAhead<'_, O> {
+    #[inline(always)]
+    fn forward(&mut self, bytes: &[u8]) {
+        if *self.skip == 0 {
+            return self.out.forward(bytes);
+        }
+        let dropped = (*self.skip).min(bytes.len());
+        *self.skip -= dropped;
+        if let Some(rest) = bytes.get(dropped..)
+            && !rest.is_empty()
+        {
+            self.out.forward(rest);
+        }
+    }
+
+    #[inline(always)]
+    fn insert(&mut self, bytes: &[u8]) {
+        self.out.insert(bytes);
     }
 }
 
@@ -1107,6 +1163,55 @@ mod tests {
             inject: InjectMode::None,
             ..AnnotatorConfig::default()
         })
+    }
+
+    /// With SSE output, in every inject mode but `field` (which writes
+    /// inside a frame), the bytes of a frame cut by the end of a piece go
+    /// out at once, each once; the frame is handled once whole, and the
+    /// output is what the whole input gives. NDJSON, whose other modes fall
+    /// back to `field`, sends ahead under `none` alone; the line formats
+    /// never do.
+    #[test]
+    fn a_cut_frame_goes_out_at_once_unless_field_injects() {
+        let sse: &[u8] = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]}}]}\n\ndata: [DONE]\n\n";
+        let ndjson: &[u8] = b"{\"message\":{\"content\":\"hi\"},\"done\":false}\n{\"message\":{\"content\":\"\"},\"done\":true}\n";
+        use InjectMode::{Chunk, Comment, Event, Field, None as Bare};
+        let cases = [
+            (sse, Framing::Sse, OutputFormat::Sse, Bare, true),
+            (sse, Framing::Sse, OutputFormat::Sse, Comment, true),
+            (sse, Framing::Sse, OutputFormat::Sse, Event, true),
+            (sse, Framing::Sse, OutputFormat::Sse, Chunk, true),
+            (sse, Framing::Sse, OutputFormat::Sse, Field, false),
+            (sse, Framing::Sse, OutputFormat::Ndjson, Bare, false),
+            (ndjson, Framing::Ndjson, OutputFormat::Sse, Bare, true),
+            (ndjson, Framing::Ndjson, OutputFormat::Sse, Comment, false),
+            (ndjson, Framing::Ndjson, OutputFormat::Sse, Field, false),
+        ];
+        for (input, framing, output, inject, ahead) in cases {
+            let config = || AnnotatorConfig {
+                output,
+                inject,
+                framing: Some(framing),
+                ..AnnotatorConfig::default()
+            };
+            let mut whole = Vec::new();
+            let mut annotator = Annotator::new(config());
+            annotator.push(input, 0, &mut whole);
+            annotator.finish(0, &mut whole);
+            let case = format!("{framing:?} {output:?} {inject:?}");
+            for cut in [5, 20, 40] {
+                let mut annotator = Annotator::new(config());
+                let mut out = Vec::new();
+                annotator.push(&input[..cut], 0, &mut out);
+                let want: &[u8] = if ahead { &input[..cut] } else { b"" };
+                assert_eq!(out, want, "{case}, cut at {cut}");
+                // In two more pieces, the first inside the same frame.
+                annotator.push(&input[cut..cut + 3], 0, &mut out);
+                annotator.push(&input[cut + 3..], 0, &mut out);
+                annotator.finish(0, &mut out);
+                assert_eq!(out, whole, "{case}, cut at {cut}");
+            }
+        }
     }
 
     /// A stream that starts blank is framed by its first other byte, a BOM

@@ -795,6 +795,69 @@ async fn each_frame_reaches_the_client_before_the_upstream_sends_the_next() {
     }
 }
 
+/// An event cut by a pause of the upstream: with any inject mode but
+/// `field`, which writes inside it, its bytes so far reach the client at
+/// once (SPEC.md: "passed on as it arrives"), and the event is parsed once
+/// whole; `field` holds it until then. (Every mode held it, up to
+/// `--max-event-bytes` a stream.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_cut_by_a_pause_goes_out_at_once_unless_field_injects() {
+    let frames = frames_of(SINGLE_CALL);
+    let whole = frames.concat();
+    // The first frames, then half of the next one.
+    let first = frames[..2].concat();
+    let half = frames[2].len() / 2;
+    let (head, tail) = whole.split_at(first.len() + half);
+    let (head, tail) = (Bytes::copy_from_slice(head), Bytes::copy_from_slice(tail));
+    for mode in ["none", "comment", "event", "chunk", "field"] {
+        let gate = Arc::new(Notify::new());
+        let upstream_gate = gate.clone();
+        let (head_part, tail_part) = (head.clone(), tail.clone());
+        let upstream = FakeUpstream::start(move |_| {
+            Reply::stream("text/event-stream", [&head_part[..]])
+                .then(Step::Wait(upstream_gate.clone()))
+                .body(tail_part.clone())
+        })
+        .await;
+        let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
+        let req = Request::get(proxy.url("/v1/chat/completions"))
+            .header("x-aalis-inject", mode)
+            .body(empty())
+            .expect("request");
+        let mut body = send(&client(), req).await.into_body();
+        let inject = match mode {
+            "none" => InjectMode::None,
+            "comment" => InjectMode::Comment,
+            "event" => InjectMode::Event,
+            "chunk" => InjectMode::Chunk,
+            _ => InjectMode::Field,
+        };
+        // What the whole frames give, and then the cut one's first half.
+        let (mut held, _) = annotate_open(&frames[..2], Framing::Sse, inject);
+        if inject != InjectMode::Field {
+            held.extend_from_slice(&frames[2][..half]);
+        }
+        let mut got = Vec::new();
+        read_at_least(&mut body, &mut got, held.len(), Duration::from_secs(2)).await;
+        assert!(got == held, "{mode}: {}", first_difference(&got, &held));
+        let more = tokio::time::timeout(Duration::from_millis(100), body.frame()).await;
+        assert!(
+            more.is_err(),
+            "{mode}: more arrived while the upstream was held"
+        );
+        gate.notify_one();
+        let (rest, end) = read_body(&mut body, PATIENCE).await;
+        end.expect("clean end");
+        got.extend_from_slice(&rest);
+        let expected = annotate(&whole, Framing::Sse, inject);
+        assert!(
+            got == expected,
+            "{mode}: {}",
+            first_difference(&got, &expected)
+        );
+    }
+}
+
 // === 4. compression ===
 
 /// A client that accepts `gzip, br` still gets an annotated stream: the

@@ -151,6 +151,13 @@ impl NdjsonDecoder {
         self.state.eof = true;
     }
 
+    /// The input not handed out yet: after [`feed`](Self::feed), the bytes
+    /// of the line cut by the end of the last piece. The next lines handed
+    /// out start with them.
+    pub fn pending(&self) -> &[u8] {
+        self.buf.get(self.state.consumed()..).unwrap_or_default()
+    }
+
     /// The next complete line, or `None` when more input is needed.
     pub fn next_line(&mut self) -> Option<NdjsonLine<'_>> {
         self.state.next_line(Window::raw(&self.buf), &mut NoProbe)

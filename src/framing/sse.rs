@@ -276,6 +276,13 @@ impl SseDecoder {
         self.state.eof = true;
     }
 
+    /// The input not handed out yet: after [`feed`](Self::feed), the bytes
+    /// of the block cut by the end of the last piece. The next blocks
+    /// handed out start with them.
+    pub fn pending(&self) -> &[u8] {
+        self.buf.get(self.state.consumed()..).unwrap_or_default()
+    }
+
     /// The next complete block, or `None` when more input is needed (or,
     /// after [`finish`](Self::finish), when everything has been handed out).
     pub fn next_block(&mut self) -> Option<SseBlock<'_>> {
