@@ -684,16 +684,21 @@ impl Annotator {
         let pending = match &mut self.framer {
             Framer::Sse(decoder) => {
                 decoder.feed_probing(input, &mut frames);
+                if !ahead {
+                    return;
+                }
                 decoder.pending()
             }
             Framer::Ndjson(decoder) => {
                 decoder.feed_probing(input, &mut frames);
+                if !ahead {
+                    return;
+                }
                 decoder.pending()
             }
-            Framer::Sniffing(_) => &[],
+            Framer::Sniffing(_) => return,
         };
-        if ahead
-            && let Some(new) = pending.get(*out.skip..)
+        if let Some(new) = pending.get(*out.skip..)
             && !new.is_empty()
         {
             out.out.forward(new);
