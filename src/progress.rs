@@ -229,6 +229,8 @@ pub struct ToolCallTracker {
     /// `(choice, index) → startedAt`: the calls being generated now.
     in_progress: BTreeMap<(i64, i64), u64>,
     phase: StreamPhase,
+    /// The stream carried an error, whatever came after it.
+    errored: bool,
     usage: Option<Usage>,
     /// Counts changes of the in-progress map (progress or clear), so an
     /// observer can tell cheaply whether there is anything new to publish.
@@ -332,6 +334,7 @@ impl ToolCallTracker {
             }
             Chunk::Error { .. } => {
                 self.phase = StreamPhase::Failed;
+                self.errored = true;
                 self.clear()
             }
             Chunk::Done => self.end(),
@@ -495,13 +498,14 @@ impl ToolCallTracker {
     /// …); or it reported none, and the stream failed (an error inside it)
     /// or `stopped_early`, with neither `[DONE]` nor Ollama's `done`. A
     /// choice that reported none before `[DONE]` is whole: some providers
-    /// never send one.
+    /// never send one. An error counts whatever came after it (a stream
+    /// that goes on after an error is still one that failed).
     pub fn cut_short(&self, choice: i64, stopped_early: bool) -> bool {
         let finish = self.choices.iter().find(|c| c.choice == choice);
         match finish.and_then(|c| c.finish) {
             Some(FinishKind::Whole) => false,
             Some(FinishKind::CutShort) => true,
-            None => stopped_early || self.phase == StreamPhase::Failed,
+            None => stopped_early || self.errored,
         }
     }
 

@@ -359,6 +359,8 @@ fn incomplete_marks_answers_that_may_stop_in_the_middle() {
         (format!("{text}{}", finish(r#""""#)), cut),
         (format!("{text}{}{done}", finish(r#""""#)), whole),
         (format!("{text}{error}{done}"), cut),
+        // Text after the error does not make the answer whole.
+        (format!("{text}{error}{text}{done}"), cut),
         (format!("{call}{done}"), call_whole),
         (format!("{call}{}", finish(r#""tool_calls""#)), call_whole),
         (call.clone(), call_cut),
@@ -368,6 +370,7 @@ fn incomplete_marks_answers_that_may_stop_in_the_middle() {
             call_cut,
         ),
         (format!("{call}{error}{done}"), call_cut),
+        (format!("{error}{call}{done}"), call_cut),
     ] {
         let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
         let stdout = String::from_utf8_lossy(&output.stdout);

@@ -33,10 +33,12 @@
 //!   its answer may stop in the middle: its `finish_reason` (Ollama:
 //!   `done_reason`) is `length`, `max_tokens`, `content_filter` or
 //!   `error`; or it reported none (`null` and `""` are none) and the stream
-//!   carried an error or ended with neither `[DONE]` nor Ollama's `done`.
-//!   Its last call's arguments may then be cut short, so do not run it
-//!   blindly. Without tool calls, the one `done` line has it by choice 0's
-//!   answer, its text.
+//!   carried an error (anywhere, whatever came after it) or ended with
+//!   neither `[DONE]` nor Ollama's `done`. Its last call's arguments may
+//!   then be cut short, so do not run it blindly. Without tool calls, the
+//!   one `done` line has it by choice 0's answer, its text. A choice
+//!   without tool calls has no `done` line of its own when another choice
+//!   has some, so its text's end is not told.
 //! - `usage` is `{"promptTokens":…,"completionTokens":…,"totalTokens":…}`,
 //!   the last usage of the stream, on the last `done` line only, so it is
 //!   counted once. Progress lines never carry text or usage: concatenating
