@@ -681,22 +681,18 @@ impl Annotator {
             now,
             out: &mut out,
         };
-        let pending = match &mut self.framer {
-            Framer::Sse(decoder) => {
-                decoder.feed_probing(input, &mut frames);
-                if !ahead {
-                    return;
-                }
-                decoder.pending()
-            }
-            Framer::Ndjson(decoder) => {
-                decoder.feed_probing(input, &mut frames);
-                if !ahead {
-                    return;
-                }
-                decoder.pending()
-            }
-            Framer::Sniffing(_) => return,
+        match &mut self.framer {
+            Framer::Sse(decoder) => decoder.feed_probing(input, &mut frames),
+            Framer::Ndjson(decoder) => decoder.feed_probing(input, &mut frames),
+            Framer::Sniffing(_) => {}
+        }
+        if !ahead {
+            return;
+        }
+        let pending = match &self.framer {
+            Framer::Sse(decoder) => decoder.pending(),
+            Framer::Ndjson(decoder) => decoder.pending(),
+            Framer::Sniffing(_) => &[],
         };
         if let Some(new) = pending.get(*out.skip..)
             && !new.is_empty()

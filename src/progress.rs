@@ -501,8 +501,8 @@ impl ToolCallTracker {
     /// never send one. An error counts whatever came after it (a stream
     /// that goes on after an error is still one that failed).
     pub fn cut_short(&self, choice: i64, stopped_early: bool) -> bool {
-        let finish = self.choices.iter().find(|c| c.choice == choice);
-        match finish.and_then(|c| c.finish) {
+        let calls = self.choices.iter().find(|c| c.choice == choice);
+        match calls.and_then(|c| c.finish) {
             Some(FinishKind::Whole) => false,
             Some(FinishKind::CutShort) => true,
             None => stopped_early || self.errored,

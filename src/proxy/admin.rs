@@ -241,12 +241,17 @@ const MAX_RESERVED_BYTES: usize = 2 * MAX_TOOL_EXECUTE_BYTES;
 struct Reservation(usize);
 
 impl Reservation {
-    /// `declared` bytes if they fit under [`MAX_RESERVED_BYTES`], else none.
+    /// `declared` bytes if they fit under [`MAX_RESERVED_BYTES`], else
+    /// none; none too for a body declared past [`MAX_TOOL_EXECUTE_BYTES`],
+    /// which is read up to that bound all the same, then refused (answered
+    /// at once, its client, still sending, got a reset rather than the
+    /// `413`).
     fn take(declared: usize) -> Reservation {
         let fits = |reserved: usize| {
             reserved
                 .checked_add(declared)
                 .filter(|&total| total <= MAX_RESERVED_BYTES)
+                .filter(|_| declared <= MAX_TOOL_EXECUTE_BYTES)
         };
         match RESERVED.fetch_update(Ordering::Relaxed, Ordering::Relaxed, fits) {
             Ok(_) => Reservation(declared),
@@ -271,18 +276,9 @@ impl Drop for Reservation {
 /// its worker thread, and the streams on it, for about a second a 32 MiB
 /// payload: `tests/admin_memory.rs` ran 1.1 s against 0.2 s.)
 async fn read_whole(req: Request<Incoming>) -> Result<Vec<u8>, Unread> {
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
-        .unwrap_or(0);
-    // One declared too large is read up to the bound all the same, then
-    // refused: answered at once, its client, still sending, got a reset
-    // rather than the `413`.
-    let reservation = match declared <= MAX_TOOL_EXECUTE_BYTES {
-        true => Reservation::take(declared),
-        false => Reservation(0),
-    };
+    // hyper's reading of the `Content-Length`, checked.
+    let declared = req.body().size_hint().exact().unwrap_or(0);
+    let reservation = Reservation::take(usize::try_from(declared).unwrap_or(usize::MAX));
     let mut body = Limited::new(req.into_body(), MAX_TOOL_EXECUTE_BYTES);
     let mut whole = Vec::with_capacity(reservation.0);
     while let Some(frame) = body.frame().await {
