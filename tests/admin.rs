@@ -571,6 +571,7 @@ async fn the_page_and_the_metrics() {
         "aalis_bytes_out_total 5550",
         "aalis_time_to_first_byte_seconds_count 1",
         "aalis_upstream_errors_total{kind=\"reset\"} 0",
+        "aalis_subscriber_backlog_bytes 0",
     ] {
         assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
     }

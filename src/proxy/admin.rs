@@ -18,6 +18,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -32,6 +33,7 @@ use serde::Deserialize;
 use tokio::sync::{broadcast, mpsc};
 
 use super::body::log_safe;
+use super::metrics::Metrics;
 use super::service::{Proxy, json_error, json_response};
 use super::sessions::{
     ALL_SESSIONS_BACKLOG, Frame as SessionFrame, SUBSCRIBER_BACKLOG, SessionRegistry, Subscription,
@@ -108,11 +110,17 @@ pub async fn handle(
     match route {
         Route::Page => html(STATUS_PAGE),
         Route::Sessions => json_text(&proxy.sessions().sessions_resume()),
-        Route::Events => events(proxy.sessions().clone(), Watch::All),
+        Route::Events => events(
+            proxy.sessions().clone(),
+            proxy.metrics().clone(),
+            Watch::All,
+        ),
         Route::Session(id) => json_text(&proxy.sessions().resume_frame(&decode_segment(id))),
-        Route::SessionEvents(id) => {
-            events(proxy.sessions().clone(), Watch::Session(decode_segment(id)))
-        }
+        Route::SessionEvents(id) => events(
+            proxy.sessions().clone(),
+            proxy.metrics().clone(),
+            Watch::Session(decode_segment(id)),
+        ),
         Route::ToolExecute => tool_execute(proxy, req).await,
         Route::Metrics => {
             let mut response = text(proxy.metrics().render());
@@ -385,17 +393,26 @@ impl Watch {
 /// 256 of them (1,024 on `/_aalis/events`), 285 MiB with 1 MiB deltas.
 pub const SUBSCRIBER_BACKLOG_BYTES: usize = 1 << 20;
 
+/// The most the frames of every subscriber together may hold, in bytes:
+/// past it, a subscriber that gets a frame while more than one waits for
+/// its connection starts again from a fresh snapshot, as one past its own
+/// bound does. A subscriber that keeps up holds one frame at a time and
+/// is not touched; 300 that stopped reading held 300 MiB before (each at
+/// its own bound, [`SUBSCRIBER_BACKLOG_BYTES`]).
+pub const ALL_SUBSCRIBERS_BACKLOG_BYTES: usize = 64 << 20;
+
 /// The events routes: a task takes frames from a broadcast as they come,
 /// into a queue of its own, and hands them to the response body through a
 /// channel of one. A subscriber that lags (by more than the broadcast's
 /// frames, or than [`SUBSCRIBER_BACKLOG_BYTES`] or the broadcast's frames
-/// in its queue) is dropped from the broadcast, and once its connection
+/// in its queue, or with more than one frame queued while all queues hold
+/// more than [`ALL_SUBSCRIBERS_BACKLOG_BYTES`]) is dropped from the broadcast, and once its connection
 /// takes bytes again it gets a fresh snapshot (taken then, with a new
 /// receiver) instead of what it missed: a stalled one holds nothing
 /// meanwhile. A client that goes away closes the channel, which ends the
 /// task at once (and forgets its session if nothing else uses it); so
 /// does the proxy's shutdown.
-fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
+fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Response<ProxyBody> {
     let (tx, rx) = mpsc::channel::<Bytes>(1);
     let Subscription { resume, frames } = watch.subscribe(&registry);
     let max_frames = match watch {
@@ -403,7 +420,7 @@ fn events(registry: SessionRegistry, watch: Watch) -> Response<ProxyBody> {
         Watch::All => ALL_SESSIONS_BACKLOG,
     };
     tokio::spawn(async move {
-        let mut backlog = Backlog::default();
+        let mut backlog = Backlog::new(metrics);
         backlog.push(sse(&resume));
         // `None` while a fresh snapshot is due (see above).
         let mut frames = Some(frames);
@@ -484,22 +501,38 @@ async fn next_frame(
     }
 }
 
-/// A subscriber's frames that its connection has not taken yet.
-#[derive(Default)]
+/// A subscriber's frames that its connection has not taken yet, counted
+/// in the proxy's metrics as well (`aalis_subscriber_backlog_bytes`, the
+/// sum over every subscriber, which [`Backlog::over`] bounds).
 struct Backlog {
     frames: std::collections::VecDeque<Bytes>,
     bytes: usize,
+    metrics: Arc<Metrics>,
 }
 
 impl Backlog {
+    fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            frames: std::collections::VecDeque::new(),
+            bytes: 0,
+            metrics,
+        }
+    }
+
     fn push(&mut self, frame: Bytes) {
         self.bytes += frame.len();
+        self.metrics
+            .subscriber_backlog_bytes
+            .fetch_add(frame.len(), Ordering::Relaxed);
         self.frames.push_back(frame);
     }
 
     fn pop(&mut self) -> Option<Bytes> {
         let frame = self.frames.pop_front()?;
         self.bytes -= frame.len();
+        self.metrics
+            .subscriber_backlog_bytes
+            .fetch_sub(frame.len(), Ordering::Relaxed);
         Some(frame)
     }
 
@@ -511,17 +544,34 @@ impl Backlog {
         self.frames.len()
     }
 
-    /// Past [`SUBSCRIBER_BACKLOG_BYTES`] or `max_frames`, with more than
-    /// one frame: a single frame larger than the bound still goes out
-    /// whole.
+    /// Past [`SUBSCRIBER_BACKLOG_BYTES`] or `max_frames`, or while every
+    /// subscriber's frames together are past
+    /// [`ALL_SUBSCRIBERS_BACKLOG_BYTES`], with more than one frame: a
+    /// single frame larger than a bound still goes out whole.
     fn over(&self, max_frames: usize) -> bool {
         self.frames.len() > 1
-            && (self.bytes > SUBSCRIBER_BACKLOG_BYTES || self.frames.len() > max_frames)
+            && (self.bytes > SUBSCRIBER_BACKLOG_BYTES
+                || self.frames.len() > max_frames
+                || self
+                    .metrics
+                    .subscriber_backlog_bytes
+                    .load(Ordering::Relaxed)
+                    > ALL_SUBSCRIBERS_BACKLOG_BYTES)
     }
 
     fn clear(&mut self) {
         self.frames.clear();
+        self.metrics
+            .subscriber_backlog_bytes
+            .fetch_sub(self.bytes, Ordering::Relaxed);
         self.bytes = 0;
+    }
+}
+
+impl Drop for Backlog {
+    /// A subscriber that goes away takes its frames out of the sum.
+    fn drop(&mut self) {
+        self.clear();
     }
 }
 
@@ -708,7 +758,12 @@ mod tests {
         use crate::pipeline::StreamEvent;
         use crate::progress::{ProgressEntry, ToolCallTracker};
         let registry = SessionRegistry::new();
-        let mut body = events(registry.clone(), Watch::Session("s1".into())).into_body();
+        let mut body = events(
+            registry.clone(),
+            Arc::default(),
+            Watch::Session("s1".into()),
+        )
+        .into_body();
         let mut stream = registry.begin_stream("s1");
         let mut tracker = ToolCallTracker::new(false);
         tracker.apply(
@@ -753,6 +808,69 @@ mod tests {
             "no fresh snapshot after {progress} progress frames"
         );
         assert!(progress <= SUBSCRIBER_BACKLOG, "{progress} frames held");
+    }
+
+    /// Subscribers that stopped reading hold no more than
+    /// [`ALL_SUBSCRIBERS_BACKLOG_BYTES`] together (one frame over at
+    /// most), though each stays under its own bound; one that reads as
+    /// the frames come gets every one of them, with no fresh snapshot;
+    /// and the sum, a metric, goes back to 0 once they are gone. Before,
+    /// 300 stalled subscribers held 1 MiB each, 300 MiB in all.
+    #[tokio::test(flavor = "current_thread")]
+    async fn stalled_subscribers_together_hold_a_bounded_number_of_bytes() {
+        use crate::pipeline::StreamEvent;
+        use crate::progress::ToolCallTracker;
+        const STALLED: usize = 300;
+        const FRAMES: usize = 8;
+        let registry = SessionRegistry::new();
+        let metrics = Arc::<Metrics>::default();
+        let subscribe = || {
+            events(
+                registry.clone(),
+                metrics.clone(),
+                Watch::Session("s1".into()),
+            )
+            .into_body()
+        };
+        let stalled: Vec<_> = (0..STALLED).map(|_| subscribe()).collect();
+        let mut reader = subscribe();
+        let held = || metrics.subscriber_backlog_bytes.load(Ordering::Relaxed);
+        let mut stream = registry.begin_stream("s1");
+        let mut tracker = ToolCallTracker::new(false);
+        let text = "x".repeat(200 * 1024);
+        let mut read = Vec::new();
+        let mut most = 0;
+        for _ in 0..FRAMES {
+            let event = StreamEvent::Content {
+                choice: 0,
+                text: text.clone(),
+            };
+            stream.publish_at(&mut tracker, &[event], false, std::time::Instant::now());
+            // Every subscriber's task takes the frame (each is woken once).
+            tokio::task::yield_now().await;
+            most = most.max(held());
+            while let Ok(Some(Ok(frame))) =
+                tokio::time::timeout(Duration::from_millis(50), reader.frame()).await
+            {
+                if let Ok(data) = frame.into_data() {
+                    read.push(String::from_utf8_lossy(&data).into_owned());
+                }
+            }
+        }
+        let frame = format!("data: {{\"contentDelta\":\"{text}\"}}\n\n").len();
+        assert!(
+            most <= ALL_SUBSCRIBERS_BACKLOG_BYTES + frame,
+            "{most} bytes held for {STALLED} subscribers"
+        );
+        assert!(most > ALL_SUBSCRIBERS_BACKLOG_BYTES / 2, "{most}");
+        let resumes = read.iter().filter(|f| f.contains("stream_resume")).count();
+        let deltas = read.iter().filter(|f| f.contains(&text)).count();
+        assert_eq!((resumes, deltas), (1, FRAMES), "the reader was cut");
+        drop((stalled, reader));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(held(), 0);
     }
 
     #[test]

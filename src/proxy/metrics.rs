@@ -5,7 +5,7 @@
 //! Read [`Metrics::render`] for the list.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// Upper bounds of the histogram buckets, in seconds.
@@ -106,6 +106,10 @@ pub struct Metrics {
     pub tool_calls_total: AtomicU64,
     pub bytes_in_total: AtomicU64,
     pub bytes_out_total: AtomicU64,
+    /// The bytes of events frames that subscribers' connections have not
+    /// taken yet, over every subscriber (bounded by
+    /// `admin::ALL_SUBSCRIBERS_BACKLOG_BYTES`).
+    pub subscriber_backlog_bytes: AtomicUsize,
     upstream_errors: [AtomicU64; 5],
     /// From the request to the first byte of the upstream's body.
     pub time_to_first_byte: Histogram,
@@ -169,6 +173,13 @@ impl Metrics {
             "aalis_bytes_out_total",
             "Response body bytes sent to clients.",
             self.bytes_out_total.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "aalis_subscriber_backlog_bytes",
+            "Bytes of events frames waiting for subscribers' connections to take them.",
+            i64::try_from(self.subscriber_backlog_bytes.load(Ordering::Relaxed))
+                .unwrap_or(i64::MAX),
         );
         let name = "aalis_upstream_errors_total";
         let _ = writeln!(

@@ -158,7 +158,7 @@ impl Proxy {
         &self.shared.config
     }
 
-    pub fn metrics(&self) -> &Metrics {
+    pub fn metrics(&self) -> &Arc<Metrics> {
         &self.shared.metrics
     }
 
