@@ -2192,6 +2192,73 @@ fn an_upstream_failure_mid_stream_is_logged_upstream_error() {
     upstream.join().expect("the upstream thread");
 }
 
+/// An upstream that answers `413` as soon as it has a large request's
+/// head (before it has read the body) is logged `ok` once the client has
+/// the whole answer. Before, hyper's server, which had written the
+/// answer's `content-length`, dropped its body without asking for its
+/// end, and the line said `cancelled`.
+#[test]
+fn an_early_answer_to_a_large_request_is_logged_ok() {
+    const ANSWER: &[u8] = b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n\
+        content-length: 19\r\nconnection: close\r\n\r\n{\"error\":\"too big\"}";
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = listener.local_addr().expect("local_addr").port();
+    let upstream = thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        let _ = conn.write_all(ANSWER);
+        thread::sleep(Duration::from_millis(300));
+    });
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let size = 8 << 20;
+    let mut request = format!(
+        "POST {CHAT_PATH} HTTP/1.1\r\nhost: x\r\nx-aalis-session: big\r\n\
+         content-type: application/json\r\ncontent-length: {size}\r\n\r\n"
+    )
+    .into_bytes();
+    request.resize(request.len() + size, b' ');
+    let mut writer = client.try_clone().expect("clone");
+    // The proxy may close before it has all of it: that write fails.
+    let sender = thread::spawn(move || {
+        let _ = writer.write_all(&request);
+    });
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.ends_with(b"{\"error\":\"too big\"}") {
+        match client.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.ends_with("{\"error\":\"too big\"}"), "{answer}");
+    let stderr = serve.wait_for_stderr("status=413");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("status=413"))
+        .unwrap_or_default();
+    assert!(line.contains("bytes_out=19"), "{line}");
+    assert!(line.contains("outcome=\"ok\""), "{line}");
+    drop(client);
+    serve.stop();
+    sender.join().expect("the client's writer");
+    upstream.join().expect("the upstream thread");
+}
+
 /// A response without a body (a 204 here; a HEAD's and a 304's alike)
 /// is logged as what it is, `ok`: hyper never polls such a body, and its
 /// drop was taken for a client that went away (`cancelled`).

@@ -593,8 +593,12 @@ fn pump(body: &mut DrivenBody) {
         return;
     };
     let (tx, rx) = mpsc::channel(PUMPED_FRAMES);
+    let left = match body.reader {
+        Reader::Length(left) => Some(left),
+        _ => None,
+    };
     let mut driven = DrivenBody {
-        reader: std::mem::replace(&mut body.reader, Reader::Pumped(rx)),
+        reader: std::mem::replace(&mut body.reader, Reader::Pumped(rx, left)),
         conn: body.conn.take(),
         sending: body.sending.take(),
         reusable: body.reusable,
@@ -940,8 +944,12 @@ fn origin_form(uri: &Uri) -> Uri {
 
 /// Where a response body's reader is.
 enum Reader {
-    /// The response, read by a task of its own ([`pump`]).
-    Pumped(mpsc::Receiver<Result<Frame<Bytes>, BoxError>>),
+    /// The response, read by a task of its own ([`pump`]), and how many
+    /// bytes of a `content-length` body are still to come through it: at
+    /// 0 the body says it is over, as hyper's server, which has written
+    /// the length, drops it without another poll (its end, unheard, was
+    /// logged as the client's going away).
+    Pumped(mpsc::Receiver<Result<Frame<Bytes>, BoxError>>, Option<u64>),
     /// This many bytes of a `content-length` body to come.
     Length(u64),
     Chunked(Chunked),
@@ -1015,7 +1023,7 @@ impl DrivenBody {
     fn take(&mut self) -> Option<Result<Frame<Bytes>, BodyError>> {
         let conn = self.conn.as_mut()?;
         match &mut self.reader {
-            Reader::Done | Reader::Pumped(_) => None,
+            Reader::Done | Reader::Pumped(..) => None,
             Reader::Length(left) => {
                 if conn.buf.is_empty() {
                     return None;
@@ -1063,8 +1071,17 @@ impl Body for DrivenBody {
         } else if this.gate.closed(cx) {
             return Poll::Pending;
         }
-        if let Reader::Pumped(frames) = &mut this.reader {
-            return frames.poll_recv(cx);
+        if let Reader::Pumped(frames, left) = &mut this.reader {
+            if *left == Some(0) {
+                return Poll::Ready(None);
+            }
+            let frame = ready!(frames.poll_recv(cx));
+            if let (Some(left), Some(Ok(frame))) = (left.as_mut(), frame.as_ref())
+                && let Some(data) = frame.data_ref()
+            {
+                *left = left.saturating_sub(data.len() as u64);
+            }
+            return Poll::Ready(frame);
         }
         loop {
             match this.take() {
@@ -1103,14 +1120,14 @@ impl Body for DrivenBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(self.reader, Reader::Done)
+        matches!(self.reader, Reader::Done | Reader::Pumped(_, Some(0)))
     }
 
     fn size_hint(&self) -> SizeHint {
         match self.reader {
-            Reader::Length(n) => SizeHint::with_exact(n),
+            Reader::Length(n) | Reader::Pumped(_, Some(n)) => SizeHint::with_exact(n),
             Reader::Done => SizeHint::with_exact(0),
-            Reader::Chunked(_) | Reader::Close | Reader::Pumped(_) => SizeHint::default(),
+            Reader::Chunked(_) | Reader::Close | Reader::Pumped(_, None) => SizeHint::default(),
         }
     }
 }
