@@ -1215,6 +1215,57 @@ async fn a_large_request_head_passes_over_http_2_as_over_http_1() {
     }
 }
 
+/// Many streams at once over one HTTP/2 connection (h2c, prior
+/// knowledge): 300 of them, more than the 200 a connection may have open
+/// (the rest wait for a slot), each of a paced parallel-calls stream that
+/// lasts longer than `--client-timeout`, all read as they come. Every
+/// one arrives whole and byte for byte as the pipeline makes it, and no
+/// session is left in progress: the watch that closes an HTTP/2
+/// connection whose open requests are all held never fires on readers
+/// that keep up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_streams_at_once_over_one_http_2_connection_arrive_whole() {
+    const STREAMS: usize = 300;
+    let name = "openai/parallel_tool_calls.sse";
+    let frames = frames_of(name);
+    let expected = annotate(&fixture(name), Framing::Sse, InjectMode::Field);
+    let upstream = FakeUpstream::start(paced_sse(frames, Duration::from_millis(100))).await;
+    let mut config = proxy_config(&upstream.url(""));
+    config.client_timeout = Duration::from_secs(1);
+    let proxy = TestProxy::start(config).await;
+    let h2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<ClientBody>();
+    let streams: Vec<_> = (0..STREAMS)
+        .map(|k| {
+            let h2 = h2.clone();
+            let req = Request::post(proxy.url("/v1/chat/completions"))
+                .header("x-aalis-session", format!("h2-{k}"))
+                .body(full("{}"))
+                .expect("request");
+            tokio::spawn(async move {
+                let response = send(&h2, req).await;
+                assert_eq!(response.status(), StatusCode::OK);
+                assert_eq!(response.version(), Version::HTTP_2);
+                read_body(&mut response.into_body(), PATIENCE).await
+            })
+        })
+        .collect();
+    for (k, stream) in streams.into_iter().enumerate() {
+        let (got, end) = stream.await.expect("the stream's task");
+        assert_eq!(end, Ok(()), "stream {k}");
+        assert!(
+            got == expected,
+            "stream {k}: {}",
+            first_difference(&got, &expected)
+        );
+    }
+    let sessions = proxy.sessions().clone();
+    for k in 0..STREAMS {
+        assert!(sessions.snapshot(&format!("h2-{k}")).is_empty(), "h2-{k}");
+    }
+}
+
 /// An upstream that answers one request (`ok`, closing) and hands over
 /// its head as it came.
 async fn head_recording_upstream() -> (SocketAddr, oneshot::Receiver<Vec<u8>>) {
