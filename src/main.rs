@@ -457,6 +457,14 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
     for path in &skipped {
         tracing::warn!("left out {}: not a capture", path.display());
     }
+    for (path, capture) in given.iter().zip(&captures) {
+        if let Some(problem) = capture.problem() {
+            tracing::warn!(
+                "{}: {problem}; served all the same, byte for byte",
+                path.display()
+            );
+        }
+    }
     for (i, capture) in captures.iter().enumerate() {
         if captures[..i].iter().any(|c| c.name == capture.name) {
             tracing::warn!(

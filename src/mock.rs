@@ -33,7 +33,10 @@ use tokio::net::TcpListener;
 use tokio::time::Sleep;
 
 use crate::capture::{self, Timing};
+use crate::encode::InjectMode;
+use crate::error::Warning;
 use crate::framing::Framing;
+use crate::pipeline::{Annotator, AnnotatorConfig};
 use crate::proxy::upstream::{BoxError, ProxyBody};
 use crate::proxy::{server, service};
 
@@ -109,6 +112,49 @@ impl Capture {
             )
         })?;
         Ok(capture)
+    }
+
+    /// What is wrong with it as a capture, if anything: no frame at all
+    /// (SSE events with data, NDJSON lines), or none that is a chunk the
+    /// pipeline understands. Read through the pipeline once, in pieces,
+    /// its output dropped.
+    pub fn problem(&self) -> Option<String> {
+        let mut annotator = Annotator::new(AnnotatorConfig {
+            framing: Some(self.framing),
+            inject: InjectMode::None,
+            ..AnnotatorConfig::default()
+        });
+        let mut out = Vec::new();
+        for piece in self.bytes.chunks(64 * 1024) {
+            annotator.push(piece, 0, &mut out);
+            out.clear();
+        }
+        annotator.finish(0, &mut out);
+        let (none, unit, units) = match self.framing {
+            Framing::Sse => ("no SSE event with data", "SSE event", "SSE events"),
+            Framing::Ndjson => ("no NDJSON line", "NDJSON line", "NDJSON lines"),
+        };
+        let frames = annotator.frames();
+        if frames == 0 {
+            return Some(format!("{none} in it"));
+        }
+        let mut unread = 0;
+        let mut first = None;
+        for warning in annotator.take_warnings() {
+            match warning {
+                Warning::Undecodable { .. }
+                | Warning::NamedEvent { .. }
+                | Warning::Oversized { .. } => unread += 1,
+                Warning::Suppressed { count } => unread += count,
+                _ => continue,
+            }
+            first.get_or_insert(warning);
+        }
+        let first = first?;
+        (unread >= frames).then(|| match frames {
+            1 => format!("its one {unit} is no chat chunk ({first})"),
+            _ => format!("none of its {frames} {units} is a chat chunk (the first: {first})"),
+        })
     }
 
     /// The captures bundled in the binary.

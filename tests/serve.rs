@@ -2123,6 +2123,63 @@ fn mock_leaves_out_what_is_not_a_capture() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `mock` says which of its files are no capture: one with no event in
+/// it (text, an empty file), and one whose events are none of them chat
+/// chunks; it serves them all the same, byte for byte, and says nothing
+/// of a real capture. Before, it served any file without a word.
+#[test]
+fn mock_says_which_files_are_no_captures() {
+    let dir = std::env::temp_dir().join(format!("aalis-mock-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let capture = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
+    let files = [
+        ("notes.txt", &b"remember the milk\n"[..]),
+        ("empty.sse", &b""[..]),
+        ("html.sse", &b"data: <html>\n\ndata: <body>\n\n"[..]),
+        ("real.sse", &capture[..]),
+    ];
+    let mut paths = Vec::new();
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).expect("written");
+        paths.push(path.to_string_lossy().into_owned());
+    }
+    let args: Vec<&str> = paths.iter().map(String::as_str).collect();
+    let mut mock = start_mock(&args, &[]);
+    let stderr = mock.wait_for_stderr("mock upstream on");
+    let warned = |name: &str| {
+        stderr
+            .lines()
+            .filter(|l| l.contains("WARN") && l.contains(name))
+            .collect::<Vec<_>>()
+    };
+    for name in ["notes.txt", "empty.sse"] {
+        let lines = warned(name);
+        assert_eq!(lines.len(), 1, "{name} in:\n{stderr}");
+        assert!(
+            lines[0].contains("no SSE event with data in it; served all the same"),
+            "{}",
+            lines[0]
+        );
+    }
+    let lines = warned("html.sse");
+    assert_eq!(lines.len(), 1, "html.sse in:\n{stderr}");
+    assert!(
+        lines[0]
+            .contains("none of its 2 SSE events is a chat chunk (the first: SSE event 1 (byte 0)"),
+        "{}",
+        lines[0]
+    );
+    assert!(warned("real.sse").is_empty(), "{stderr}");
+    // Served all the same, as it is.
+    let mut response = post(mock.port, CHAT_PATH, r#"{"model":"html"}"#, &[]);
+    assert_eq!(response.status, 200);
+    assert_eq!(response.read_to_end(), b"data: <html>\n\ndata: <body>\n\n");
+    mock.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A `RUST_LOG` that is not a filter is said, and the default level
 /// (info) is used; an empty one is taken for none. Before, the first was
 /// replaced without a word, and the second logged errors alone (no
