@@ -420,6 +420,38 @@ fn an_empty_finish_reason_does_not_stop_chunk_injection() {
     );
 }
 
+/// Gemini's OpenAI-compatible stream carries `usage` on every chunk:
+/// `--inject chunk` adds a progress chunk after each of its four tool
+/// deltas as after any other, and none after its finish chunk. (It added
+/// none at all: every chunk was taken for the usage chunk, which comes
+/// last and has no choices.)
+#[test]
+fn chunks_with_usage_beside_their_choices_get_progress_chunks() {
+    let input = std::fs::read(common::fixtures_dir().join("gemini/no_index.sse")).expect("fixture");
+    let output = annotate_ok(&["--inject", "chunk"], &input);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let events: Vec<&str> = stdout.split_terminator("\n\n").collect();
+    let added: Vec<usize> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.contains("\"choices\":[],\"toolCallProgress\""))
+        .map(|(k, _)| k)
+        .collect();
+    // Each right after the delta it counts: events 1, 3, 5 and 7.
+    assert_eq!(added, [1, 3, 5, 7], "{stdout}");
+    assert!(
+        events[7].contains("{\"index\":1,\"name\":\"get_weather\",\"charsAccumulated\":37}"),
+        "{}",
+        events[7]
+    );
+    assert!(
+        events[8].contains("\"finish_reason\":\"stop\""),
+        "{}",
+        events[8]
+    );
+    assert_eq!(events[9..], ["data: [DONE]"], "{stdout}");
+}
+
 /// A JSON object with none of a chunk's keys (another API's stream, here
 /// a native Workers AI one) is reported, with its place, and becomes an
 /// `unparsed` line; vLLM's older error object is an upstream error. (Both

@@ -12,7 +12,10 @@
 //! - `event`: after the event, one `event: toolCallProgress` event each.
 //! - `chunk`: after the event, one unnamed event each shaped like a chunk
 //!   (same `id`, `object`, `created`, `model`, verbatim), `"choices":[]`;
-//!   never after a finish or usage chunk, whose position SDKs rely on.
+//!   never after a finish or usage chunk, whose position SDKs rely on. A
+//!   usage chunk has no choices, so no progress; a chunk that carries
+//!   usage beside its choices (Gemini's, every one; vLLM's with continuous
+//!   usage) is no usage chunk, and gets its progress chunk.
 //! - `none`: nothing.
 //!
 //! Nothing is ever added inside `delta`, nor under a key named `error`, nor
@@ -104,7 +107,7 @@ pub fn write_frame(
             }
         }
         InjectMode::Chunk => {
-            if info.finishes() || info.has_usage() {
+            if info.finishes() {
                 scratch.clear();
                 return out.forward(frame.raw);
             }

@@ -51,7 +51,6 @@ pub struct FrameInfo<'a> {
 const IS_OBJECT: u8 = 1;
 const ALREADY_ANNOTATED: u8 = 1 << 1;
 const FINISHES: u8 = 1 << 2;
-const HAS_USAGE: u8 = 1 << 3;
 
 impl FrameInfo<'_> {
     /// A frame that is a JSON object; `already_annotated` when it has a
@@ -85,22 +84,10 @@ impl FrameInfo<'_> {
         self.flags & FINISHES != 0
     }
 
-    /// The frame carries non-null usage.
-    pub fn has_usage(&self) -> bool {
-        self.flags & HAS_USAGE != 0
-    }
-
     /// Notes (when `yes`) that a choice has a `finish_reason`.
     pub fn set_finishes(&mut self, yes: bool) {
         if yes {
             self.flags |= FINISHES;
-        }
-    }
-
-    /// Notes (when `yes`) that the frame carries non-null usage.
-    pub fn set_has_usage(&mut self, yes: bool) {
-        if yes {
-            self.flags |= HAS_USAGE;
         }
     }
 }

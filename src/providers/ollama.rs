@@ -123,7 +123,6 @@ pub(super) fn decode_serde<'a>(
         }
     }
     if done {
-        info.set_has_usage(true);
         emit(Chunk::Finish {
             choice: 0,
             kind: finish.unwrap_or(FinishKind::Whole),
@@ -347,7 +346,6 @@ impl LineSpans {
         let mut info = FrameInfo::object(self.annotated);
         let finish = raw(self.done_reason).and_then(FinishKind::of);
         info.set_finishes(self.done || finish.is_some());
-        info.set_has_usage(self.done);
         if let Some(error) = raw(self.error) {
             emit(Chunk::Error {
                 raw: error,

@@ -249,7 +249,6 @@ pub(super) fn decode_serde<'a>(
         .or_else(|| view.x_groq.and_then(|x| x.usage))
         .map(|u| u.usage());
     if let Some(usage) = usage {
-        info.set_has_usage(true);
         emit(Chunk::Usage(usage));
     }
     Ok(info)
@@ -1024,7 +1023,6 @@ impl Spans {
             }
         }
         if let Some(usage) = top.usage.or(top.groq_usage) {
-            info.set_has_usage(true);
             emit(Chunk::Usage(Usage::new(
                 raw_u64(raw(usage.prompt)),
                 raw_u64(raw(usage.completion)),
