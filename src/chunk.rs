@@ -29,6 +29,10 @@ pub enum Chunk<'a> {
     Error { raw: &'a str, message: String },
     /// The provider said the stream is over (`[DONE]`, Ollama `done: true`).
     Done,
+    /// A field of the frame did not have the shape expected (`usage` a
+    /// string, `reasoning_content` a number): it was passed over, and the
+    /// rest of the frame read. `field` names it; `raw` is its JSON value.
+    Ignored { field: &'static str, raw: &'a str },
 }
 
 /// How a choice ended, by its `finish_reason` (Ollama: `done_reason`).

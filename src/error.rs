@@ -37,6 +37,16 @@ pub enum Warning {
         /// The output is a line format (an `unparsed` line).
         lines: bool,
     },
+    #[error(
+        "{at}: `{field}` is not of the shape expected; passed over, the rest of the frame read \
+         (the stream's later such fields likewise, without a warning): {excerpt}"
+    )]
+    Ignored {
+        at: Location,
+        field: &'static str,
+        /// The start of the field's value, sanitized for a terminal.
+        excerpt: String,
+    },
     #[error("{at}: upstream error: {message}")]
     Upstream { at: Location, message: String },
     #[error(

@@ -176,9 +176,11 @@ impl EventLog {
             let reason = match chunk {
                 Chunk::Text { .. } | Chunk::Reasoning { .. } => ClearReason::Text,
                 Chunk::Error { .. } => ClearReason::Error,
-                Chunk::Done | Chunk::ToolCallDelta(_) | Chunk::Finish { .. } | Chunk::Usage(_) => {
-                    ClearReason::Done
-                }
+                Chunk::Done
+                | Chunk::ToolCallDelta(_)
+                | Chunk::Finish { .. }
+                | Chunk::Usage(_)
+                | Chunk::Ignored { .. } => ClearReason::Done,
             };
             self.events.push(StreamEvent::Cleared(reason));
         }
@@ -211,7 +213,8 @@ impl EventLog {
                 Chunk::ToolCallDelta(_)
                 | Chunk::Finish { .. }
                 | Chunk::Usage(_)
-                | Chunk::Error { .. },
+                | Chunk::Error { .. }
+                | Chunk::Ignored { .. },
                 Applied::Cleared | Applied::Unchanged,
             ) => {}
         }
@@ -347,6 +350,9 @@ struct StreamState {
     named_warned: bool,
     /// A call refused past the tracker's limits was reported.
     refused_warned: bool,
+    /// The fields passed over for their shape that were reported (once
+    /// each a stream: [`Chunk::Ignored`]).
+    ignored_warned: Vec<&'static str>,
     /// The `done` line(s) were written.
     done_written: bool,
     /// Frames (SSE events with data, NDJSON lines) handled so far.
@@ -434,6 +440,7 @@ impl Annotator {
                 ended_warned: false,
                 named_warned: false,
                 refused_warned: false,
+                ignored_warned: Vec::new(),
                 done_written: false,
                 frames: 0,
                 probed_frames: 0,
@@ -1080,6 +1087,8 @@ impl StreamState {
         let batch = &mut self.batch;
         let lines = &mut self.lines;
         let mut events = self.collect_events.then_some(&mut self.events);
+        let ignored_warned = &mut self.ignored_warned;
+        let mut ignored = Vec::new();
         let mut each = |chunk: Chunk<'d>| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {
@@ -1095,6 +1104,12 @@ impl StreamState {
                     upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));
                 }
                 Chunk::Done => done = true,
+                Chunk::Ignored { field, raw } => {
+                    if !ignored_warned.contains(field) {
+                        ignored_warned.push(field);
+                        ignored.push((*field, excerpt(raw.as_bytes(), EXCERPT_CHARS)));
+                    }
+                }
                 Chunk::Text { .. }
                 | Chunk::Reasoning { .. }
                 | Chunk::ToolCallDelta(_)
@@ -1123,6 +1138,9 @@ impl StreamState {
         }?;
         if let Some(message) = upstream_error {
             self.warnings.push(Warning::Upstream { at, message });
+        }
+        for (field, excerpt) in ignored {
+            self.warnings.push(Warning::Ignored { at, field, excerpt });
         }
         if self.tracker.refused_calls() > 0 && !std::mem::replace(&mut self.refused_warned, true) {
             self.warnings.push(Warning::TooManyCalls {

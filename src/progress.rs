@@ -338,6 +338,7 @@ impl ToolCallTracker {
                 self.clear()
             }
             Chunk::Done => self.end(),
+            Chunk::Ignored { .. } => Applied::Unchanged,
         }
     }
 

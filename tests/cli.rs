@@ -452,6 +452,42 @@ fn chunks_with_usage_beside_their_choices_get_progress_chunks() {
     assert_eq!(events[9..], ["data: [DONE]"], "{stdout}");
 }
 
+/// A chunk whose `reasoning` (or `usage`, or another field progress does
+/// not need) has an unexpected shape keeps its tool delta: the call's
+/// first delta, name and all, counts, and the field is reported once for
+/// the stream, with its place. Before, the whole chunk was undecodable,
+/// and the call went on without a name.
+#[test]
+fn an_odd_field_costs_its_chunk_nothing_else() {
+    let input = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning\":{\"text\":\"x\"},",
+        "\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"f\",\"arguments\":\"ab\"}}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning\":{\"text\":\"y\"},",
+        "\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"cd\"}}]}}]}\n\n",
+        "data: [DONE]\n\n",
+    );
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        concat!(
+            "{\"toolCallProgress\":{\"index\":0,\"name\":\"f\",\"charsAccumulated\":2}}\n",
+            "{\"toolCallProgress\":{\"index\":0,\"name\":\"f\",\"charsAccumulated\":4}}\n",
+            "{\"done\":true,\"toolCalls\":[{\"id\":\"c\",\"type\":\"function\",",
+            "\"function\":{\"name\":\"f\",\"arguments\":\"abcd\"}}]}\n",
+        )
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        stderr.lines().collect::<Vec<_>>(),
+        [
+            "aalis-proxy: warning: SSE event 1 (byte 0): `delta.reasoning` is not of the shape \
+             expected; passed over, the rest of the frame read (the stream's later such fields \
+             likewise, without a warning): {\"text\":\"x\"}"
+        ],
+        "{stderr}"
+    );
+}
+
 /// A JSON object with none of a chunk's keys (another API's stream, here
 /// a native Workers AI one) is reported, with its place, and becomes an
 /// `unparsed` line; vLLM's older error object is an upstream error. (Both

@@ -589,6 +589,14 @@ fn check_decoded(provider: Provider, data: &[u8], decoded: &Decoded<'_>) {
                     assert!(!text.is_empty(), "ids and names are never empty");
                 }
             }
+            Chunk::Ignored { raw, .. } => {
+                // A field passed over for its shape is still a JSON value.
+                let value: Result<Value, _> = serde_json::from_str(raw);
+                assert!(
+                    value.is_ok() || matches!(&value, Err(e) if javascript_accepts(e)),
+                    "an ignored field is no JSON value: {raw:?}"
+                );
+            }
             Chunk::Finish { .. } | Chunk::Usage(_) | Chunk::Error { .. } => {}
         }
     }

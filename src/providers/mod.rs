@@ -256,6 +256,43 @@ impl<'de: 'a, 'a> Deserialize<'de> for JsonStr<'a> {
     }
 }
 
+/// A field read when it has the shape expected, and otherwise passed over
+/// as its raw JSON: one odd field (`usage` a string, `reasoning_content`
+/// a number) costs its frame nothing else. The decoder emits a
+/// [`Chunk::Ignored`] for it, which the pipeline reports.
+pub(crate) enum Lenient<'a, T> {
+    Fit(T),
+    Odd(&'a str),
+}
+
+impl<'de: 'a, 'a, T: Deserialize<'de>> Deserialize<'de> for Lenient<'a, T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw: &'de RawValue = Deserialize::deserialize(d)?;
+        Ok(match serde_json::from_str(raw.get()) {
+            Ok(value) => Lenient::Fit(value),
+            Err(_) => Lenient::Odd(raw.get()),
+        })
+    }
+}
+
+impl<'a, T> Lenient<'a, T> {
+    /// The value of `field`, if it came and fits; one that does not is
+    /// emitted as ignored.
+    pub fn fit(
+        field: Option<Self>,
+        name: &'static str,
+        emit: &mut dyn FnMut(Chunk<'a>),
+    ) -> Option<T> {
+        match field? {
+            Lenient::Fit(value) => Some(value),
+            Lenient::Odd(raw) => {
+                emit(Chunk::Ignored { field: name, raw });
+                None
+            }
+        }
+    }
+}
+
 impl<'a> JsonStr<'a> {
     /// The string, if not empty (SPEC.md: `""` is no value).
     pub fn non_empty(this: Option<JsonStr<'a>>) -> Option<Cow<'a, str>> {

@@ -20,8 +20,8 @@ use super::scan::{
     Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, has_text, json_text, text,
 };
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, decode_string,
-    expect_object, is_set, raw_i64, raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, Lenient, ProbedText,
+    decode_string, expect_object, is_set, raw_i64, raw_u64,
 };
 use crate::chunk::{
     ArgumentsDelta, Chunk, ChunkText, FinishKind, JsonLiteral, ToolCallDelta, Usage,
@@ -32,9 +32,9 @@ struct ChunkView<'a> {
     #[serde(borrow, default)]
     choices: Option<Vec<ChoiceView<'a>>>,
     #[serde(borrow, default)]
-    usage: Option<UsageView<'a>>,
+    usage: Option<Lenient<'a, UsageView<'a>>>,
     #[serde(borrow, default)]
-    x_groq: Option<XGroqView<'a>>,
+    x_groq: Option<Lenient<'a, XGroqView<'a>>>,
     #[serde(borrow, default)]
     error: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -64,9 +64,9 @@ struct DeltaView<'a> {
     #[serde(borrow, default)]
     content: Option<ContentView<'a>>,
     #[serde(borrow, default)]
-    reasoning_content: Option<JsonStr<'a>>,
+    reasoning_content: Option<Lenient<'a, JsonStr<'a>>>,
     #[serde(borrow, default)]
-    reasoning: Option<JsonStr<'a>>,
+    reasoning: Option<Lenient<'a, JsonStr<'a>>>,
     #[serde(borrow, default)]
     tool_calls: Option<Vec<ToolCallView<'a>>>,
 }
@@ -76,7 +76,7 @@ struct ToolCallView<'a> {
     #[serde(borrow, default)]
     index: Option<&'a RawValue>,
     #[serde(borrow, default)]
-    id: Option<JsonStr<'a>>,
+    id: Option<Lenient<'a, JsonStr<'a>>>,
     #[serde(borrow, default)]
     function: Option<FunctionView<'a>>,
     #[serde(borrow, default)]
@@ -88,7 +88,7 @@ struct ToolCallView<'a> {
 #[derive(Deserialize)]
 struct CustomView<'a> {
     #[serde(borrow, default)]
-    name: Option<JsonStr<'a>>,
+    name: Option<Lenient<'a, JsonStr<'a>>>,
     #[serde(borrow, default)]
     input: Option<ArgumentsView<'a>>,
 }
@@ -96,7 +96,7 @@ struct CustomView<'a> {
 #[derive(Deserialize)]
 struct FunctionView<'a> {
     #[serde(borrow, default)]
-    name: Option<JsonStr<'a>>,
+    name: Option<Lenient<'a, JsonStr<'a>>>,
     #[serde(borrow, default)]
     arguments: Option<ArgumentsView<'a>>,
 }
@@ -127,10 +127,11 @@ type ContentView<'a> = Content<'a, PartView<'a>>;
 /// `Content`, which parses its array anew).
 type ThinkingView<'a> = Content<'a, TextPartView<'a>>;
 
-/// A string, an array of parts `P`, or anything else (no text).
+/// A string, an array of parts `P` (each passed over when it is not of
+/// `P`'s shape), or anything else (no text).
 enum Content<'a, P> {
     Text(JsonStr<'a>),
-    Parts(Vec<P>),
+    Parts(Vec<Lenient<'a, P>>),
     Other,
 }
 
@@ -208,7 +209,7 @@ pub(super) fn decode_serde<'a>(
     // The whole frame is parsed here; from now on nothing can fail, so a
     // bad frame emits no chunk at all.
     let view: ChunkView<'a> = serde_json::from_str(data)?;
-    let groq_usage = view.x_groq.as_ref().is_some_and(|x| x.usage.is_some());
+    let groq_usage = matches!(&view.x_groq, Some(Lenient::Fit(x)) if x.usage.is_some());
     if view.choices.is_none() && view.usage.is_none() && !groq_usage && !is_set(view.error) {
         // vLLM's older errors: `{"object":"error","message":…}`.
         if view.object.map(RawValue::get) == Some("\"error\"") {
@@ -244,9 +245,10 @@ pub(super) fn decode_serde<'a>(
             emit(Chunk::Finish { choice: k, kind });
         }
     }
-    let usage = view
-        .usage
-        .or_else(|| view.x_groq.and_then(|x| x.usage))
+    let usage = Lenient::fit(view.usage, "usage", emit);
+    let groq = Lenient::fit(view.x_groq, "x_groq", emit);
+    let usage = usage
+        .or_else(|| groq.and_then(|x| x.usage))
         .map(|u| u.usage());
     if let Some(usage) = usage {
         emit(Chunk::Usage(usage));
@@ -256,8 +258,9 @@ pub(super) fn decode_serde<'a>(
 
 fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chunk<'a>)) {
     // Some servers (newer vLLM) send the same text as both fields.
-    let reasoning =
-        JsonStr::non_empty(delta.reasoning_content).or_else(|| JsonStr::non_empty(delta.reasoning));
+    let reasoning_content = Lenient::fit(delta.reasoning_content, "delta.reasoning_content", emit);
+    let reasoning = Lenient::fit(delta.reasoning, "delta.reasoning", emit);
+    let reasoning = JsonStr::non_empty(reasoning_content).or_else(|| JsonStr::non_empty(reasoning));
     if let Some(text) = reasoning {
         emit(Chunk::Reasoning {
             choice,
@@ -270,21 +273,22 @@ fn decode_delta<'a>(choice: i64, delta: DeltaView<'a>, emit: &mut dyn FnMut(Chun
     for call in delta.tool_calls.into_iter().flatten() {
         let (name, arguments, custom) = match (call.function, call.custom) {
             (Some(f), _) => (
-                JsonStr::non_empty(f.name),
+                JsonStr::non_empty(Lenient::fit(f.name, "function.name", emit)),
                 f.arguments.map_or(ArgumentsDelta::Unchanged, |a| a.0),
                 false,
             ),
             (None, Some(c)) => (
-                JsonStr::non_empty(c.name),
+                JsonStr::non_empty(Lenient::fit(c.name, "custom.name", emit)),
                 c.input.map_or(ArgumentsDelta::Unchanged, |a| a.0),
                 true,
             ),
             (None, None) => (None, ArgumentsDelta::Unchanged, false),
         };
+        let id = JsonStr::non_empty(Lenient::fit(call.id, "tool_calls[].id", emit));
         emit(Chunk::ToolCallDelta(ToolCallDelta {
             choice,
             index: raw_i64(call.index.map(RawValue::get)),
-            id: JsonStr::non_empty(call.id),
+            id,
             name,
             arguments,
             custom,
@@ -307,6 +311,9 @@ fn decode_content<'a>(choice: i64, content: ContentView<'a>, emit: &mut dyn FnMu
         }
         Content::Parts(parts) => {
             for part in parts {
+                let Some(part) = Lenient::fit(Some(part), "delta.content", emit) else {
+                    continue;
+                };
                 match part.kind.as_ref().map(|k| k.0.as_ref()) {
                     Some("thinking") => {
                         if let Some(thinking) = part.thinking {
@@ -342,11 +349,14 @@ fn decode_thinking<'a>(choice: i64, thinking: ThinkingView<'a>, emit: &mut dyn F
             }
         }
         Content::Parts(parts) => {
-            for text in parts.into_iter().filter_map(|p| JsonStr::non_empty(p.text)) {
-                emit(Chunk::Reasoning {
-                    choice,
-                    text: text.into(),
-                });
+            for part in parts {
+                let part = Lenient::fit(Some(part), "delta.content", emit);
+                if let Some(text) = part.and_then(|p| JsonStr::non_empty(p.text)) {
+                    emit(Chunk::Reasoning {
+                        choice,
+                        text: text.into(),
+                    });
+                }
             }
         }
         Content::Other => {}
@@ -1261,6 +1271,66 @@ mod tests {
         })
     }
 
+    /// A field of an unexpected shape beside a tool delta is passed over
+    /// and named (`Chunk::Ignored`); the delta is read all the same. Before,
+    /// the whole frame was undecodable and its delta lost (a first delta
+    /// lost left the call without a name).
+    #[test]
+    fn an_odd_field_is_passed_over_and_the_rest_read() {
+        let call =
+            r#""tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":"ab"}}]"#;
+        for (delta_extra, top_extra, field, raw) in [
+            (
+                r#""reasoning":{"text":"x"},"#,
+                "",
+                "delta.reasoning",
+                r#"{"text":"x"}"#,
+            ),
+            (
+                r#""reasoning_content":5,"#,
+                "",
+                "delta.reasoning_content",
+                "5",
+            ),
+            (r#""content":["raw"],"#, "", "delta.content", r#""raw""#),
+            ("", r#","usage":"n/a""#, "usage", r#""n/a""#),
+            ("", r#","x_groq":"q""#, "x_groq", r#""q""#),
+        ] {
+            let data = format!(
+                r#"{{"choices":[{{"index":0,"delta":{{{delta_extra}{call}}}}}]{top_extra}}}"#
+            );
+            let got = chunks(&data);
+            let expected_delta = delta(
+                Some(0),
+                Some("a"),
+                Some("f"),
+                ArgumentsDelta::Append("ab".into()),
+            );
+            assert!(got.contains(&expected_delta), "{data}: {got:?}");
+            assert!(
+                got.contains(&Chunk::Ignored { field, raw }),
+                "{data}: {got:?}"
+            );
+            assert_eq!(got.len(), 2, "{data}: {got:?}");
+        }
+        // The call's own fields: the delta goes on without them.
+        let data = r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":7,"function":{"name":5,"arguments":"ab"}}]}}]}"#;
+        assert_eq!(
+            chunks(data),
+            vec![
+                Chunk::Ignored {
+                    field: "function.name",
+                    raw: "5"
+                },
+                Chunk::Ignored {
+                    field: "tool_calls[].id",
+                    raw: "7"
+                },
+                delta(Some(0), None, None, ArgumentsDelta::Append("ab".into())),
+            ]
+        );
+    }
+
     #[test]
     fn tool_call_entries_come_out_in_list_order() {
         let data = r#"{"choices":[{"index":0,"delta":{"content":"","tool_calls":[
@@ -1407,7 +1477,7 @@ mod tests {
     /// aborted the process (`annotate`, and all of `serve`) when each
     /// level's `thinking` was parsed as content again, each with serde's
     /// depth limit anew. Only the outer level is read: no text here (the
-    /// parts of arrays are no objects: an unexpected shape, passed on).
+    /// part that is an array is no object: passed over, and said so).
     #[test]
     fn deeply_nested_thinking_parts_cost_no_stack() {
         let depth = 100_000;
@@ -1421,8 +1491,17 @@ mod tests {
             let decoded = decode(&data, &mut DecoderState::default(), &mut |c| {
                 out.push(format!("{c:?}"))
             });
-            assert_eq!(decoded.is_ok(), open.starts_with("[{"), "{open}");
-            assert!(out.is_empty(), "{open}: {out:?}");
+            assert!(decoded.is_ok(), "{open}");
+            if open.starts_with("[{") {
+                assert!(out.is_empty(), "{open}: {out:?}");
+            } else {
+                assert_eq!(out.len(), 1, "{open}: {out:?}");
+                assert!(
+                    out[0].starts_with(r#"Ignored { field: "delta.content", raw: "[0,0,[[0,0,"#),
+                    "{}",
+                    &out[0][..80]
+                );
+            }
         }
     }
 
