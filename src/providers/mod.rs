@@ -470,10 +470,23 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
         if crate::js::stringifies_to_itself(json) {
             return Ok(ArgumentsView(ArgumentsDelta::Replace(json.to_owned())));
         }
-        let value: serde_json::Value = serde_json::from_str(json).map_err(de::Error::custom)?;
+        let value: serde_json::Value =
+            serde_json::from_str(json).map_err(|err| de::Error::custom(without_position(&err)))?;
         Ok(ArgumentsView(ArgumentsDelta::Replace(
             crate::js::stringify_to_string(&value),
         )))
+    }
+}
+
+/// The message of an error from parsing a value inside a frame anew,
+/// without its place, which counts from the value's start: the frame's
+/// parse adds the place in the frame.
+fn without_position(err: &serde_json::Error) -> String {
+    let message = err.to_string();
+    let place = format!(" at line {} column {}", err.line(), err.column());
+    match message.strip_suffix(&place) {
+        Some(message) => message.to_owned(),
+        None => message,
     }
 }
 

@@ -1331,6 +1331,22 @@ mod tests {
         );
     }
 
+    /// An error inside arguments given as an object (a number past
+    /// `f64`, which serde_json refuses) is placed in the frame, just after
+    /// the object; it was placed in the object (column 10 here).
+    #[test]
+    fn an_error_inside_object_arguments_is_placed_in_the_frame() {
+        let data = r#"{"id":"x","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":{"a":1e400}}}]}}]}"#;
+        let object = r#"{"a":1e400}"#;
+        // 1-based, the column after the object's last character.
+        let end = data.find(object).expect("in the frame") + object.len() + 1;
+        let err = decode(data, &mut DecoderState::default(), &mut |_| {}).expect_err("1e400");
+        assert_eq!(
+            err.to_string(),
+            format!("unexpected JSON shape: number out of range at line 1 column {end}")
+        );
+    }
+
     #[test]
     fn tool_call_entries_come_out_in_list_order() {
         let data = r#"{"choices":[{"index":0,"delta":{"content":"","tool_calls":[
