@@ -127,11 +127,12 @@ pub(super) fn decode_serde<'a>(
             choice: 0,
             kind: finish.unwrap_or(FinishKind::Whole),
         });
-        emit(Chunk::Usage(Usage::new(
-            raw_u64(view.prompt_eval_count.map(RawValue::get)),
-            raw_u64(view.eval_count.map(RawValue::get)),
-            None,
-        )));
+        let prompt = raw_u64(view.prompt_eval_count.map(RawValue::get));
+        let completion = raw_u64(view.eval_count.map(RawValue::get));
+        // A done line without either count has no usage to tell.
+        if prompt.is_some() || completion.is_some() {
+            emit(Chunk::Usage(Usage::new(prompt, completion, None)));
+        }
         emit(Chunk::Done);
     }
     Ok(info)
@@ -363,11 +364,11 @@ impl LineSpans {
                 choice: 0,
                 kind: finish.unwrap_or(FinishKind::Whole),
             });
-            emit(Chunk::Usage(Usage::new(
-                raw_u64(raw(self.prompt_eval_count)),
-                raw_u64(raw(self.eval_count)),
-                None,
-            )));
+            let prompt = raw_u64(raw(self.prompt_eval_count));
+            let completion = raw_u64(raw(self.eval_count));
+            if prompt.is_some() || completion.is_some() {
+                emit(Chunk::Usage(Usage::new(prompt, completion, None)));
+            }
             emit(Chunk::Done);
         }
         info
@@ -422,6 +423,42 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!((index(&first), index(&second)), (Some(0), Some(1)));
+    }
+
+    /// A done line without `prompt_eval_count` and `eval_count` (an
+    /// Ollama-compatible server that counts nothing) has no usage; it had
+    /// one of zeros. With one of them, the other counts 0 (Ollama leaves
+    /// `prompt_eval_count` out when the whole prompt was cached).
+    #[test]
+    fn a_done_line_without_counts_has_no_usage() {
+        let mut state = DecoderState::default();
+        let line = r#"{"message":{"role":"assistant","content":""},"done":true}"#;
+        assert_eq!(
+            chunks(line, &mut state),
+            vec![
+                Chunk::Finish {
+                    choice: 0,
+                    kind: FinishKind::Whole
+                },
+                Chunk::Done,
+            ]
+        );
+        let line = r#"{"message":{"role":"assistant","content":""},"done":true,"eval_count":5}"#;
+        assert_eq!(
+            chunks(line, &mut state),
+            vec![
+                Chunk::Finish {
+                    choice: 0,
+                    kind: FinishKind::Whole
+                },
+                Chunk::Usage(Usage {
+                    prompt_tokens: 0,
+                    completion_tokens: 5,
+                    total_tokens: 5
+                }),
+                Chunk::Done,
+            ]
+        );
     }
 
     #[test]
