@@ -1088,7 +1088,7 @@ impl StreamState {
         let lines = &mut self.lines;
         let mut events = self.collect_events.then_some(&mut self.events);
         let ignored_warned = &mut self.ignored_warned;
-        let mut ignored = Vec::new();
+        let warnings = &mut self.warnings;
         let mut each = |chunk: Chunk<'d>| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {
@@ -1105,10 +1105,7 @@ impl StreamState {
                 }
                 Chunk::Done => done = true,
                 Chunk::Ignored { field, raw } => {
-                    if !ignored_warned.contains(field) {
-                        ignored_warned.push(field);
-                        ignored.push((*field, excerpt(raw.as_bytes(), EXCERPT_CHARS)));
-                    }
+                    warn_ignored(ignored_warned, warnings, at, field, raw)
                 }
                 Chunk::Text { .. }
                 | Chunk::Reasoning { .. }
@@ -1139,9 +1136,6 @@ impl StreamState {
         if let Some(message) = upstream_error {
             self.warnings.push(Warning::Upstream { at, message });
         }
-        for (field, excerpt) in ignored {
-            self.warnings.push(Warning::Ignored { at, field, excerpt });
-        }
         if self.tracker.refused_calls() > 0 && !std::mem::replace(&mut self.refused_warned, true) {
             self.warnings.push(Warning::TooManyCalls {
                 at,
@@ -1170,6 +1164,28 @@ impl StreamState {
                 self.lines.done(out, &self.tracker, stopped_early);
             }
         }
+    }
+}
+
+/// Reports a field passed over for its shape ([`Chunk::Ignored`]), once
+/// a stream for each field. Out of line: the decoder's loop over a
+/// frame's chunks stays as small as it was without it.
+#[cold]
+#[inline(never)]
+fn warn_ignored(
+    warned: &mut Vec<&'static str>,
+    warnings: &mut Vec<Warning>,
+    at: Location,
+    field: &'static str,
+    raw: &str,
+) {
+    if !warned.contains(&field) {
+        warned.push(field);
+        warnings.push(Warning::Ignored {
+            at,
+            field,
+            excerpt: excerpt(raw.as_bytes(), EXCERPT_CHARS),
+        });
     }
 }
 
