@@ -94,6 +94,64 @@ pub fn stringify_to_string(value: &Value) -> String {
     out
 }
 
+/// `JSON.parse(json)` for `json` that is valid JSON (the caller's parser
+/// checked it): serde_json's parse, but for a number past `f64` (`1e400`),
+/// which serde_json refuses and JavaScript reads as `Infinity`, which
+/// `JSON.stringify` writes `null`: such a number is read as `null`.
+pub fn parse(json: &str) -> Result<Value, serde_json::Error> {
+    match serde_json::from_str(json) {
+        Err(err) if err.to_string().starts_with("number out of range") => {
+            serde_json::from_str(&infinite_numbers_as_null(json))
+        }
+        parsed => parsed,
+    }
+}
+
+/// `json` with every number outside strings that is infinite as an `f64`
+/// written `null`.
+fn infinite_numbers_as_null(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    let mut in_string = false;
+    let mut escaped = false;
+    let mut number_start = None;
+    for (at, c) in json.char_indices() {
+        if let Some(start) = number_start {
+            if matches!(c, '0'..='9' | '-' | '+' | '.' | 'e' | 'E') {
+                continue;
+            }
+            push_number_or_null(&json[start..at], &mut out);
+            number_start = None;
+        }
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+        } else if c == '"' {
+            in_string = true;
+        } else if matches!(c, '0'..='9' | '-') {
+            number_start = Some(at);
+            continue;
+        }
+        out.push(c);
+    }
+    if let Some(start) = number_start {
+        push_number_or_null(&json[start..], &mut out);
+    }
+    out
+}
+
+/// `number` as it is, or `null` when it is infinite as an `f64`.
+fn push_number_or_null(number: &str, out: &mut String) {
+    if number.parse::<f64>().is_ok_and(f64::is_infinite) {
+        out.push_str("null");
+    } else {
+        out.push_str(number);
+    }
+}
+
 /// Whether `JSON.stringify(JSON.parse(json))` is `json` itself, for `json`
 /// that is valid JSON (the caller's parser checked it): then its length is
 /// the stringified length, with nothing parsed or printed.
@@ -366,6 +424,23 @@ fn push_f64(x: f64, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A number past `f64` reads as JavaScript's `Infinity`, which
+    /// `JSON.stringify` writes `null`; the same text in a string, and a
+    /// number that underflows, are as they were (node:
+    /// `{"a":null,"b":[null,2500],"c":"1e400","d":0}`, 44 units). Before,
+    /// serde_json refused the value and its frame was undecodable.
+    #[test]
+    fn a_number_past_f64_parses_as_javascript_does() {
+        let json = r#"{"a":1e400,"b":[-1E999,2.5e3],"c":"1e400","d":1e-400,"e\\\"":1}"#;
+        let value = parse(json).expect("parses");
+        assert_eq!(
+            stringify_to_string(&value),
+            r#"{"a":null,"b":[null,2500],"c":"1e400","d":0,"e\\\"":1}"#
+        );
+        assert_eq!(parse("1e400").expect("a number").to_string(), "null");
+        assert!(parse("[1e400").is_err());
+    }
 
     fn js(json: &str) -> String {
         let value: Value = serde_json::from_str(json).expect("test JSON");

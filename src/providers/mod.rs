@@ -470,8 +470,8 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
         if crate::js::stringifies_to_itself(json) {
             return Ok(ArgumentsView(ArgumentsDelta::Replace(json.to_owned())));
         }
-        let value: serde_json::Value =
-            serde_json::from_str(json).map_err(|err| de::Error::custom(without_position(&err)))?;
+        let value =
+            crate::js::parse(json).map_err(|err| de::Error::custom(without_position(&err)))?;
         Ok(ArgumentsView(ArgumentsDelta::Replace(
             crate::js::stringify_to_string(&value),
         )))
