@@ -1331,19 +1331,21 @@ mod tests {
         );
     }
 
-    /// An error inside arguments given as an object (a number past
-    /// `f64`, which serde_json refuses) is placed in the frame, just after
-    /// the object; it was placed in the object (column 10 here).
+    /// An error inside arguments given as an object (a lone surrogate
+    /// escape, which serde_json's strings cannot hold) is placed in the
+    /// frame, just after the object; it was placed in the object (column
+    /// 13 here).
     #[test]
     fn an_error_inside_object_arguments_is_placed_in_the_frame() {
-        let data = r#"{"id":"x","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":{"a":1e400}}}]}}]}"#;
-        let object = r#"{"a":1e400}"#;
+        let data = r#"{"id":"x","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":{"a":"\ud800z"}}}]}}]}"#;
+        let object = r#"{"a":"\ud800z"}"#;
         // 1-based, the column after the object's last character.
         let end = data.find(object).expect("in the frame") + object.len() + 1;
-        let err = decode(data, &mut DecoderState::default(), &mut |_| {}).expect_err("1e400");
+        let err =
+            decode(data, &mut DecoderState::default(), &mut |_| {}).expect_err("a lone surrogate");
         assert_eq!(
             err.to_string(),
-            format!("unexpected JSON shape: number out of range at line 1 column {end}")
+            format!("unexpected JSON shape: unexpected end of hex escape at line 1 column {end}")
         );
     }
 
