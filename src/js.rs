@@ -143,6 +143,85 @@ fn infinite_numbers_as_null(json: &str) -> String {
     out
 }
 
+/// `JSON.stringify(JSON.parse(json))` for `json` that is valid JSON (the
+/// caller's parser checked it), lone surrogate escapes included: serde_json
+/// refuses them (its strings are UTF-8), JavaScript keeps them, and
+/// `JSON.stringify` writes each as an escape again (`\ud800`, six units).
+/// Such an escape is read as [`LONE`] and its four hex digits, and
+/// written back as the escape, unless `json` holds [`LONE`] itself (then
+/// serde_json's refusal stands).
+pub fn restringify(json: &str) -> Result<String, serde_json::Error> {
+    match parse(json) {
+        Ok(value) => Ok(stringify_to_string(&value)),
+        Err(err) if refused_surrogate(&err) && !json.contains(LONE) => {
+            let value = parse(&lone_surrogates_marked(json))?;
+            Ok(stringify_to_string(&value).replace(LONE, "\\u"))
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// A noncharacter, which stands for a lone surrogate escape's `\u` while
+/// serde_json holds the value.
+const LONE: char = '\u{FDD0}';
+
+/// serde_json refused a lone surrogate escape.
+fn refused_surrogate(err: &serde_json::Error) -> bool {
+    let message = err.to_string();
+    message.contains("surrogate") || message.starts_with("unexpected end of hex escape")
+}
+
+/// `json` with each lone surrogate escape inside its strings written as
+/// [`LONE`] and its four hex digits in lower case (as `JSON.stringify`
+/// writes them); pairs and every other byte as they were.
+fn lone_surrogates_marked(json: &str) -> String {
+    let unit = |at: usize| -> Option<u16> {
+        let hex = json.get(at..at + 6)?.strip_prefix("\\u")?;
+        u16::from_str_radix(hex, 16).ok()
+    };
+    let mut out = String::with_capacity(json.len());
+    let mut in_string = false;
+    let mut at = 0;
+    while let Some(c) = json[at..].chars().next() {
+        if !in_string {
+            in_string = c == '"';
+            out.push(c);
+            at += c.len_utf8();
+            continue;
+        }
+        match c {
+            '"' => in_string = false,
+            '\\' => {
+                let high = unit(at).filter(|u| (0xD800..0xDC00).contains(u));
+                let low_after = unit(at + 6).filter(|u| (0xDC00..0xE000).contains(u));
+                match (unit(at), high, low_after) {
+                    // A pair: both escapes as they were.
+                    (_, Some(_), Some(_)) => {
+                        out.push_str(&json[at..at + 12]);
+                        at += 12;
+                    }
+                    (Some(u), _, _) if (0xD800..0xE000).contains(&u) => {
+                        out.push(LONE);
+                        out.push_str(&format!("{u:04x}"));
+                        at += 6;
+                    }
+                    // Any other escape: its two characters (a `\u` escape's
+                    // four digits follow as plain characters).
+                    _ => {
+                        out.push_str(&json[at..at + 2]);
+                        at += 2;
+                    }
+                }
+                continue;
+            }
+            _ => {}
+        }
+        out.push(c);
+        at += c.len_utf8();
+    }
+    out
+}
+
 /// `number` as it is, or `null` when it is infinite as an `f64`.
 fn push_number_or_null(number: &str, out: &mut String) {
     if number.parse::<f64>().is_ok_and(f64::is_infinite) {
@@ -440,6 +519,25 @@ mod tests {
         );
         assert_eq!(parse("1e400").expect("a number").to_string(), "null");
         assert!(parse("[1e400").is_err());
+    }
+
+    /// Lone surrogate escapes, in values and keys, come back as escapes
+    /// (in lower case), a pair as its character, as node prints them:
+    /// `{"a":"x\ud800y","\udc00k":["😀","\udbff"]}`, 42 units. Before,
+    /// serde_json refused the value and its frame was undecodable.
+    #[test]
+    fn lone_surrogates_restringify_as_javascript_does() {
+        let json = r#"{"a":"x\ud800y","\udc00k":["\ud83d\ude00","\uDBFF"]}"#;
+        let out = restringify(json).expect("restringified");
+        assert_eq!(out, r#"{"a":"x\ud800y","\udc00k":["😀","\udbff"]}"#);
+        assert_eq!(utf16_len(&out), 42);
+        // An escaped backslash before `u` is no escape: the text as it is.
+        assert_eq!(
+            restringify(r#"["\\ud800","\ud800"]"#).expect("restringified"),
+            r#"["\\ud800","\ud800"]"#
+        );
+        // The noncharacter that stands for an escape, already there: refused.
+        assert!(restringify("[\"\u{FDD0}\",\"\\ud800\"]").is_err());
     }
 
     fn js(json: &str) -> String {

@@ -470,11 +470,9 @@ impl<'de: 'a, 'a> Deserialize<'de> for ArgumentsView<'a> {
         if crate::js::stringifies_to_itself(json) {
             return Ok(ArgumentsView(ArgumentsDelta::Replace(json.to_owned())));
         }
-        let value =
-            crate::js::parse(json).map_err(|err| de::Error::custom(without_position(&err)))?;
-        Ok(ArgumentsView(ArgumentsDelta::Replace(
-            crate::js::stringify_to_string(&value),
-        )))
+        let text = crate::js::restringify(json)
+            .map_err(|err| de::Error::custom(without_position(&err)))?;
+        Ok(ArgumentsView(ArgumentsDelta::Replace(text)))
     }
 }
 

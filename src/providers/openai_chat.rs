@@ -1331,21 +1331,21 @@ mod tests {
         );
     }
 
-    /// An error inside arguments given as an object (a lone surrogate
-    /// escape, which serde_json's strings cannot hold) is placed in the
-    /// frame, just after the object; it was placed in the object (column
-    /// 13 here).
+    /// An error inside arguments given as an object (arrays nested past
+    /// serde_json's limit, counted from the object) is placed in the
+    /// frame, just after the object; it was placed in the object.
     #[test]
     fn an_error_inside_object_arguments_is_placed_in_the_frame() {
-        let data = r#"{"id":"x","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":{"a":"\ud800z"}}}]}}]}"#;
-        let object = r#"{"a":"\ud800z"}"#;
+        let object = format!(r#"{{"a":{}{}}}"#, "[".repeat(127), "]".repeat(127));
+        let data = format!(
+            r#"{{"id":"x","choices":[{{"index":0,"delta":{{"tool_calls":[{{"index":0,"id":"a","function":{{"name":"f","arguments":{object}}}}}]}}}}]}}"#
+        );
         // 1-based, the column after the object's last character.
-        let end = data.find(object).expect("in the frame") + object.len() + 1;
-        let err =
-            decode(data, &mut DecoderState::default(), &mut |_| {}).expect_err("a lone surrogate");
+        let end = data.find(&object).expect("in the frame") + object.len() + 1;
+        let err = decode(&data, &mut DecoderState::default(), &mut |_| {}).expect_err("too deep");
         assert_eq!(
             err.to_string(),
-            format!("unexpected JSON shape: unexpected end of hex escape at line 1 column {end}")
+            format!("unexpected JSON shape: recursion limit exceeded at line 1 column {end}")
         );
     }
 
