@@ -393,20 +393,31 @@ impl Watch {
 /// 256 of them (1,024 on `/_aalis/events`), 285 MiB with 1 MiB deltas.
 pub const SUBSCRIBER_BACKLOG_BYTES: usize = 1 << 20;
 
-/// The most the frames of every subscriber together may hold, in bytes:
-/// past it, a subscriber that gets a frame while more than one waits for
-/// its connection starts again from a fresh snapshot, as one past its own
-/// bound does. A subscriber that keeps up holds one frame at a time and
-/// is not touched; 300 that stopped reading held 300 MiB before (each at
-/// its own bound, [`SUBSCRIBER_BACKLOG_BYTES`]).
+/// What the frames of every subscriber together may hold, in bytes: past
+/// it, a subscriber whose frames have waited [`STALLED_AFTER`] without its
+/// connection taking one starts again from a fresh snapshot when its next frame
+/// comes, as one past its own bound does. One that keeps up is not
+/// touched, whatever the others hold. So the sum passes the bound by at
+/// most a frame for each stalled subscriber (until its next frame); the
+/// frame each connection is writing (one in its channel, and what hyper
+/// holds) is not counted. 300 subscribers that stopped reading held 1 MiB
+/// each before, their own bound ([`SUBSCRIBER_BACKLOG_BYTES`]).
 pub const ALL_SUBSCRIBERS_BACKLOG_BYTES: usize = 64 << 20;
+
+/// How long a subscriber's frames wait without its connection taking one
+/// before the bound of all subscribers together
+/// ([`ALL_SUBSCRIBERS_BACKLOG_BYTES`]) applies to it. A connection that
+/// reads takes a burst's frames in milliseconds; a subscriber to a quiet
+/// session, whose queue is empty, is not waiting.
+const STALLED_AFTER: Duration = Duration::from_secs(1);
 
 /// The events routes: a task takes frames from a broadcast as they come,
 /// into a queue of its own, and hands them to the response body through a
 /// channel of one. A subscriber that lags (by more than the broadcast's
 /// frames, or than [`SUBSCRIBER_BACKLOG_BYTES`] or the broadcast's frames
-/// in its queue, or with more than one frame queued while all queues hold
-/// more than [`ALL_SUBSCRIBERS_BACKLOG_BYTES`]) is dropped from the broadcast, and once its connection
+/// in its queue, or, its frames having waited [`STALLED_AFTER`], while all
+/// queues hold more than [`ALL_SUBSCRIBERS_BACKLOG_BYTES`]) is dropped from the
+/// broadcast, and once its connection
 /// takes bytes again it gets a fresh snapshot (taken then, with a new
 /// receiver) instead of what it missed: a stalled one holds nothing
 /// meanwhile. A client that goes away closes the channel, which ends the
@@ -439,6 +450,7 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
                 // The connection takes the next frame, or the snapshot due.
                 permit = tx.reserve(), if !backlog.is_empty() || resync => {
                     let Ok(permit) = permit else { break };
+                    backlog.took();
                     match backlog.pop() {
                         Some(frame) => permit.send(frame),
                         None => {
@@ -507,6 +519,9 @@ async fn next_frame(
 struct Backlog {
     frames: std::collections::VecDeque<Bytes>,
     bytes: usize,
+    /// Since when frames have waited without the connection taking one:
+    /// the later of its last take and the push into an empty queue.
+    waiting_since: tokio::time::Instant,
     metrics: Arc<Metrics>,
 }
 
@@ -515,11 +530,20 @@ impl Backlog {
         Self {
             frames: std::collections::VecDeque::new(),
             bytes: 0,
+            waiting_since: tokio::time::Instant::now(),
             metrics,
         }
     }
 
+    /// The connection takes a frame.
+    fn took(&mut self) {
+        self.waiting_since = tokio::time::Instant::now();
+    }
+
     fn push(&mut self, frame: Bytes) {
+        if self.frames.is_empty() {
+            self.waiting_since = tokio::time::Instant::now();
+        }
         self.bytes += frame.len();
         self.metrics
             .subscriber_backlog_bytes
@@ -544,19 +568,20 @@ impl Backlog {
         self.frames.len()
     }
 
-    /// Past [`SUBSCRIBER_BACKLOG_BYTES`] or `max_frames`, or while every
-    /// subscriber's frames together are past
-    /// [`ALL_SUBSCRIBERS_BACKLOG_BYTES`], with more than one frame: a
-    /// single frame larger than a bound still goes out whole.
+    /// Past [`SUBSCRIBER_BACKLOG_BYTES`] or `max_frames` with more than
+    /// one frame (a single frame larger than the bound still goes out
+    /// whole); or, its frames having waited [`STALLED_AFTER`] without its
+    /// connection taking one, while every subscriber's frames together are
+    /// past [`ALL_SUBSCRIBERS_BACKLOG_BYTES`].
     fn over(&self, max_frames: usize) -> bool {
-        self.frames.len() > 1
-            && (self.bytes > SUBSCRIBER_BACKLOG_BYTES
-                || self.frames.len() > max_frames
-                || self
-                    .metrics
-                    .subscriber_backlog_bytes
-                    .load(Ordering::Relaxed)
-                    > ALL_SUBSCRIBERS_BACKLOG_BYTES)
+        let own = self.frames.len() > 1
+            && (self.bytes > SUBSCRIBER_BACKLOG_BYTES || self.frames.len() > max_frames);
+        own || (self
+            .metrics
+            .subscriber_backlog_bytes
+            .load(Ordering::Relaxed)
+            > ALL_SUBSCRIBERS_BACKLOG_BYTES
+            && self.waiting_since.elapsed() >= STALLED_AFTER)
     }
 
     fn clear(&mut self) {
@@ -810,18 +835,21 @@ mod tests {
         assert!(progress <= SUBSCRIBER_BACKLOG, "{progress} frames held");
     }
 
-    /// Subscribers that stopped reading hold no more than
-    /// [`ALL_SUBSCRIBERS_BACKLOG_BYTES`] together (one frame over at
-    /// most), though each stays under its own bound; one that reads as
-    /// the frames come gets every one of them, with no fresh snapshot;
-    /// and the sum, a metric, goes back to 0 once they are gone. Before,
-    /// 300 stalled subscribers held 1 MiB each, 300 MiB in all.
-    #[tokio::test(flavor = "current_thread")]
+    /// Subscribers that stopped reading hold little more than
+    /// [`ALL_SUBSCRIBERS_BACKLOG_BYTES`] together, though each stays under
+    /// its own bound; one that reads as bursts of frames come, after a
+    /// pause longer than [`STALLED_AFTER`], gets every frame and no fresh
+    /// snapshot; and the sum, a metric, goes back to 0 once they are gone.
+    /// Before, 300 stalled subscribers held 1 MiB each, 300 MiB in all;
+    /// and the first version of the bound cut the reader too, whenever a
+    /// burst left two frames in its queue (a review found it).
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn stalled_subscribers_together_hold_a_bounded_number_of_bytes() {
         use crate::pipeline::StreamEvent;
         use crate::progress::ToolCallTracker;
         const STALLED: usize = 300;
-        const FRAMES: usize = 8;
+        const BURSTS: usize = 4;
+        const BURST: usize = 3;
         let registry = SessionRegistry::new();
         let metrics = Arc::<Metrics>::default();
         let subscribe = || {
@@ -837,18 +865,115 @@ mod tests {
         let held = || metrics.subscriber_backlog_bytes.load(Ordering::Relaxed);
         let mut stream = registry.begin_stream("s1");
         let mut tracker = ToolCallTracker::new(false);
-        let text = "x".repeat(200 * 1024);
+        // Three bursts of 300 × 3 frames of 50 KiB pass the bound; the
+        // first stays under it, as nothing has waited long yet.
+        let text = "x".repeat(50 * 1024);
         let mut read = Vec::new();
         let mut most = 0;
-        for _ in 0..FRAMES {
-            let event = StreamEvent::Content {
-                choice: 0,
-                text: text.clone(),
-            };
-            stream.publish_at(&mut tracker, &[event], false, std::time::Instant::now());
-            // Every subscriber's task takes the frame (each is woken once).
+        for burst in 0..BURSTS {
+            for _ in 0..BURST {
+                let event = StreamEvent::Content {
+                    choice: 0,
+                    text: text.clone(),
+                };
+                stream.publish_at(&mut tracker, &[event], false, std::time::Instant::now());
+                // Every subscriber's task takes the frame (each is woken once).
+                tokio::task::yield_now().await;
+                most = most.max(held());
+            }
+            while let Ok(Some(Ok(frame))) =
+                tokio::time::timeout(Duration::from_millis(50), reader.frame()).await
+            {
+                if let Ok(data) = frame.into_data() {
+                    read.push(String::from_utf8_lossy(&data).into_owned());
+                }
+            }
+            if burst == 0 {
+                // The stalled connections have taken nothing for a while.
+                tokio::time::advance(2 * STALLED_AFTER).await;
+            }
+        }
+        let frame = format!("data: {{\"contentDelta\":\"{text}\"}}\n\n").len();
+        assert!(
+            most <= ALL_SUBSCRIBERS_BACKLOG_BYTES + 3 * frame,
+            "{most} bytes held for {STALLED} subscribers"
+        );
+        assert!(most > ALL_SUBSCRIBERS_BACKLOG_BYTES / 2, "{most}");
+        let resumes = read.iter().filter(|f| f.contains("stream_resume")).count();
+        let deltas = read.iter().filter(|f| f.contains(&text)).count();
+        assert_eq!((resumes, deltas), (1, BURSTS * BURST), "the reader was cut");
+        drop((stalled, reader));
+        for _ in 0..10 {
             tokio::task::yield_now().await;
-            most = most.max(held());
+        }
+        assert_eq!(held(), 0);
+    }
+
+    /// Subscribers stalled on one session, each holding a single large
+    /// frame (80 MiB in all, past the bound of all together), do not cut a
+    /// reader of another session that takes bursts of frames; once their
+    /// frames have waited [`STALLED_AFTER`], their next frame starts them
+    /// again from a snapshot, and the sum comes back under the bound. The
+    /// first version of the bound cut the reader at every burst that left
+    /// two frames in its queue (61 snapshots and 80 of 300 deltas in the
+    /// review's run), and never the stalled ones, whose single frames it
+    /// let be.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_reader_is_not_cut_for_what_stalled_subscribers_hold() {
+        use crate::pipeline::StreamEvent;
+        use crate::progress::ToolCallTracker;
+        const STALLED: usize = 40;
+        const BURSTS: usize = 20;
+        let registry = SessionRegistry::new();
+        let metrics = Arc::<Metrics>::default();
+        let subscribe = |session: &str| {
+            events(
+                registry.clone(),
+                metrics.clone(),
+                Watch::Session(session.into()),
+            )
+            .into_body()
+        };
+        let held = || metrics.subscriber_backlog_bytes.load(Ordering::Relaxed);
+        let content = |text: &str| StreamEvent::Content {
+            choice: 0,
+            text: text.to_owned(),
+        };
+        let stalled: Vec<_> = (0..STALLED).map(|_| subscribe("a")).collect();
+        let mut reader = subscribe("b");
+        let mut a = registry.begin_stream("a");
+        let mut b = registry.begin_stream("b");
+        let mut tracker_a = ToolCallTracker::new(false);
+        let mut tracker_b = ToolCallTracker::new(false);
+        // Every subscriber's task takes what was published.
+        let settle = || async {
+            for _ in 0..20 {
+                tokio::task::yield_now().await;
+            }
+        };
+        // Each has sent its snapshot (its connection's channel holds it).
+        settle().await;
+        let big = "x".repeat(2 << 20);
+        a.publish_at(
+            &mut tracker_a,
+            &[content(&big)],
+            false,
+            std::time::Instant::now(),
+        );
+        settle().await;
+        assert!(held() > ALL_SUBSCRIBERS_BACKLOG_BYTES, "{}", held());
+        let mut read = Vec::new();
+        for burst in 0..BURSTS {
+            for k in 0..3 {
+                let text = format!("burst {burst} delta {k}");
+                b.publish_at(
+                    &mut tracker_b,
+                    &[content(&text)],
+                    false,
+                    std::time::Instant::now(),
+                );
+                settle().await;
+            }
             while let Ok(Some(Ok(frame))) =
                 tokio::time::timeout(Duration::from_millis(50), reader.frame()).await
             {
@@ -857,20 +982,21 @@ mod tests {
                 }
             }
         }
-        let frame = format!("data: {{\"contentDelta\":\"{text}\"}}\n\n").len();
-        assert!(
-            most <= ALL_SUBSCRIBERS_BACKLOG_BYTES + frame,
-            "{most} bytes held for {STALLED} subscribers"
-        );
-        assert!(most > ALL_SUBSCRIBERS_BACKLOG_BYTES / 2, "{most}");
         let resumes = read.iter().filter(|f| f.contains("stream_resume")).count();
-        let deltas = read.iter().filter(|f| f.contains(&text)).count();
-        assert_eq!((resumes, deltas), (1, FRAMES), "the reader was cut");
+        let deltas = read.iter().filter(|f| f.contains("delta")).count();
+        assert_eq!((resumes, deltas), (1, BURSTS * 3), "the reader was cut");
+        // The stalled ones' frames have now waited for a second: their
+        // next frame starts them again, and what they held goes.
+        tokio::time::advance(STALLED_AFTER).await;
+        a.publish_at(
+            &mut tracker_a,
+            &[content("more")],
+            false,
+            std::time::Instant::now(),
+        );
+        settle().await;
+        assert!(held() <= ALL_SUBSCRIBERS_BACKLOG_BYTES, "{}", held());
         drop((stalled, reader));
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(held(), 0);
     }
 
     #[test]

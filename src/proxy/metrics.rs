@@ -177,7 +177,7 @@ impl Metrics {
         gauge(
             &mut out,
             "aalis_subscriber_backlog_bytes",
-            "Bytes of events frames waiting for subscribers' connections to take them.",
+            "Bytes of events frames queued for subscribers' connections (not the one each is writing).",
             i64::try_from(self.subscriber_backlog_bytes.load(Ordering::Relaxed))
                 .unwrap_or(i64::MAX),
         );
