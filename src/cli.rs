@@ -497,8 +497,9 @@ pub struct MockArgs {
     /// What `serve --record` writes beside a capture (.timing, read with
     /// it; .request.json) and a .partial recording are left out, with a
     /// warning, so `mock captures/*` serves the captures alone. A file with
-    /// no event in it, or none that is a chat chunk, is served all the
-    /// same, byte for byte, with a warning that says so.
+    /// no event in it, or none that carries text, reasoning, a tool call,
+    /// usage or an error, is served all the same, byte for byte, with a
+    /// warning that says so.
     #[arg(value_name = "CAPTURE")]
     pub captures: Vec<PathBuf>,
 

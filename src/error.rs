@@ -38,14 +38,17 @@ pub enum Warning {
         lines: bool,
     },
     #[error(
-        "{at}: `{field}` is not of the shape expected; passed over, the rest of the frame read \
-         (the stream's later such fields likewise, without a warning): {excerpt}"
+        "{at}: `{field}` is not of the shape expected; passed over, the rest of the frame \
+         read{} (the stream's later such fields likewise, without a warning): {excerpt}",
+        if *lines { ", the frame also written as an unparsed line" } else { "" }
     )]
     Ignored {
         at: Location,
         field: &'static str,
         /// The start of the field's value, sanitized for a terminal.
         excerpt: String,
+        /// The output is a line format (the frame is an `unparsed` line too).
+        lines: bool,
     },
     #[error("{at}: upstream error: {message}")]
     Upstream { at: Location, message: String },

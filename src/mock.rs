@@ -33,8 +33,7 @@ use tokio::net::TcpListener;
 use tokio::time::Sleep;
 
 use crate::capture::{self, Timing};
-use crate::encode::InjectMode;
-use crate::error::Warning;
+use crate::encode::OutputFormat;
 use crate::framing::Framing;
 use crate::pipeline::{Annotator, AnnotatorConfig};
 use crate::proxy::upstream::{BoxError, ProxyBody};
@@ -115,21 +114,29 @@ impl Capture {
     }
 
     /// What is wrong with it as a capture, if anything: no frame at all
-    /// (SSE events with data, NDJSON lines), or none that is a chunk the
-    /// pipeline understands. Read through the pipeline once, in pieces,
-    /// its output dropped.
+    /// (SSE events with data, NDJSON lines), or none that carries text,
+    /// reasoning, a tool call, usage or an error, as `annotate --format
+    /// ndjson` reads it (named events, objects of another API, a lone
+    /// `[DONE]` carry none). Read through the pipeline in pieces, until
+    /// something of a chat shows.
     pub fn problem(&self) -> Option<String> {
         let mut annotator = Annotator::new(AnnotatorConfig {
             framing: Some(self.framing),
-            inject: InjectMode::None,
+            output: OutputFormat::Ndjson,
             ..AnnotatorConfig::default()
         });
         let mut out = Vec::new();
         for piece in self.bytes.chunks(64 * 1024) {
             annotator.push(piece, 0, &mut out);
+            if carries_chat(&out) {
+                return None;
+            }
             out.clear();
         }
         annotator.finish(0, &mut out);
+        if carries_chat(&out) {
+            return None;
+        }
         let (none, unit, units) = match self.framing {
             Framing::Sse => ("no SSE event with data", "SSE event", "SSE events"),
             Framing::Ndjson => ("no NDJSON line", "NDJSON line", "NDJSON lines"),
@@ -138,23 +145,16 @@ impl Capture {
         if frames == 0 {
             return Some(format!("{none} in it"));
         }
-        let mut unread = 0;
-        let mut first = None;
-        for warning in annotator.take_warnings() {
-            match warning {
-                Warning::Undecodable { .. }
-                | Warning::NamedEvent { .. }
-                | Warning::Oversized { .. } => unread += 1,
-                Warning::Suppressed { count } => unread += count,
-                _ => continue,
-            }
-            first.get_or_insert(warning);
+        let what = "text, reasoning, a tool call, usage or an error";
+        // "none of" reads for one and for many.
+        let mut problem = match frames {
+            1 => format!("its one {unit} carries none of {what}"),
+            _ => format!("none of its {frames} {units} carries {what}"),
+        };
+        if let Some(first) = annotator.take_warnings().first() {
+            problem.push_str(&format!(" (the first warning: {first})"));
         }
-        let first = first?;
-        (unread >= frames).then(|| match frames {
-            1 => format!("its one {unit} is no chat chunk ({first})"),
-            _ => format!("none of its {frames} {units} is a chat chunk (the first: {first})"),
-        })
+        Some(problem)
     }
 
     /// The captures bundled in the binary.
@@ -173,6 +173,23 @@ impl Capture {
             .map(|(range, pause)| (self.bytes.slice(range), pause))
             .collect()
     }
+}
+
+/// Whether lines of `annotate --format ndjson` say anything of a chat: a
+/// line with a key besides `done`, `incomplete`, `unparsed` and `choice`.
+fn carries_chat(lines: &[u8]) -> bool {
+    lines
+        .split(|b| *b == b'\n')
+        .filter(|line| !line.is_empty())
+        .any(|line| {
+            serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(line).is_ok_and(
+                |keys| {
+                    keys.keys().any(|key| {
+                        !matches!(key.as_str(), "done" | "incomplete" | "unparsed" | "choice")
+                    })
+                },
+            )
+        })
 }
 
 /// The mock server's state; cheap to clone.

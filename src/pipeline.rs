@@ -1083,6 +1083,8 @@ impl StreamState {
         let render = self.render_progress;
         let mut upstream_error = None;
         let mut done = false;
+        // A field was passed over for its shape (`Chunk::Ignored`).
+        let mut ignored = false;
         let tracker = &mut self.tracker;
         let batch = &mut self.batch;
         let lines = &mut self.lines;
@@ -1105,7 +1107,8 @@ impl StreamState {
                 }
                 Chunk::Done => done = true,
                 Chunk::Ignored { field, raw } => {
-                    warn_ignored(ignored_warned, warnings, at, field, raw)
+                    ignored = true;
+                    warn_ignored(ignored_warned, warnings, at, field, raw, lines_out)
                 }
                 Chunk::Text { .. }
                 | Chunk::Reasoning { .. }
@@ -1133,6 +1136,12 @@ impl StreamState {
             }
             None => providers::decode(provider, data, &mut self.decoder_state, &mut each),
         }?;
+        // What was passed over is in no line of its own: the line formats
+        // carry the whole frame as well, as they carry one they could not
+        // read (nothing is lost; the warning comes once a stream).
+        if ignored && lines_out {
+            self.lines.unparsed(out, data);
+        }
         if let Some(message) = upstream_error {
             self.warnings.push(Warning::Upstream { at, message });
         }
@@ -1178,6 +1187,7 @@ fn warn_ignored(
     at: Location,
     field: &'static str,
     raw: &str,
+    lines: bool,
 ) {
     if !warned.contains(&field) {
         warned.push(field);
@@ -1185,6 +1195,7 @@ fn warn_ignored(
             at,
             field,
             excerpt: excerpt(raw.as_bytes(), EXCERPT_CHARS),
+            lines,
         });
     }
 }

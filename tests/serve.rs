@@ -2124,9 +2124,11 @@ fn mock_leaves_out_what_is_not_a_capture() {
 }
 
 /// `mock` says which of its files are no capture: one with no event in
-/// it (text, an empty file), and one whose events are none of them chat
-/// chunks; it serves them all the same, byte for byte, and says nothing
-/// of a real capture. Before, it served any file without a word.
+/// it (text, an empty file), and one whose events carry nothing of a chat
+/// (HTML, another API's named events, objects of another shape and a
+/// `[DONE]`); it serves them all the same, byte for byte, and says nothing
+/// of a real capture. Before, it served any file without a word (and the
+/// first version of the warning missed the last two: a review found it).
 #[test]
 fn mock_says_which_files_are_no_captures() {
     let dir = std::env::temp_dir().join(format!("aalis-mock-check-{}", std::process::id()));
@@ -2137,6 +2139,11 @@ fn mock_says_which_files_are_no_captures() {
         ("notes.txt", &b"remember the milk\n"[..]),
         ("empty.sse", &b""[..]),
         ("html.sse", &b"data: <html>\n\ndata: <body>\n\n"[..]),
+        (
+            "anthropic.sse",
+            &b"event: message_start\ndata: {\"type\":\"message_start\"}\n\n"[..],
+        ),
+        ("other.sse", &b"data: {\"foo\":1}\n\ndata: [DONE]\n\n"[..]),
         ("real.sse", &capture[..]),
     ];
     let mut paths = Vec::new();
@@ -2163,14 +2170,22 @@ fn mock_says_which_files_are_no_captures() {
             lines[0]
         );
     }
-    let lines = warned("html.sse");
-    assert_eq!(lines.len(), 1, "html.sse in:\n{stderr}");
-    assert!(
-        lines[0]
-            .contains("none of its 2 SSE events is a chat chunk (the first: SSE event 1 (byte 0)"),
-        "{}",
-        lines[0]
-    );
+    for (name, events) in [("html.sse", 2), ("other.sse", 2), ("anthropic.sse", 1)] {
+        let lines = warned(name);
+        assert_eq!(lines.len(), 1, "{name} in:\n{stderr}");
+        let of = match events {
+            1 => "its one SSE event carries none of".to_owned(),
+            n => format!("none of its {n} SSE events carries"),
+        };
+        assert!(
+            lines[0].contains(&format!(
+                "{of} text, reasoning, a tool call, usage or an error (the first warning: SSE \
+                 event 1 (byte 0)"
+            )),
+            "{}",
+            lines[0]
+        );
+    }
     assert!(warned("real.sse").is_empty(), "{stderr}");
     // Served all the same, as it is.
     let mut response = post(mock.port, CHAT_PATH, r#"{"model":"html"}"#, &[]);

@@ -265,12 +265,28 @@ pub(crate) enum Lenient<'a, T> {
     Odd(&'a str),
 }
 
-impl<'de: 'a, 'a, T: Deserialize<'de>> Deserialize<'de> for Lenient<'a, T> {
+/// What a [`Lenient`] field must be besides what its type reads: serde's
+/// derived structs also read an array, by position (`"usage":[5,6,11]`),
+/// which is no shape a provider means.
+pub(crate) trait FieldShape {
+    /// Only a JSON object fits.
+    const OBJECT: bool;
+}
+
+impl FieldShape for JsonStr<'_> {
+    const OBJECT: bool = false;
+}
+
+impl<'de: 'a, 'a, T: Deserialize<'de> + FieldShape> Deserialize<'de> for Lenient<'a, T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw: &'de RawValue = Deserialize::deserialize(d)?;
-        Ok(match serde_json::from_str(raw.get()) {
+        let json = raw.get();
+        if T::OBJECT && !json.starts_with('{') {
+            return Ok(Lenient::Odd(json));
+        }
+        Ok(match serde_json::from_str(json) {
             Ok(value) => Lenient::Fit(value),
-            Err(_) => Lenient::Odd(raw.get()),
+            Err(_) => Lenient::Odd(json),
         })
     }
 }

@@ -20,7 +20,7 @@ use super::scan::{
     Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, has_text, json_text, text,
 };
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, Lenient, ProbedText,
+    ArgumentsView, DecoderState, FieldShape, FrameError, FrameInfo, JsonStr, Lenient, ProbedText,
     decode_string, expect_object, is_set, raw_i64, raw_u64,
 };
 use crate::chunk::{
@@ -117,6 +117,22 @@ struct XGroqView<'a> {
     usage: Option<UsageView<'a>>,
 }
 
+impl FieldShape for UsageView<'_> {
+    const OBJECT: bool = true;
+}
+
+impl FieldShape for XGroqView<'_> {
+    const OBJECT: bool = true;
+}
+
+impl FieldShape for PartView<'_> {
+    const OBJECT: bool = true;
+}
+
+impl FieldShape for TextPartView<'_> {
+    const OBJECT: bool = true;
+}
+
 /// `delta.content`: a string, or Mistral's array of typed parts; anything
 /// else carries no text.
 type ContentView<'a> = Content<'a, PartView<'a>>;
@@ -154,7 +170,7 @@ struct TextPartView<'a> {
     text: Option<JsonStr<'a>>,
 }
 
-impl<'de: 'a, 'a, P: Deserialize<'de>> Deserialize<'de> for Content<'a, P> {
+impl<'de: 'a, 'a, P: Deserialize<'de> + FieldShape> Deserialize<'de> for Content<'a, P> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw: &'de RawValue = Deserialize::deserialize(d)?;
         let json = raw.get();
@@ -1295,6 +1311,14 @@ mod tests {
             (r#""content":["raw"],"#, "", "delta.content", r#""raw""#),
             ("", r#","usage":"n/a""#, "usage", r#""n/a""#),
             ("", r#","x_groq":"q""#, "x_groq", r#""q""#),
+            // serde's structs read arrays by position: these are no objects.
+            ("", r#","usage":[5,6,11]"#, "usage", "[5,6,11]"),
+            (
+                r#""content":[["text","hi"]],"#,
+                "",
+                "delta.content",
+                r#"["text","hi"]"#,
+            ),
         ] {
             let data = format!(
                 r#"{{"choices":[{{"index":0,"delta":{{{delta_extra}{call}}}}}]{top_extra}}}"#
