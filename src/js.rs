@@ -147,9 +147,9 @@ fn infinite_numbers_as_null(json: &str) -> String {
 /// caller's parser checked it), lone surrogate escapes included: serde_json
 /// refuses them (its strings are UTF-8), JavaScript keeps them, and
 /// `JSON.stringify` writes each as an escape again (`\ud800`, six units).
-/// Such an escape is read as [`LONE`] and its four hex digits, and
-/// written back as the escape, unless `json` holds [`LONE`] itself (then
-/// serde_json's refusal stands).
+/// Such an escape is read as a noncharacter (U+FDD0) and its four hex
+/// digits, and written back as the escape, unless `json` holds U+FDD0
+/// itself (then serde_json's refusal stands).
 pub fn restringify(json: &str) -> Result<String, serde_json::Error> {
     match parse(json) {
         Ok(value) => Ok(stringify_to_string(&value)),

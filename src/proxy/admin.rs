@@ -394,7 +394,7 @@ impl Watch {
 pub const SUBSCRIBER_BACKLOG_BYTES: usize = 1 << 20;
 
 /// What the frames of every subscriber together may hold, in bytes: past
-/// it, a subscriber whose frames have waited [`STALLED_AFTER`] without its
+/// it, a subscriber whose frames have waited a second (`STALLED_AFTER`) without its
 /// connection taking one starts again from a fresh snapshot when its next frame
 /// comes, as one past its own bound does. One that keeps up is not
 /// touched, whatever the others hold. So the sum passes the bound by at
