@@ -2082,22 +2082,13 @@ fn a_request_whose_client_leaves_before_the_answer_is_logged() {
     drop(silent);
 }
 
-/// `mock captures/*` over a `serve --record` directory: the recordings'
-/// sidecars (`.timing`, `.request.json`) and partial bodies are left out,
-/// each said once, and only the capture is served. Before, each became a
-/// capture of its own (the request body served as an NDJSON stream).
-#[test]
-fn mock_leaves_out_what_is_not_a_capture() {
-    let dir = std::env::temp_dir().join(format!("aalis-mock-{}", std::process::id()));
+/// `mock` started on `files` (name, bytes), written to a directory of
+/// their own (`tag` names it): the mock, the directory (for the caller
+/// to remove), and the mock's stderr once it serves.
+fn mock_over_files(tag: &str, files: &[(&str, &[u8])]) -> (Running, std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("aalis-mock-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a directory");
-    let capture = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
-    let files = [
-        ("x.sse", &capture[..]),
-        ("x.sse.timing", &b"10 0\n"[..]),
-        ("x.request.json", &b"{\"model\":\"x\"}"[..]),
-        ("y.sse.partial", &capture[..]),
-    ];
     let mut paths = Vec::new();
     for (name, bytes) in files {
         let path = dir.join(name);
@@ -2107,6 +2098,25 @@ fn mock_leaves_out_what_is_not_a_capture() {
     let args: Vec<&str> = paths.iter().map(String::as_str).collect();
     let mut mock = start_mock(&args, &[]);
     let stderr = mock.wait_for_stderr("mock upstream on");
+    (mock, dir, stderr)
+}
+
+/// `mock captures/*` over a `serve --record` directory: the recordings'
+/// sidecars (`.timing`, `.request.json`) and partial bodies are left out,
+/// each said once, and only the capture is served. Before, each became a
+/// capture of its own (the request body served as an NDJSON stream).
+#[test]
+fn mock_leaves_out_what_is_not_a_capture() {
+    let capture = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
+    let (mut mock, dir, stderr) = mock_over_files(
+        "leaves-out",
+        &[
+            ("x.sse", &capture[..]),
+            ("x.sse.timing", &b"10 0\n"[..]),
+            ("x.request.json", &b"{\"model\":\"x\"}"[..]),
+            ("y.sse.partial", &capture[..]),
+        ],
+    );
     let serving = stderr
         .lines()
         .find(|l| l.contains("mock upstream on"))
@@ -2131,30 +2141,21 @@ fn mock_leaves_out_what_is_not_a_capture() {
 /// first version of the warning missed the last two: a review found it).
 #[test]
 fn mock_says_which_files_are_no_captures() {
-    let dir = std::env::temp_dir().join(format!("aalis-mock-check-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a directory");
     let capture = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
-    let files = [
-        ("notes.txt", &b"remember the milk\n"[..]),
-        ("empty.sse", &b""[..]),
-        ("html.sse", &b"data: <html>\n\ndata: <body>\n\n"[..]),
-        (
-            "anthropic.sse",
-            &b"event: message_start\ndata: {\"type\":\"message_start\"}\n\n"[..],
-        ),
-        ("other.sse", &b"data: {\"foo\":1}\n\ndata: [DONE]\n\n"[..]),
-        ("real.sse", &capture[..]),
-    ];
-    let mut paths = Vec::new();
-    for (name, bytes) in files {
-        let path = dir.join(name);
-        std::fs::write(&path, bytes).expect("written");
-        paths.push(path.to_string_lossy().into_owned());
-    }
-    let args: Vec<&str> = paths.iter().map(String::as_str).collect();
-    let mut mock = start_mock(&args, &[]);
-    let stderr = mock.wait_for_stderr("mock upstream on");
+    let (mut mock, dir, stderr) = mock_over_files(
+        "check",
+        &[
+            ("notes.txt", &b"remember the milk\n"[..]),
+            ("empty.sse", &b""[..]),
+            ("html.sse", &b"data: <html>\n\ndata: <body>\n\n"[..]),
+            (
+                "anthropic.sse",
+                &b"event: message_start\ndata: {\"type\":\"message_start\"}\n\n"[..],
+            ),
+            ("other.sse", &b"data: {\"foo\":1}\n\ndata: [DONE]\n\n"[..]),
+            ("real.sse", &capture[..]),
+        ],
+    );
     let warned = |name: &str| {
         stderr
             .lines()
