@@ -38,9 +38,9 @@ pub enum Warning {
         lines: bool,
     },
     #[error(
-        "{at}: `{field}` is not of the shape expected; passed over, the rest of the frame \
-         read{} (the stream's later such fields likewise, without a warning): {excerpt}",
-        if *lines { ", the frame also written as an unparsed line" } else { "" }
+        "{at}: `{field}` is not of the shape expected, so it is passed over and the rest of the \
+         frame read{}; later such fields of the stream likewise, without a warning: {excerpt}",
+        if *lines { " (a frame left without a line of its own becomes an unparsed line)" } else { "" }
     )]
     Ignored {
         at: Location,

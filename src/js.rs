@@ -153,7 +153,7 @@ fn infinite_numbers_as_null(json: &str) -> String {
 pub fn restringify(json: &str) -> Result<String, serde_json::Error> {
     match parse(json) {
         Ok(value) => Ok(stringify_to_string(&value)),
-        Err(err) if refused_surrogate(&err) && !json.contains(LONE) => {
+        Err(err) if refused_surrogate(&err) && !holds_lone_mark(json) => {
             let value = parse(&lone_surrogates_marked(json))?;
             Ok(stringify_to_string(&value).replace(LONE, "\\u"))
         }
@@ -164,6 +164,12 @@ pub fn restringify(json: &str) -> Result<String, serde_json::Error> {
 /// A noncharacter, which stands for a lone surrogate escape's `\u` while
 /// serde_json holds the value.
 const LONE: char = '\u{FDD0}';
+
+/// Whether `json` holds [`LONE`], as itself or as an escape (in any case;
+/// an escaped backslash before `ufdd0` counts too, which only refuses more).
+fn holds_lone_mark(json: &str) -> bool {
+    json.contains(LONE) || json.to_ascii_lowercase().contains("\\ufdd0")
+}
 
 /// serde_json refused a lone surrogate escape.
 fn refused_surrogate(err: &serde_json::Error) -> bool {
@@ -536,8 +542,12 @@ mod tests {
             restringify(r#"["\\ud800","\ud800"]"#).expect("restringified"),
             r#"["\\ud800","\ud800"]"#
         );
-        // The noncharacter that stands for an escape, already there: refused.
+        // The noncharacter that stands for an escape, already there, as
+        // itself or escaped: refused (it came back as `\u`, a key merged
+        // with another, before a review found it).
         assert!(restringify("[\"\u{FDD0}\",\"\\ud800\"]").is_err());
+        assert!(restringify(r#"{"a":"\ud800","k":"\uFDD0"}"#).is_err());
+        assert!(restringify(r#"{"\ufdd0d800":1,"\ud800":2}"#).is_err());
     }
 
     fn js(json: &str) -> String {

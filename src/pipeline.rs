@@ -1083,8 +1083,10 @@ impl StreamState {
         let render = self.render_progress;
         let mut upstream_error = None;
         let mut done = false;
-        // A field was passed over for its shape (`Chunk::Ignored`).
+        // A field was passed over for its shape (`Chunk::Ignored`); a line
+        // was written for the frame.
         let mut ignored = false;
+        let mut wrote = false;
         let tracker = &mut self.tracker;
         let batch = &mut self.batch;
         let lines = &mut self.lines;
@@ -1094,13 +1096,16 @@ impl StreamState {
         let mut each = |chunk: Chunk<'d>| {
             match &chunk {
                 Chunk::Text { choice, text } if lines_out => {
+                    wrote = true;
                     lines.text(out, TextField::Content, *choice, text)
                 }
                 Chunk::Reasoning { choice, text } if lines_out => {
+                    wrote = true;
                     lines.text(out, TextField::Reasoning, *choice, text)
                 }
                 Chunk::Error { raw, message } => {
                     if lines_out {
+                        wrote = true;
                         lines.error(out, raw);
                     }
                     upstream_error = Some(excerpt(message.as_bytes(), EXCERPT_CHARS * 2));
@@ -1124,6 +1129,7 @@ impl StreamState {
                 Applied::Progress(p) if render => {
                     batch.push(&p);
                     if lines_out && let Some(json) = batch.last() {
+                        wrote = true;
                         lines.progress(out, p.choice, json);
                     }
                 }
@@ -1136,10 +1142,11 @@ impl StreamState {
             }
             None => providers::decode(provider, data, &mut self.decoder_state, &mut each),
         }?;
-        // What was passed over is in no line of its own: the line formats
-        // carry the whole frame as well, as they carry one they could not
-        // read (nothing is lost; the warning comes once a stream).
-        if ignored && lines_out {
+        // A frame whose only content was passed over would leave no line:
+        // the line formats carry it whole, as one they could not read
+        // (nothing is lost). One with lines of its own is not repeated
+        // (an `unparsed` line is a frame no line told of).
+        if ignored && lines_out && !wrote {
             self.lines.unparsed(out, data);
         }
         if let Some(message) = upstream_error {

@@ -455,16 +455,17 @@ fn chunks_with_usage_beside_their_choices_get_progress_chunks() {
 /// A chunk whose `reasoning` (or `usage`, or another field progress does
 /// not need) has an unexpected shape keeps its tool delta: the call's
 /// first delta, name and all, counts, the field is reported once for
-/// the stream, with its place, and the line formats carry the frame whole
-/// as an `unparsed` line too (nothing is lost). Before, the whole chunk
-/// was undecodable, and the call went on without a name.
+/// the stream, with its place, and the line formats carry a frame left
+/// without a line of its own whole, as an `unparsed` line (nothing is
+/// lost, nothing told twice). Before, the whole chunk was undecodable,
+/// and the call went on without a name.
 #[test]
 fn an_odd_field_costs_its_chunk_nothing_else() {
     let input = concat!(
         "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning\":{\"text\":\"x\"},",
         "\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"f\",\"arguments\":\"ab\"}}]}}]}\n\n",
-        "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning\":{\"text\":\"y\"},",
-        "\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"cd\"}}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning\":{\"text\":\"y\"}}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"cd\"}}]}}]}\n\n",
         "data: [DONE]\n\n",
     );
     let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
@@ -472,12 +473,10 @@ fn an_odd_field_costs_its_chunk_nothing_else() {
         String::from_utf8_lossy(&output.stdout),
         concat!(
             "{\"toolCallProgress\":{\"index\":0,\"name\":\"f\",\"charsAccumulated\":2}}\n",
-            "{\"unparsed\":\"{\\\"choices\\\":[{\\\"index\\\":0,\\\"delta\\\":{\\\"reasoning\\\":{\\\"text\\\":\\\"x\\\"},",
-            "\\\"tool_calls\\\":[{\\\"index\\\":0,\\\"id\\\":\\\"c\\\",\\\"function\\\":{\\\"name\\\":\\\"f\\\",",
-            "\\\"arguments\\\":\\\"ab\\\"}}]}}]}\"}\n",
+            // No line of its own: the frame, whole.
+            "{\"unparsed\":\"{\\\"choices\\\":[{\\\"index\\\":0,\\\"delta\\\":",
+            "{\\\"reasoning\\\":{\\\"text\\\":\\\"y\\\"}}}]}\"}\n",
             "{\"toolCallProgress\":{\"index\":0,\"name\":\"f\",\"charsAccumulated\":4}}\n",
-            "{\"unparsed\":\"{\\\"choices\\\":[{\\\"index\\\":0,\\\"delta\\\":{\\\"reasoning\\\":{\\\"text\\\":\\\"y\\\"},",
-            "\\\"tool_calls\\\":[{\\\"index\\\":0,\\\"function\\\":{\\\"arguments\\\":\\\"cd\\\"}}]}}]}\"}\n",
             "{\"done\":true,\"toolCalls\":[{\"id\":\"c\",\"type\":\"function\",",
             "\"function\":{\"name\":\"f\",\"arguments\":\"abcd\"}}]}\n",
         )
@@ -487,25 +486,20 @@ fn an_odd_field_costs_its_chunk_nothing_else() {
         stderr.lines().collect::<Vec<_>>(),
         [
             "aalis-proxy: warning: SSE event 1 (byte 0): `delta.reasoning` is not of the shape \
-             expected; passed over, the rest of the frame read, the frame also written as an \
-             unparsed line (the stream's later such fields likewise, without a warning): \
-             {\"text\":\"x\"}"
+             expected, so it is passed over and the rest of the frame read (a frame left without \
+             a line of its own becomes an unparsed line); later such fields of the stream \
+             likewise, without a warning: {\"text\":\"x\"}"
         ],
         "{stderr}"
     );
     // In SSE, every byte as it came, and the same warning but for the line.
     let output = annotate_ok(&[], input.as_bytes());
-    assert_eq!(
-        String::from_utf8_lossy(&output.stdout)
-            .matches("toolCallProgress")
-            .count(),
-        2
-    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(stdout.matches("toolCallProgress").count(), 2, "{stdout}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        String::from_utf8_lossy(&output.stderr)
-            .contains("the rest of the frame read (the stream's"),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+        stderr.contains("the rest of the frame read; later such fields"),
+        "{stderr}"
     );
 }
 

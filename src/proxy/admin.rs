@@ -394,14 +394,16 @@ impl Watch {
 pub const SUBSCRIBER_BACKLOG_BYTES: usize = 1 << 20;
 
 /// What the frames of every subscriber together may hold, in bytes: past
-/// it, a subscriber whose frames have waited a second (`STALLED_AFTER`) without its
-/// connection taking one starts again from a fresh snapshot when its next frame
-/// comes, as one past its own bound does. One that keeps up is not
-/// touched, whatever the others hold. So the sum passes the bound by at
-/// most a frame for each stalled subscriber (until its next frame); the
-/// frame each connection is writing (one in its channel, and what hyper
-/// holds) is not counted. 300 subscribers that stopped reading held 1 MiB
-/// each before, their own bound ([`SUBSCRIBER_BACKLOG_BYTES`]).
+/// it, a subscriber whose frames have waited a second (`STALLED_AFTER`)
+/// without its connection taking one starts again from a fresh snapshot,
+/// as one past its own bound does (checked at each frame it gets, and each
+/// second while frames wait). One that keeps up is not touched, whatever
+/// the others hold. So what stalled subscribers hold past the bound goes
+/// within about two seconds (a stall, then the check); the frame each
+/// connection is writing (one in its channel, and what hyper holds) is not
+/// counted. 300
+/// subscribers that stopped reading held 1 MiB each before, their own
+/// bound ([`SUBSCRIBER_BACKLOG_BYTES`]).
 pub const ALL_SUBSCRIBERS_BACKLOG_BYTES: usize = 64 << 20;
 
 /// How long a subscriber's frames wait without its connection taking one
@@ -437,6 +439,12 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
         let mut frames = Some(frames);
         let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
         keep_alive.tick().await;
+        // While frames wait: a stalled subscriber's session may send
+        // nothing more, so the bound of all subscribers is also checked
+        // each [`STALLED_AFTER`], not only at a frame.
+        let mut stall_check =
+            tokio::time::interval_at(tokio::time::Instant::now() + STALLED_AFTER, STALLED_AFTER);
+        stall_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let closed = registry.closed();
         tokio::pin!(closed);
         loop {
@@ -484,6 +492,17 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
                 }
                 _ = keep_alive.tick(), if backlog.is_empty() && !resync => {
                     backlog.push(Bytes::from_static(b": keep-alive\n\n"));
+                }
+                _ = stall_check.tick(), if !backlog.is_empty() && !resync => {
+                    if backlog.stalled_past_all() {
+                        tracing::debug!(
+                            frames = backlog.len(),
+                            bytes = backlog.bytes,
+                            "stalled subscriber: a fresh snapshot once it reads again"
+                        );
+                        backlog.clear();
+                        frames = None;
+                    }
                 }
             }
         }
@@ -576,12 +595,20 @@ impl Backlog {
     fn over(&self, max_frames: usize) -> bool {
         let own = self.frames.len() > 1
             && (self.bytes > SUBSCRIBER_BACKLOG_BYTES || self.frames.len() > max_frames);
-        own || (self
-            .metrics
-            .subscriber_backlog_bytes
-            .load(Ordering::Relaxed)
-            > ALL_SUBSCRIBERS_BACKLOG_BYTES
-            && self.waiting_since.elapsed() >= STALLED_AFTER)
+        own || self.stalled_past_all()
+    }
+
+    /// Its frames have waited [`STALLED_AFTER`] without its connection
+    /// taking one, while every subscriber's frames together are past
+    /// [`ALL_SUBSCRIBERS_BACKLOG_BYTES`].
+    fn stalled_past_all(&self) -> bool {
+        !self.frames.is_empty()
+            && self
+                .metrics
+                .subscriber_backlog_bytes
+                .load(Ordering::Relaxed)
+                > ALL_SUBSCRIBERS_BACKLOG_BYTES
+            && self.waiting_since.elapsed() >= STALLED_AFTER
     }
 
     fn clear(&mut self) {
@@ -912,12 +939,13 @@ mod tests {
     /// Subscribers stalled on one session, each holding a single large
     /// frame (80 MiB in all, past the bound of all together), do not cut a
     /// reader of another session that takes bursts of frames; once their
-    /// frames have waited [`STALLED_AFTER`], their next frame starts them
-    /// again from a snapshot, and the sum comes back under the bound. The
-    /// first version of the bound cut the reader at every burst that left
-    /// two frames in its queue (61 snapshots and 80 of 300 deltas in the
-    /// review's run), and never the stalled ones, whose single frames it
-    /// let be.
+    /// frames have waited [`STALLED_AFTER`], they start again from a
+    /// snapshot, though their session sends nothing more, and the sum
+    /// comes back under the bound. The first version of the bound cut the
+    /// reader at every burst that left two frames in its queue (61
+    /// snapshots and 80 of 300 deltas in the review's run), and never the
+    /// stalled ones, whose single frames it let be; the second cut them
+    /// only at their next frame, which may never come.
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_reader_is_not_cut_for_what_stalled_subscribers_hold() {
         use crate::pipeline::StreamEvent;
@@ -939,18 +967,18 @@ mod tests {
             choice: 0,
             text: text.to_owned(),
         };
+        // Every subscriber's task takes what was published; no time passes.
+        let settle = || async {
+            for _ in 0..20 {
+                tokio::task::yield_now().await;
+            }
+        };
         let stalled: Vec<_> = (0..STALLED).map(|_| subscribe("a")).collect();
         let mut reader = subscribe("b");
         let mut a = registry.begin_stream("a");
         let mut b = registry.begin_stream("b");
         let mut tracker_a = ToolCallTracker::new(false);
         let mut tracker_b = ToolCallTracker::new(false);
-        // Every subscriber's task takes what was published.
-        let settle = || async {
-            for _ in 0..20 {
-                tokio::task::yield_now().await;
-            }
-        };
         // Each has sent its snapshot (its connection's channel holds it).
         settle().await;
         let big = "x".repeat(2 << 20);
@@ -974,29 +1002,72 @@ mod tests {
                 );
                 settle().await;
             }
-            while let Ok(Some(Ok(frame))) =
-                tokio::time::timeout(Duration::from_millis(50), reader.frame()).await
-            {
-                if let Ok(data) = frame.into_data() {
-                    read.push(String::from_utf8_lossy(&data).into_owned());
+            // What the reader's connection takes, as long as frames come.
+            loop {
+                match tokio::time::timeout(Duration::ZERO, reader.frame()).await {
+                    Ok(Some(Ok(frame))) => {
+                        if let Ok(data) = frame.into_data() {
+                            read.push(String::from_utf8_lossy(&data).into_owned());
+                        }
+                    }
+                    _ => {
+                        settle().await;
+                        match tokio::time::timeout(Duration::ZERO, reader.frame()).await {
+                            Ok(Some(Ok(frame))) => {
+                                if let Ok(data) = frame.into_data() {
+                                    read.push(String::from_utf8_lossy(&data).into_owned());
+                                }
+                            }
+                            _ => break,
+                        }
+                    }
                 }
             }
         }
+        assert!(held() > ALL_SUBSCRIBERS_BACKLOG_BYTES, "{}", held());
         let resumes = read.iter().filter(|f| f.contains("stream_resume")).count();
         let deltas = read.iter().filter(|f| f.contains("delta")).count();
         assert_eq!((resumes, deltas), (1, BURSTS * 3), "the reader was cut");
-        // The stalled ones' frames have now waited for a second: their
-        // next frame starts them again, and what they held goes.
-        tokio::time::advance(STALLED_AFTER).await;
-        a.publish_at(
-            &mut tracker_a,
-            &[content("more")],
-            false,
-            std::time::Instant::now(),
-        );
+        // Two seconds on, with no frame for session `a`: the stalled ones
+        // start again from a snapshot, and what they held goes.
+        tokio::time::advance(2 * STALLED_AFTER).await;
         settle().await;
         assert!(held() <= ALL_SUBSCRIBERS_BACKLOG_BYTES, "{}", held());
         drop((stalled, reader));
+    }
+
+    /// A subscriber whose connection takes its frames slowly, one every
+    /// 0.6 s while more come, is no stalled one, however much the others
+    /// hold: each frame taken starts its wait again. It is one once its
+    /// frames have waited a second; and a queue that goes takes its bytes
+    /// out of the sum.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_queue_that_drains_slowly_is_no_stalled_one() {
+        let metrics = Arc::<Metrics>::default();
+        // The others hold past the bound.
+        let others = ALL_SUBSCRIBERS_BACKLOG_BYTES + 1;
+        metrics
+            .subscriber_backlog_bytes
+            .store(others, Ordering::Relaxed);
+        let mut backlog = Backlog::new(Arc::clone(&metrics));
+        let frame = || Bytes::from_static(b"data: {}\n\n");
+        for _ in 0..3 {
+            backlog.push(frame());
+        }
+        for _ in 0..4 {
+            tokio::time::advance(STALLED_AFTER * 6 / 10).await;
+            backlog.took();
+            let _ = backlog.pop();
+            backlog.push(frame());
+            assert!(!backlog.over(SUBSCRIBER_BACKLOG), "cut while it reads");
+        }
+        tokio::time::advance(STALLED_AFTER).await;
+        assert!(backlog.over(SUBSCRIBER_BACKLOG), "a second without a take");
+        drop(backlog);
+        assert_eq!(
+            metrics.subscriber_backlog_bytes.load(Ordering::Relaxed),
+            others
+        );
     }
 
     #[test]
