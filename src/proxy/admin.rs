@@ -449,6 +449,8 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
         tokio::pin!(closed);
         loop {
             let resync = frames.is_none();
+            // Set by an arm below when the subscriber is to start again.
+            let mut behind = false;
             tokio::select! {
                 // The proxy shuts down: end the stream so the connection
                 // can close (EventSource reconnects).
@@ -469,7 +471,7 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
                     }
                 }
                 received = next_frame(&mut frames), if !resync => {
-                    let lagged = match received {
+                    behind = match received {
                         Ok(frame) => {
                             backlog.push(sse(&frame));
                             backlog.over(max_frames)
@@ -477,33 +479,25 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
                         Err(broadcast::error::RecvError::Lagged(_)) => true,
                         Err(broadcast::error::RecvError::Closed) => break,
                     };
-                    if lagged {
-                        // Too far behind: what waits goes, and so does the
-                        // receiver, until the connection can take the
-                        // present (the snapshot, taken then).
-                        tracing::debug!(
-                            frames = backlog.len(),
-                            bytes = backlog.bytes,
-                            "slow subscriber: a fresh snapshot once it reads again"
-                        );
-                        backlog.clear();
-                        frames = None;
-                    }
                 }
                 _ = keep_alive.tick(), if backlog.is_empty() && !resync => {
                     backlog.push(Bytes::from_static(b": keep-alive\n\n"));
                 }
                 _ = stall_check.tick(), if !backlog.is_empty() && !resync => {
-                    if backlog.stalled_past_all() {
-                        tracing::debug!(
-                            frames = backlog.len(),
-                            bytes = backlog.bytes,
-                            "stalled subscriber: a fresh snapshot once it reads again"
-                        );
-                        backlog.clear();
-                        frames = None;
-                    }
+                    behind = backlog.stalled_past_all();
                 }
+            }
+            if behind {
+                // Too far behind: what waits goes, and so does the
+                // receiver, until the connection can take the present (the
+                // snapshot, taken then).
+                tracing::debug!(
+                    frames = backlog.len(),
+                    bytes = backlog.bytes,
+                    "slow subscriber: a fresh snapshot once it reads again"
+                );
+                backlog.clear();
+                frames = None;
             }
         }
         drop(frames);
