@@ -127,15 +127,23 @@ pub(super) fn decode_serde<'a>(
             choice: 0,
             kind: finish.unwrap_or(FinishKind::Whole),
         });
-        let prompt = raw_u64(view.prompt_eval_count.map(RawValue::get));
-        let completion = raw_u64(view.eval_count.map(RawValue::get));
-        // A done line without either count has no usage to tell.
-        if prompt.is_some() || completion.is_some() {
-            emit(Chunk::Usage(Usage::new(prompt, completion, None)));
+        if let Some(usage) = done_usage(
+            view.prompt_eval_count.map(RawValue::get),
+            view.eval_count.map(RawValue::get),
+        ) {
+            emit(Chunk::Usage(usage));
         }
         emit(Chunk::Done);
     }
     Ok(info)
+}
+
+/// A done line's usage from its raw `prompt_eval_count` and `eval_count`
+/// (both decoder paths): none when neither is a count, as an SSE stream
+/// without `usage` has none; a missing one counts 0.
+fn done_usage(prompt: Option<&str>, completion: Option<&str>) -> Option<Usage> {
+    let (prompt, completion) = (raw_u64(prompt), raw_u64(completion));
+    (prompt.is_some() || completion.is_some()).then(|| Usage::new(prompt, completion, None))
 }
 
 /// JavaScript's `Number.MAX_SAFE_INTEGER`: numbering stays far from
@@ -364,10 +372,8 @@ impl LineSpans {
                 choice: 0,
                 kind: finish.unwrap_or(FinishKind::Whole),
             });
-            let prompt = raw_u64(raw(self.prompt_eval_count));
-            let completion = raw_u64(raw(self.eval_count));
-            if prompt.is_some() || completion.is_some() {
-                emit(Chunk::Usage(Usage::new(prompt, completion, None)));
+            if let Some(usage) = done_usage(raw(self.prompt_eval_count), raw(self.eval_count)) {
+                emit(Chunk::Usage(usage));
             }
             emit(Chunk::Done);
         }
@@ -432,33 +438,28 @@ mod tests {
     #[test]
     fn a_done_line_without_counts_has_no_usage() {
         let mut state = DecoderState::default();
-        let line = r#"{"message":{"role":"assistant","content":""},"done":true}"#;
-        assert_eq!(
-            chunks(line, &mut state),
-            vec![
-                Chunk::Finish {
-                    choice: 0,
-                    kind: FinishKind::Whole
-                },
-                Chunk::Done,
-            ]
-        );
-        let line = r#"{"message":{"role":"assistant","content":""},"done":true,"eval_count":5}"#;
-        assert_eq!(
-            chunks(line, &mut state),
-            vec![
-                Chunk::Finish {
-                    choice: 0,
-                    kind: FinishKind::Whole
-                },
-                Chunk::Usage(Usage {
+        for (line, usage) in [
+            (
+                r#"{"message":{"role":"assistant","content":""},"done":true}"#,
+                None,
+            ),
+            (
+                r#"{"message":{"role":"assistant","content":""},"done":true,"eval_count":5}"#,
+                Some(Usage {
                     prompt_tokens: 0,
                     completion_tokens: 5,
-                    total_tokens: 5
+                    total_tokens: 5,
                 }),
-                Chunk::Done,
-            ]
-        );
+            ),
+        ] {
+            let mut expected = vec![Chunk::Finish {
+                choice: 0,
+                kind: FinishKind::Whole,
+            }];
+            expected.extend(usage.map(Chunk::Usage));
+            expected.push(Chunk::Done);
+            assert_eq!(chunks(line, &mut state), expected, "{line}");
+        }
     }
 
     #[test]
