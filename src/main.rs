@@ -30,6 +30,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// (BENCHMARKS.md, "Ninth round"; issue 6's soak). A build made with
 /// `--cfg aalis_system_alloc` keeps the system's, for valgrind's dhat to
 /// count allocations (scripts/bench/dhat_serve.sh); never a build for use.
+/// `.cargo/config.toml` builds jemalloc with thread caches tidied every
+/// 4 MiB a thread allocates, not every 64 KiB (BENCHMARKS.md, "After the
+/// fiftieth round, fourth session").
 #[cfg(not(any(target_env = "msvc", aalis_system_alloc)))]
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
