@@ -274,7 +274,9 @@ impl AnnotateArgs {
 /// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
 /// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
-/// headers in time, 408 when the client stops sending its request body; a
+/// headers in time, 408 when the client stops sending its request body,
+/// 508 when a request comes back to this proxy (its own entry in the Via
+/// header it adds: --upstream leads here); a
 /// request head over 64 KiB or 100 header fields gets 431 (with an empty
 /// body). A client connection that sends nothing
 /// within 30 s is closed, as is one whose HTTP/1.1 request head does not
@@ -436,7 +438,8 @@ pub struct ServeArgs {
     /// status (499 when the client left before the answer), session,
     /// duration, bytes, tool calls, outcome (ok, cancelled, idle_timeout,
     /// upstream_error, upstream_unreachable, upstream_timeout,
-    /// client_body_timeout, invalid_request_error, not_implemented); and a
+    /// client_body_timeout, invalid_request_error, not_implemented,
+    /// loop_detected); and a
     /// warning that says why when the upstream could not be reached,
     /// answered too late or failed mid-stream. Header values are never
     /// logged. Lines are written by a thread of their own, so a stderr that

@@ -125,6 +125,16 @@ impl TestProxy {
         head_timeout: Duration,
     ) -> TestProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        TestProxy::start_on(listener, config, client, head_timeout)
+    }
+
+    /// [`TestProxy::start_with`], on `listener`.
+    fn start_on(
+        listener: TcpListener,
+        config: ProxyConfig,
+        client: UpstreamClient,
+        head_timeout: Duration,
+    ) -> TestProxy {
         let addr = listener.local_addr().expect("proxy addr");
         let sessions = SessionRegistry::new();
         let grace = config.shutdown_grace;
@@ -622,6 +632,12 @@ async fn non_streams_pass_through_and_requests_arrive_unchanged() {
     );
     assert_eq!(header(&seen.headers, "x-api-key"), Some("key-456"));
     assert_eq!(header(&seen.headers, "x-custom"), Some("kept"));
+    // RFC 9110 §7.6.3: the proxy's own entry in Via.
+    assert!(
+        header(&seen.headers, "via").is_some_and(|v| v.starts_with("1.1 aalis-")),
+        "{:?}",
+        seen.headers
+    );
     for hop in [
         "connection",
         "x-foo",
@@ -1149,6 +1165,48 @@ async fn a_websocket_upgrade_is_refused_with_501() {
     let response = send(&client(), request("h2c")).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(upstream.requests().len(), 1);
+}
+
+/// An `--upstream` that leads back to the proxy (a port typed twice) gets
+/// one `508` with an OpenAI-style error, told by the proxy's own entry in
+/// the request's `Via`. Before, each request went round until the sockets
+/// ran out (some 10,000 requests in a second), and the client got a `502`
+/// about too many open files. Two proxies one behind the other are no
+/// loop: each adds its own entry, after the client's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_comes_back_to_its_proxy_gets_508_once() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+    let own = format!("http://{}", listener.local_addr().expect("addr"));
+    let config = proxy_config(&own);
+    let client_of = upstream_client(&config);
+    let looped = TestProxy::start_on(listener, config, client_of, server::HEAD_READ_TIMEOUT);
+    let (status, _, error) = json_body(send(&client(), get(&looped.url("/v1/models"))).await).await;
+    assert_eq!(status, StatusCode::LOOP_DETECTED);
+    assert!(
+        openai_error(&error, "loop_detected").contains("came back to the aalis-proxy"),
+        "{error}"
+    );
+
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let inner = TestProxy::start(proxy_config(&upstream.url(""))).await;
+    let outer = TestProxy::start(proxy_config(&inner.url(""))).await;
+    let req = Request::get(outer.url("/v1/models"))
+        .header("via", "1.0 corp-gateway")
+        .body(empty())
+        .expect("request");
+    let response = send(&client(), req).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let seen = &upstream.requests()[0];
+    let via: Vec<&str> = seen
+        .headers
+        .get_all("via")
+        .iter()
+        .map(|v| v.to_str().expect("ASCII"))
+        .collect();
+    assert_eq!(via.len(), 3, "{via:?}");
+    assert_eq!(via[0], "1.0 corp-gateway");
+    assert!(via[1].starts_with("1.1 aalis-") && via[2].starts_with("1.1 aalis-"));
+    assert_ne!(via[1], via[2], "each proxy has an entry of its own");
 }
 
 /// CONNECT (a client told to use the proxy as an HTTP proxy) gets `501`

@@ -69,7 +69,30 @@ struct Shared {
     session_prefix: String,
     /// … and a counter.
     session_counter: AtomicU64,
+    /// What this process adds to the `Via` of every request it forwards
+    /// (`1.1 aalis-` and sixteen random hex digits), and the part of it
+    /// that a request coming back finds ([`Shared::came_back`]).
+    via: HeaderValue,
 }
+
+impl Shared {
+    /// Whether `headers` hold this process's own `Via` entry: the request
+    /// went out of this proxy and came back to it, an `--upstream` that
+    /// leads here (its own listen address, or a proxy in between that
+    /// points back). Forwarded again, it would go round until the sockets
+    /// ran out, some 10,000 requests in a second.
+    fn came_back(&self, headers: &http::HeaderMap) -> bool {
+        let own = &self.via.as_bytes()[VIA_PROTOCOL.len()..];
+        headers
+            .get_all(header::VIA)
+            .iter()
+            .any(|via| via.as_bytes().windows(own.len()).any(|w| w == own))
+    }
+}
+
+/// How `Via` names the protocol this proxy received a request by: the
+/// upstream request is always HTTP/1.1's shape (see `forward`).
+const VIA_PROTOCOL: &str = "1.1 ";
 
 /// Whose fault an error response is, and its JSON `type`.
 #[derive(Debug, Clone, Copy)]
@@ -93,6 +116,9 @@ enum Fault {
     /// which the proxy does not make, or sent its body in a transfer
     /// coding other than `chunked`.
     NotImplemented,
+    /// The request came back to the proxy that forwarded it (its `Via`):
+    /// `--upstream` leads to this proxy.
+    Loop,
 }
 
 impl Fault {
@@ -103,6 +129,7 @@ impl Fault {
             Fault::UpstreamUnreachable | Fault::UpstreamError => StatusCode::BAD_GATEWAY,
             Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Fault::NotImplemented => StatusCode::NOT_IMPLEMENTED,
+            Fault::Loop => StatusCode::LOOP_DETECTED,
         }
     }
 
@@ -115,6 +142,7 @@ impl Fault {
             Fault::UpstreamTimeout => "upstream_timeout",
             Fault::UpstreamError => "upstream_error",
             Fault::NotImplemented => "not_implemented",
+            Fault::Loop => "loop_detected",
         }
     }
 }
@@ -124,9 +152,14 @@ impl Proxy {
         use std::hash::{BuildHasher, Hasher};
         // RandomState is seeded randomly per process: enough to keep
         // generated ids of two runs apart, without a dependency.
-        let session_seed = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
+        let random = || {
+            std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish()
+        };
+        let session_seed = random();
+        let via = HeaderValue::try_from(format!("{VIA_PROTOCOL}aalis-{:016x}", random()))
+            .unwrap_or_else(|_| HeaderValue::from_static("1.1 aalis"));
         Proxy {
             shared: Arc::new(Shared {
                 metrics: Arc::new(Metrics::default()),
@@ -136,6 +169,7 @@ impl Proxy {
                 sessions,
                 session_prefix: session_prefix(session_seed),
                 session_counter: AtomicU64::new(0),
+                via,
             }),
         }
     }
@@ -211,7 +245,8 @@ impl Proxy {
                     Fault::BadRequest
                     | Fault::ClientAborted
                     | Fault::ClientTimeout
-                    | Fault::NotImplemented => {}
+                    | Fault::NotImplemented
+                    | Fault::Loop => {}
                 }
                 let mut response = error_response(fault, &message);
                 let log = RequestLog {
@@ -230,6 +265,7 @@ impl Proxy {
                     Fault::ClientTimeout => "client_body_timeout",
                     Fault::BadRequest
                     | Fault::NotImplemented
+                    | Fault::Loop
                     | Fault::UpstreamUnreachable
                     | Fault::UpstreamTimeout
                     | Fault::UpstreamError => fault.kind(),
@@ -240,7 +276,10 @@ impl Proxy {
                     // proxy (a refused connection, a certificate that does
                     // not match): said at the default level. The message
                     // holds no header value.
-                    Fault::UpstreamUnreachable | Fault::UpstreamTimeout | Fault::UpstreamError => {
+                    Fault::UpstreamUnreachable
+                    | Fault::UpstreamTimeout
+                    | Fault::UpstreamError
+                    | Fault::Loop => {
                         tracing::warn!(session = %log.session_id, path = %log.path, "{message}");
                     }
                     Fault::BadRequest
@@ -275,6 +314,17 @@ impl Proxy {
             None => self.generate_session_id(),
         };
         let fail = |fault, message: String| (fault, message, Some(session_id.clone()));
+        if self.shared.came_back(req.headers()) {
+            return Err(fail(
+                Fault::Loop,
+                format!(
+                    "this request came back to the aalis-proxy that forwarded it (its Via \
+                     header): --upstream ({}) leads back to this proxy; point it at the API \
+                     instead",
+                    config.upstream.authority()
+                ),
+            ));
+        }
         // CONNECT asks for a tunnel too: its target is an authority, not
         // a path under --upstream (mapped, it went out as `CONNECT /v1`).
         if req.method() == http::Method::CONNECT {
@@ -342,6 +392,9 @@ impl Proxy {
         }
         parts.version = http::Version::HTTP_11;
         strip_hop_by_hop(&mut parts.headers);
+        // RFC 9110 §7.6.3: a gateway adds its entry to the request's Via;
+        // ours also lets a request that comes back be told (`came_back`).
+        parts.headers.append(header::VIA, self.shared.via.clone());
         // Over HTTP/2 (only `https://` upstreams speak it), the clients'
         // credentials share a connection's header compression table.
         if !config.upstream.is_plain_http() {

@@ -281,6 +281,9 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Past hyper's 100: a request of as many fields as the proxy takes
+    // arrives with the proxy's `Via` besides.
+    builder.http1().max_headers(128);
     if let Some(streams) = shared.h2_streams {
         builder.http2().max_concurrent_streams(streams);
     }
