@@ -1094,20 +1094,26 @@ fn unix_ms() -> u64 {
 
 /// A stream's response gets `Cache-Control: no-cache` (nothing between
 /// proxy and client may hold it), except where the upstream said
-/// `no-store`, which says more and is kept.
+/// `no-store`, which says more and is kept; its `private` stays beside
+/// `no-cache` (it was dropped: a shared cache could then store one user's
+/// answer, revalidated).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streams_no_store_is_kept() {
     let upstream = FakeUpstream::start(|req| {
         let reply = Reply::stream("text/event-stream", [&b"data: {}\n\n"[..]]);
-        if req.uri.path().ends_with("/store") {
-            reply.header("cache-control", "private, No-Store")
-        } else {
-            reply.header("cache-control", "max-age=60")
+        match req.uri.path() {
+            "/v1/store" => reply.header("cache-control", "private, No-Store"),
+            "/v1/private" => reply.header("cache-control", "Private=\"set-cookie\", max-age=60"),
+            _ => reply.header("cache-control", "max-age=60"),
         }
     })
     .await;
     let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
-    for (path, wanted) in [("/v1/store", "private, No-Store"), ("/v1/x", "no-cache")] {
+    for (path, wanted) in [
+        ("/v1/store", "private, No-Store"),
+        ("/v1/private", "private, no-cache"),
+        ("/v1/x", "no-cache"),
+    ] {
         let response = send(&client(), get(&proxy.url(path))).await;
         let got = response
             .headers()

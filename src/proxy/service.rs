@@ -530,20 +530,32 @@ impl Proxy {
                 // buffered by anything between us and the client.
                 parts.headers.remove(header::CONTENT_LENGTH);
                 // An upstream's `no-store` says more than `no-cache`: kept.
-                let no_store = parts
-                    .headers
-                    .get_all(header::CACHE_CONTROL)
-                    .iter()
-                    .any(|v| {
-                        v.to_str().is_ok_and(|v| {
-                            v.split(',')
-                                .any(|d| d.trim().eq_ignore_ascii_case("no-store"))
-                        })
-                    });
-                if !no_store {
+                // Its `private` (no shared cache may store the answer of
+                // one user) stays beside `no-cache`.
+                let says = |directive: &str| {
                     parts
                         .headers
-                        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                        .get_all(header::CACHE_CONTROL)
+                        .iter()
+                        .any(|v| {
+                            v.to_str().is_ok_and(|v| {
+                                v.split(',').any(|d| {
+                                    d.split('=').next().is_some_and(|name| {
+                                        name.trim().eq_ignore_ascii_case(directive)
+                                    })
+                                })
+                            })
+                        })
+                };
+                if !says("no-store") {
+                    let value = if says("private") {
+                        "private, no-cache"
+                    } else {
+                        "no-cache"
+                    };
+                    parts
+                        .headers
+                        .insert(header::CACHE_CONTROL, HeaderValue::from_static(value));
                 }
                 parts.headers.insert(
                     HeaderName::from_static("x-accel-buffering"),
