@@ -206,10 +206,28 @@ impl Conn {
     /// is asked for again for every response, once its head is read (asked
     /// for before, the head's ACK would wait through a model's wait for its
     /// first token, and the mode would be gone by then). A failure costs
-    /// only the saving, and is not reported.
-    fn ack_in_pairs(&self) {
+    /// only the saving, and is not reported. Whether it was asked for.
+    ///
+    /// An upstream with Nagle's algorithm on (no `TCP_NODELAY`) waits for
+    /// the ACK of one small segment before it sends the next: in this mode
+    /// that ACK waits for the timer, and each event sent meanwhile with it,
+    /// up to 40 ms once a response (the kernel leaves the mode when the
+    /// timer fires). [`PairsWatch`] tells such an upstream, and the pool
+    /// then reads it in the kernel's default mode.
+    fn ack_in_pairs(&self) -> bool {
         #[cfg(any(target_os = "linux", target_os = "android"))]
-        let _ = rustix::net::sockopt::set_tcp_quickack(&self.io, false);
+        return rustix::net::sockopt::set_tcp_quickack(&self.io, false).is_ok();
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        false
+    }
+
+    /// Whether the socket has left delayed-ACK mode ([`Conn::ack_in_pairs`]):
+    /// the kernel's delayed-ACK timer fired since it was asked for.
+    fn left_pairs(&self) -> bool {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        return rustix::net::sockopt::tcp_quickack(&self.io).unwrap_or(false);
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        false
     }
 
     /// Whether it is open with nothing to read: one read is tried (with
@@ -388,6 +406,37 @@ pub struct H1Pool {
     /// building it (two allocations a request; BENCHMARKS.md, forty-sixth
     /// round).
     host: OnceLock<(Authority, HeaderValue)>,
+    /// Responses are read acknowledging in pairs ([`Conn::ack_in_pairs`])
+    /// until one shows that the upstream waits for each ACK
+    /// ([`PairsWatch`]).
+    pairs: AtomicBool,
+}
+
+/// Tells an upstream that waits for the ACK of each small segment (Nagle's
+/// algorithm on) while a response is read in delayed-ACK mode. Such an
+/// upstream sends one segment, then holds what follows until the kernel's
+/// delayed-ACK timer (40 ms at least on Linux) sends the ACK, and the
+/// timer's firing takes the socket out of the mode. So a socket that has
+/// left the mode while its response still streams is what it looks like.
+/// One that does not wait leaves it only when its stream pauses for that
+/// long after an odd segment: a slow stream, for which the mode saves
+/// nothing. Either way the pool then reads every response in the kernel's
+/// default mode. The socket is asked (one `getsockopt`) at the response's
+/// 2nd, 4th, 8th… read, not at each: the 2nd read is the one such an
+/// upstream holds back. An upstream that waits so costs its first
+/// response's events one wait of the timer, at most about 40 ms; the
+/// ones after, none.
+struct PairsWatch {
+    /// Reads of the response body so far.
+    reads: u64,
+}
+
+impl PairsWatch {
+    /// A read came: whether it is that upstream's sign.
+    fn read(&mut self, conn: &Conn) -> bool {
+        self.reads += 1;
+        self.reads >= 2 && self.reads.is_power_of_two() && conn.left_pairs()
+    }
 }
 
 impl H1Pool {
@@ -408,6 +457,7 @@ impl H1Pool {
             idle: (0..SHARDS).map(|_| Mutex::new(Vec::new())).collect(),
             sweeping: AtomicBool::new(false),
             host: OnceLock::new(),
+            pairs: AtomicBool::new(true),
         })
     }
 
@@ -455,9 +505,10 @@ impl H1Pool {
 
     fn driven(self: &Arc<Self>, conn: Conn, answer: Answer) -> Response<DrivenBody> {
         let Answer { head, sending } = answer;
-        if head.framing != Framing::Empty {
-            conn.ack_in_pairs();
-        }
+        let watch = (head.framing != Framing::Empty
+            && self.pairs.load(Ordering::Relaxed)
+            && conn.ack_in_pairs())
+        .then_some(PairsWatch { reads: 0 });
         let mut response = Response::new(DrivenBody {
             reader: match head.framing {
                 Framing::Empty => Reader::Done,
@@ -470,6 +521,7 @@ impl H1Pool {
             conn: Some(conn),
             pool: Arc::clone(self),
             gate: Gate::new(),
+            watch,
         });
         *response.status_mut() = head.status;
         *response.version_mut() = head.version;
@@ -482,6 +534,17 @@ impl H1Pool {
             pump(response.body_mut());
         }
         response
+    }
+
+    /// From now on, responses are read in the kernel's default mode: the
+    /// upstream waits for each ACK ([`PairsWatch`]).
+    fn ack_every_segment(&self) {
+        if self.pairs.swap(false, Ordering::Relaxed) {
+            tracing::debug!(
+                "the upstream waits for the ACK of each segment (Nagle's algorithm on, no \
+                 TCP_NODELAY): its responses are now read acknowledging each one"
+            );
+        }
     }
 
     /// The newest usable idle connection, this thread's first; another
@@ -604,6 +667,7 @@ fn pump(body: &mut DrivenBody) {
         reusable: body.reusable,
         pool: Arc::clone(&body.pool),
         gate: Gate::new(),
+        watch: body.watch.take(),
     };
     // The client's side can go while the pump waits on the upstream alone
     // (the request sent, no frame to hand on): a sender's `closed` hears
@@ -973,6 +1037,8 @@ pub struct DrivenBody {
     reusable: bool,
     pool: Arc<H1Pool>,
     gate: Gate,
+    /// While the body is read in delayed-ACK mode.
+    watch: Option<PairsWatch>,
 }
 
 impl DrivenBody {
@@ -1113,7 +1179,14 @@ impl Body for DrivenBody {
                     }
                     return this.fail(BodyError::Closed);
                 }
-                Ok(_) => {}
+                Ok(_) => {
+                    if let Some(watch) = &mut this.watch
+                        && watch.read(conn)
+                    {
+                        this.watch = None;
+                        this.pool.ack_every_segment();
+                    }
+                }
                 Err(err) => return this.fail(BodyError::Read(err)),
             }
         }
@@ -1474,6 +1547,70 @@ mod tests {
             set_tcp_quickack(io, true).expect("setsockopt");
             assert_eq!(&whole(response).await[..], b"ok");
             assert_eq!(pool.idle_connections(), 1, "{round}: kept for reuse");
+        }
+    }
+
+    /// An upstream that streams `events` chunks `gap` apart, twice, with
+    /// Nagle's algorithm on or off.
+    async fn pacing_upstream(nagle: bool, events: usize, gap: Duration) -> SocketAddr {
+        upstream_script(move |mut stream| async move {
+            if stream.set_nodelay(!nagle).is_err() {
+                return;
+            }
+            for _ in 0..2 {
+                if !read_request_head(&mut stream).await {
+                    return;
+                }
+                let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+                if stream.write_all(head).await.is_err() {
+                    return;
+                }
+                for i in 0..events {
+                    tokio::time::sleep(gap).await;
+                    let event = format!("data: {i:02}\n\n");
+                    let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+                    if stream.write_all(chunk.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+                if stream.write_all(b"0\r\n\r\n").await.is_err() {
+                    return;
+                }
+            }
+            let _ = stream.read(&mut [0u8; 1]).await;
+        })
+        .await
+    }
+
+    /// An upstream with Nagle's algorithm on waits for the ACK of each
+    /// small segment before it sends the next, and in delayed-ACK mode
+    /// that ACK waits for the kernel's timer (40 ms): its first response
+    /// shows it (`PairsWatch`), and from then on the pool reads its
+    /// responses in the kernel's default mode, where each event goes on
+    /// at once. An upstream with `TCP_NODELAY`, streaming fast, keeps the
+    /// mode. (Before, every response of the first kept it, and its events
+    /// waited up to 35 ms once a response.)
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[tokio::test]
+    async fn an_upstream_that_waits_for_each_ack_is_read_acknowledging_each_segment() {
+        let events = 12;
+        let expected: Vec<u8> = (0..events)
+            .flat_map(|i| format!("data: {i:02}\n\n").into_bytes())
+            .collect();
+        for (nagle, gap) in [
+            (true, Duration::from_millis(5)),
+            (false, Duration::from_millis(1)),
+        ] {
+            let addr = pacing_upstream(nagle, events, gap).await;
+            let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
+            let response = pool.request(get(addr)).await.expect("first response");
+            assert_eq!(whole(response).await, expected);
+            assert_eq!(pool.pairs.load(Ordering::Relaxed), !nagle, "Nagle {nagle}");
+            // Asked for the mode or not (the kernel may enter it by
+            // itself: this request followed a response at once).
+            let response = pool.request(get(addr)).await.expect("second response");
+            assert_eq!(response.body().watch.is_some(), !nagle, "Nagle {nagle}");
+            assert_eq!(whole(response).await, expected);
         }
     }
 
