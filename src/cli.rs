@@ -102,7 +102,7 @@ pub struct AnnotateArgs {
 
     /// Session id written in every line of --format messages (required
     /// there, refused with other formats): 1 to 128 visible ASCII
-    /// characters, as serve takes X-Aalis-Session
+    /// characters, not . or .., as serve takes X-Aalis-Session
     ///
     /// Example: --format messages --session chat-42
     #[arg(long, value_name = "ID", required_if_eq("format", "messages"))]
@@ -202,16 +202,13 @@ impl AnnotateArgs {
             ));
         }
         // As serve takes X-Aalis-Session.
-        if let Some(session) = &self.session
-            && (session.is_empty()
-                || session.len() > 128
-                || !session.bytes().all(|b| b.is_ascii_graphic()))
+        if let Some(problem) = self
+            .session
+            .as_deref()
+            .and_then(|session| crate::proxy::service::session_id_problem(session.as_bytes()))
         {
             let kind = clap::error::ErrorKind::ValueValidation;
-            return Err(annotate_error(
-                kind,
-                "--session must be 1 to 128 visible ASCII characters, without spaces",
-            ));
+            return Err(annotate_error(kind, &format!("--session {problem}")));
         }
         Ok(())
     }
@@ -268,8 +265,8 @@ impl AnnotateArgs {
 /// arrive, with progress injected as --inject (or the request header
 /// X-Aalis-Inject) says; every other response passes through untouched. The
 /// request header X-Aalis-Session names the session, 1 to 128 visible ASCII
-/// characters (one is generated and returned in that response header when
-/// absent).
+/// characters, not . or .. (one is generated and returned in that response
+/// header when absent).
 ///
 /// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
 /// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
@@ -289,8 +286,8 @@ impl AnnotateArgs {
 /// their own: a stderr nobody reads, or a terminal paused with Ctrl-S, stops
 /// no stream.
 ///
-/// Its own routes, under /_aalis/ (loopback clients only, unless
-/// --admin-token): GET /_aalis/ a live status page; GET /_aalis/sessions
+/// Its own routes, under /_aalis/ (loopback clients that ask for a loopback
+/// Host only, unless --admin-token; no CORS headers): GET /_aalis/ a live status page; GET /_aalis/sessions
 /// the sessions with something in progress, and /_aalis/events every
 /// session's frames as SSE; GET /_aalis/sessions/{id} a session's
 /// stream_resume snapshot, and /_aalis/sessions/{id}/events that snapshot
@@ -409,8 +406,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
     pub session_ttl: Duration,
 
-    /// Let clients that are not on loopback use the /_aalis/ routes with
-    /// `Authorization: Bearer TOKEN` (without it they get 403)
+    /// Let clients that are not on loopback, or that ask for a Host other
+    /// than localhost, 127.x.y.z or [::1] (a proxy in front that keeps its
+    /// own), use the /_aalis/ routes with `Authorization: Bearer TOKEN`
+    /// (without it they get 403)
     ///
     /// Example: --admin-token "$(openssl rand -hex 16)"
     #[arg(long, value_name = "TOKEN", value_parser = parse_token)]

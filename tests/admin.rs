@@ -794,3 +794,41 @@ async fn cross_site_requests_are_refused() {
     .await;
     assert_eq!(response.status(), 403);
 }
+
+/// A session id that can never be one gets `400`, in the request header
+/// and in the `/_aalis/` routes' paths alike: `.` and `..` (which a URL's
+/// path resolves, so those routes could not name them), a byte that is
+/// not visible ASCII, more than 128 bytes. Before, the header took `..`,
+/// and the routes answered such ids with an empty snapshot, or a
+/// subscriber that waited for good, holding an id of up to 64 KiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_that_cannot_be_sessions_get_400() {
+    let run = start(Duration::ZERO).await;
+    let long = "x".repeat(129);
+    for id in ["%2E%2E", ".", "%00", "%FF", "a%20b", long.as_str()] {
+        for route in ["", "/events"] {
+            let url = format!("{}/_aalis/sessions/{id}{route}", run.proxy);
+            let response = send("GET", &url, "", &[]).await;
+            assert_eq!(response.status(), 400, "{url}");
+            let error: Value =
+                serde_json::from_slice(&whole(response.into_body()).await).expect("JSON");
+            assert_eq!(error["error"]["type"], "invalid_request_error", "{url}");
+        }
+    }
+    // The longest id, and `...`, are sessions.
+    for id in ["x".repeat(128), "...".to_owned()] {
+        let url = format!("{}/_aalis/sessions/{id}", run.proxy);
+        assert_eq!(send("GET", &url, "", &[]).await.status(), 200, "{url}");
+    }
+    let response = send(
+        "POST",
+        &format!("{}/v1/chat/completions", run.proxy),
+        r#"{"model":"single_tool_call","stream":true}"#,
+        &[
+            ("content-type", "application/json"),
+            ("x-aalis-session", ".."),
+        ],
+    )
+    .await;
+    assert_eq!(response.status(), 400);
+}

@@ -34,7 +34,7 @@ use tokio::sync::{broadcast, mpsc};
 
 use super::body::log_safe;
 use super::metrics::Metrics;
-use super::service::{Proxy, json_error, json_response};
+use super::service::{Proxy, json_error, json_response, session_id_problem};
 use super::sessions::{
     ALL_SESSIONS_BACKLOG, Frame as SessionFrame, SUBSCRIBER_BACKLOG, SessionRegistry, Subscription,
 };
@@ -61,7 +61,9 @@ pub async fn handle(
         return json_error(
             StatusCode::FORBIDDEN,
             "forbidden",
-            "aalis-proxy's own routes answer loopback clients, or a Bearer --admin-token",
+            "aalis-proxy's own routes answer loopback clients that ask for a loopback host \
+             (localhost, 127.x.y.z or [::1] in Host: a guard against DNS rebinding), or a \
+             Bearer --admin-token",
         );
     }
     let path = req.uri().path().to_owned();
@@ -75,8 +77,8 @@ pub async fn handle(
         [""] => Route::Page,
         ["sessions"] => Route::Sessions,
         ["events"] => Route::Events,
-        ["sessions", id] if !id.is_empty() => Route::Session(id),
-        ["sessions", id, "events"] if !id.is_empty() => Route::SessionEvents(id),
+        ["sessions", id] if !id.is_empty() => Route::Session(decode_segment(id)),
+        ["sessions", id, "events"] if !id.is_empty() => Route::SessionEvents(decode_segment(id)),
         ["tool-execute"] => Route::ToolExecute,
         ["metrics"] => Route::Metrics,
         _ => {
@@ -107,6 +109,17 @@ pub async fn handle(
             .insert(header::ALLOW, HeaderValue::from_static(allow));
         return response;
     }
+    if let Route::Session(id) | Route::SessionEvents(id) = &route
+        && let Some(problem) = session_id_problem(id.as_bytes())
+    {
+        // Never a session: said, rather than an empty snapshot, or a
+        // subscriber that waits for good (and holds a long id meanwhile).
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &format!("the session id in the path {problem}"),
+        );
+    }
     match route {
         Route::Page => html(STATUS_PAGE),
         Route::Sessions => json_text(&proxy.sessions().sessions_resume()),
@@ -115,11 +128,11 @@ pub async fn handle(
             proxy.metrics().clone(),
             Watch::All,
         ),
-        Route::Session(id) => json_text(&proxy.sessions().resume_frame(&decode_segment(id))),
+        Route::Session(id) => json_text(&proxy.sessions().resume_frame(&id)),
         Route::SessionEvents(id) => events(
             proxy.sessions().clone(),
             proxy.metrics().clone(),
-            Watch::Session(decode_segment(id)),
+            Watch::Session(id),
         ),
         Route::ToolExecute => tool_execute(proxy, req).await,
         Route::Metrics => {
@@ -134,12 +147,13 @@ pub async fn handle(
 }
 
 /// The routes under `/_aalis/`, by path.
-enum Route<'a> {
+enum Route {
     Page,
     Sessions,
     Events,
-    Session(&'a str),
-    SessionEvents(&'a str),
+    /// The session id, percent-decoded.
+    Session(String),
+    SessionEvents(String),
     ToolExecute,
     Metrics,
 }

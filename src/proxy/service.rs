@@ -748,15 +748,27 @@ fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
 /// A session id from the header: visible ASCII, at most 128 bytes.
 fn valid_session_id(value: &HeaderValue) -> Result<String, String> {
     let bytes = value.as_bytes();
-    if bytes.is_empty() || bytes.len() > MAX_SESSION_ID_BYTES {
-        return Err(format!(
-            "X-Aalis-Session must be 1 to {MAX_SESSION_ID_BYTES} bytes long"
-        ));
+    match session_id_problem(bytes) {
+        Some(problem) => Err(format!("X-Aalis-Session {problem}")),
+        None => Ok(String::from_utf8_lossy(bytes).into_owned()),
     }
-    if !bytes.iter().all(|b| b.is_ascii_graphic()) {
-        return Err("X-Aalis-Session must be visible ASCII without spaces".to_owned());
+}
+
+/// What makes `id` no session id, if anything: one is 1 to 128 visible
+/// ASCII characters, and not `.` or `..`, which a URL's path resolves (a
+/// browser or Node asked for `/_aalis/sessions/../events` asks for
+/// `/_aalis/events`), so the `/_aalis/` routes could not name them. The
+/// same rule for the request header and for those routes' paths.
+pub(crate) fn session_id_problem(id: &[u8]) -> Option<String> {
+    if id.is_empty() || id.len() > MAX_SESSION_ID_BYTES {
+        Some(format!("must be 1 to {MAX_SESSION_ID_BYTES} bytes long"))
+    } else if !id.iter().all(u8::is_ascii_graphic) {
+        Some("must be visible ASCII without spaces".to_owned())
+    } else if id == b"." || id == b".." {
+        Some("must not be . or .. (a URL's path would resolve it)".to_owned())
+    } else {
+        None
     }
-    Ok(String::from_utf8_lossy(bytes).into_owned())
 }
 
 fn parse_inject(value: &HeaderValue) -> Result<InjectMode, String> {
@@ -1139,6 +1151,14 @@ mod tests {
         assert!(valid_session_id(&HeaderValue::from_static("a b")).is_err());
         assert!(
             valid_session_id(&HeaderValue::from_str(&"x".repeat(129)).expect("value")).is_err()
+        );
+        for dots in [".", ".."] {
+            let err = valid_session_id(&HeaderValue::from_static(dots)).expect_err(dots);
+            assert!(err.contains("must not be . or .."), "{err}");
+        }
+        assert_eq!(
+            valid_session_id(&HeaderValue::from_static("...")),
+            Ok("...".into())
         );
     }
 
