@@ -3415,25 +3415,63 @@ async fn a_request_with_more_than_100_header_fields_gets_431() {
     assert_eq!(upstream.requests().len(), 1);
 }
 
-/// Session ids in the path of the `/_aalis/` routes are percent-decoded,
-/// so they can hold CR, LF, NUL and `data:`: the snapshot route answers
-/// JSON with them escaped (`"a\r\nX-Injected: 1"`), and the events route's
-/// first frame stays one `data:` line — no second SSE line or event can be
-/// made of the id. (There is no query form of the session id.)
+/// Session ids in the path of the `/_aalis/` routes are percent-decoded:
+/// one that decodes to CR, LF, NUL or a byte past ASCII is no session id
+/// (the request header's rule) and gets a well-formed `400` that does not
+/// echo it; one of visible ASCII with quotes, backslashes, `data:` or
+/// `../` is answered, the snapshot route's JSON with it escaped, and the
+/// events route's first frame stays one `data:` line — no second SSE line
+/// or event can be made of the id. (There is no query form of the session
+/// id.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_ids_in_paths_cannot_split_responses_or_events() {
     let upstream = FakeUpstream::start(|_| Reply::new(404)).await;
     let proxy = Served::start(proxy_config(&upstream.url(""))).await;
     for (path, id) in [
-        ("a%0D%0AX-Injected:%201", "a\r\nX-Injected: 1"),
+        ("a%0D%0AX-Injected:%201", None),
+        ("a%0Adata:%20%7B%7D%0A%0Aevent:%20x", None),
+        ("a%00b%0Dc", None),
+        ("%ff%fe", None),
+        ("%2e%2e%2f%2e%2e%2fetc", Some("../../etc")),
         (
-            "a%0Adata:%20%7B%7D%0A%0Aevent:%20x",
-            "a\ndata: {}\n\nevent: x",
+            "data:%7B%22a%22:1%7D%22%5C%3Cx%3E",
+            Some("data:{\"a\":1}\"\\<x>"),
         ),
-        ("a%00b%0Dc", "a\u{0}b\rc"),
-        ("%2e%2e%2f%2e%2e%2fetc", "../../etc"),
-        ("%ff%fe", "\u{fffd}\u{fffd}"),
     ] {
+        // A session's events route stays open: read below, frame by frame.
+        let routes: &[&str] = if id.is_none() {
+            &["", "/events"]
+        } else {
+            &[""]
+        };
+        for route in routes {
+            let raw = raw_exchange(
+                proxy.addr,
+                format!(
+                    "GET /_aalis/sessions/{path}{route} HTTP/1.1\r\nhost: 127.0.0.1\r\n\
+                     connection: close\r\n\r\n"
+                )
+                .as_bytes(),
+            )
+            .await;
+            let response = RawResponse::parse(&raw);
+            response.assert_well_formed();
+            assert!(response.headers("x-injected").is_empty());
+            if id.is_none() {
+                assert_eq!(response.status, 400, "{path}{route}");
+                let value: Value = serde_json::from_slice(&response.body).expect("JSON");
+                assert_eq!(value["error"]["type"], "invalid_request_error");
+            } else if route.is_empty() {
+                assert_eq!(response.status, 200, "{path}");
+            }
+            assert!(
+                !response.body.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)),
+                "{path}{route}: a raw control byte in the JSON"
+            );
+        }
+        let Some(id) = id else {
+            continue;
+        };
         let raw = raw_exchange(
             proxy.addr,
             format!(
@@ -3442,15 +3480,7 @@ async fn session_ids_in_paths_cannot_split_responses_or_events() {
             .as_bytes(),
         )
         .await;
-        let response = RawResponse::parse(&raw);
-        response.assert_well_formed();
-        assert_eq!(response.status, 200, "{path}");
-        assert!(response.headers("x-injected").is_empty());
-        assert!(
-            !response.body.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)),
-            "{path}: a raw control byte in the JSON"
-        );
-        let value: Value = serde_json::from_slice(&response.body).expect("JSON");
+        let value: Value = serde_json::from_slice(&RawResponse::parse(&raw).body).expect("JSON");
         assert_eq!(value["sessionId"], id, "{path}");
 
         // The events route: read the first frame, then leave.
@@ -3736,7 +3766,7 @@ async fn recorded_file_names_cannot_escape_the_record_dir() {
     let long = "x".repeat(128);
     let accepted = [
         "../../escape",
-        "..",
+        "...",
         ".hidden",
         "/etc/passwd",
         "a%2F..%2Fb",
@@ -3760,6 +3790,7 @@ async fn recorded_file_names_cannot_escape_the_record_dir() {
     for line in [
         &b"x-aalis-session: a b"[..],
         "x-aalis-session: café".as_bytes(),
+        b"x-aalis-session: ..",
     ] {
         let response = raw_request(proxy.addr, "/v1/chat/completions", &[line]).await;
         assert_eq!(response.status, 400);
