@@ -109,6 +109,16 @@ pub enum Warning {
          stream starts with `{{` within them) and passed on as such"
     )]
     BlankStart { bytes: usize },
+    #[error(
+        "the stream's {bytes} bytes held no SSE event with data and no NDJSON line: no stream \
+         of chat chunks (an HTML error page? another API's?); {}",
+        passed_on(*lines, "passed on unchanged")
+    )]
+    NoFrames {
+        bytes: u64,
+        /// The output is a line format, which leaves them out.
+        lines: bool,
+    },
     #[error("--inject {mode} applies to SSE streams; NDJSON lines get `field` injection")]
     InjectModeNotForNdjson { mode: &'static str },
 }

@@ -357,6 +357,8 @@ struct StreamState {
     done_written: bool,
     /// Frames (SSE events with data, NDJSON lines) handled so far.
     frames: u64,
+    /// Bytes of input so far.
+    input_bytes: u64,
     /// Of those, the frames the framer found with the decoder's probe.
     probed_frames: u64,
     /// Increments for subscribers, kept only when asked for
@@ -443,6 +445,7 @@ impl Annotator {
                 ignored_warned: Vec::new(),
                 done_written: false,
                 frames: 0,
+                input_bytes: 0,
                 probed_frames: 0,
                 events: EventLog::default(),
                 collect_events: config.collect_events,
@@ -458,6 +461,7 @@ impl Annotator {
     /// Feeds input; complete frames are written to `out` at once.
     pub fn push(&mut self, input: &[u8], now: impl Into<Now>, out: &mut impl Sink) {
         let now = now.into();
+        self.state.input_bytes += input.len() as u64;
         match &mut self.framer {
             Framer::Sniffing(seen) => {
                 // The first piece nearly always tells the framing: it is
@@ -540,6 +544,23 @@ impl Annotator {
                 .push(StreamEvent::Cleared(ClearReason::StreamEnd));
         }
         state.write_done(out);
+        // Bytes, but no event or line at all, nor one too large or
+        // unreadable, nor one cut by the end (each said already): not a
+        // stream of chunks (an HTML error page, a capture of another API),
+        // which would otherwise pass without a word.
+        if state.frames == 0
+            && state.undecodable == 0
+            && state.input_bytes > 0
+            && !state
+                .warnings
+                .iter()
+                .any(|w| matches!(w, Warning::Unterminated { .. }))
+        {
+            state.warnings.push(Warning::NoFrames {
+                bytes: state.input_bytes,
+                lines: state.output != OutputFormat::Sse,
+            });
+        }
         if state.undecodable > MAX_REPORTED {
             state.warnings.push(Warning::Suppressed {
                 count: state.undecodable - MAX_REPORTED,
@@ -780,6 +801,19 @@ impl StreamState {
                 // Only default-type events are chunks; named events (ours,
                 // or a provider's) are forwarded.
                 let is_chunk = matches!(event.event_type, b"" | b"message");
+                // A provider's `event: error` is a failure, as a chunk
+                // `{"error": …}` is: what was in progress is cleared, and
+                // the line formats' done line(s) say the answer may be cut.
+                if event.event_type == b"error" && !self.ended {
+                    let error = Chunk::Error {
+                        raw: "",
+                        message: String::new(),
+                    };
+                    let applied = self.tracker.apply(&error, now);
+                    if self.collect_events {
+                        self.events.record(&error, &applied);
+                    }
+                }
                 // The line formats carry no event as it is: a provider's
                 // named event (an `event: error`, say) goes out as an
                 // `unparsed` line, said once, rather than nowhere. Ours,
@@ -1175,8 +1209,9 @@ impl StreamState {
         match self.output {
             OutputFormat::Sse => {}
             OutputFormat::Ndjson | OutputFormat::Messages => {
-                // A stream with frames that ended without its end marker.
-                let stopped_early = self.frames > 0 && !self.ended;
+                // A stream that ended without its end marker, whether or
+                // not it had frames: an empty body is no whole answer.
+                let stopped_early = !self.ended;
                 self.lines.done(out, &self.tracker, stopped_early);
             }
         }
@@ -1410,8 +1445,11 @@ mod tests {
                     .collect();
                 match framing {
                     Framing::Ndjson => assert!(warnings.is_empty(), "{warnings:?}"),
+                    // The NDJSON lines, read as SSE, are no events.
                     Framing::Sse => assert!(
-                        warnings.len() == 1 && warnings[0].contains("first 65536 bytes"),
+                        warnings.len() == 2
+                            && warnings[0].contains("first 65536 bytes")
+                            && warnings[1].contains("held no SSE event"),
                         "{blank}, {cuts} cuts: {warnings:?}"
                     ),
                 }

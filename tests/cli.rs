@@ -354,7 +354,12 @@ fn incomplete_marks_answers_that_may_stop_in_the_middle() {
         (text.clone(), cut),
         (format!("{text}{}", finish(r#""stop""#)), whole),
         (format!("{text}{done}"), whole),
-        (String::new(), whole),
+        (String::new(), cut),
+        // Neither does a body that is no stream (an HTML error page).
+        (
+            "<html><body>502 Bad Gateway</body></html>\n".to_owned(),
+            cut,
+        ),
         (format!("{text}{}{done}", finish(r#""length""#)), cut),
         (format!("{text}{}", finish(r#""""#)), cut),
         (format!("{text}{}{done}", finish(r#""""#)), whole),
@@ -370,6 +375,11 @@ fn incomplete_marks_answers_that_may_stop_in_the_middle() {
             call_cut,
         ),
         (format!("{call}{error}{done}"), call_cut),
+        // A provider's named error event is an error too.
+        (
+            format!("{call}event: error\ndata: {{\"error\":{{\"message\":\"boom\"}}}}\n\n{done}"),
+            call_cut,
+        ),
         (format!("{error}{call}{done}"), call_cut),
     ] {
         let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
@@ -654,7 +664,10 @@ fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
         &["--format", "ndjson", "--max-event-bytes", "16"],
         long.as_bytes(),
     );
-    assert_eq!(String::from_utf8_lossy(&output.stdout), "{\"done\":true}\n");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "{\"done\":true,\"incomplete\":true}\n"
+    );
     assert_eq!(
         String::from_utf8_lossy(&output.stderr),
         "aalis-proxy: warning: SSE event 1 (byte 0): larger than 16 bytes (--max-event-bytes); \
@@ -1234,11 +1247,42 @@ fn binary_garbage_passes_through_unchanged() {
     }
 }
 
+/// A body that is no stream of chunks (an HTML error page that `curl`
+/// wrote, a capture of another API) is said so once, with its size, and
+/// passed on unchanged; in the line formats its done line says the answer
+/// may be cut. Before, it ended as a whole, empty answer without a word.
+#[test]
+fn a_body_that_is_no_stream_is_said_so() {
+    let page =
+        b"<html>\n<head><title>502 Bad Gateway</title></head>\n<body>nginx</body>\n</html>\n";
+    let output = annotate_ok(&[], page);
+    assert_eq!(output.stdout, page);
+    let output = annotate_ok(&["--format", "ndjson"], page);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "{\"done\":true,\"incomplete\":true}\n"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        format!(
+            "aalis-proxy: warning: the stream's {} bytes held no SSE event with data and no \
+             NDJSON line: no stream of chat chunks (an HTML error page? another API's?); left \
+             out of the lines (--format)\n",
+            page.len()
+        )
+    );
+}
+
 /// An empty input is an empty stream: nothing for `--format sse`, a single
-/// `done` line for `--format ndjson`; status 0, no warnings.
+/// `done` line for `--format ndjson`, which says the answer may be cut
+/// (no `[DONE]` came: a request that failed before its first byte is no
+/// whole, empty answer); status 0, no warnings.
 #[test]
 fn empty_input() {
-    for (format, expected) in [("sse", ""), ("ndjson", "{\"done\":true}\n")] {
+    for (format, expected) in [
+        ("sse", ""),
+        ("ndjson", "{\"done\":true,\"incomplete\":true}\n"),
+    ] {
         let output = run_with_stdin(aalis_proxy_with(&["annotate", "--format", format]), b"");
         assert_eq!(output.status.code(), Some(0), "--format {format}");
         assert_eq!(
