@@ -280,7 +280,8 @@ impl AnnotateArgs {
 /// come whole within 30 s of its first bytes (or of its last response's
 /// end), or an HTTP/2 one with no request open for 30 s (a GOAWAY; dropped
 /// if still open 30 s later). SIGINT or SIGTERM stops accepting connections and lets open
-/// streams finish for --shutdown-grace, then exits 0.
+/// streams finish for --shutdown-grace (an events subscriber, the streams it
+/// follows), then exits 0.
 ///
 /// The log and the --progress spinners are written to stderr by threads of
 /// their own: a stderr nobody reads, or a terminal paused with Ctrl-S, stops

@@ -832,3 +832,56 @@ async fn ids_that_cannot_be_sessions_get_400() {
     .await;
     assert_eq!(response.status(), 400);
 }
+
+/// At the proxy's shutdown, a subscriber whose session has a stream open
+/// hears that stream to its end, its clear and `done` included, and then
+/// its events stream ends, as the stream's own client gets every byte
+/// (one with no stream open still ends at once:
+/// `shutdown_ends_subscriptions_at_once`). Before, the subscriber was cut
+/// at the signal, mid-call, with no clear and no `done`, while the stream
+/// went on to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_shutdown_a_subscriber_hears_its_stream_to_the_end() {
+    let mock_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind mock");
+    let mock_addr = mock_listener.local_addr().expect("addr");
+    let (_stop_mock, mock_stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(
+        MockUpstream::new(Capture::bundled(), Duration::from_millis(40)).run(
+            mock_listener,
+            async {
+                let _ = mock_stopped.await;
+            },
+        ),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let config = ProxyConfig::new(Upstream::parse(&format!("http://{mock_addr}")).expect("url"));
+    let proxy = Proxy::from_config(config, SessionRegistry::new()).expect("proxy");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve_proxy(listener, proxy, async {
+        let _ = stopped.await;
+    }));
+    let mut frames = Frames::open(&base, "sd").await;
+    assert_eq!(frames.next().await["type"], "stream_resume");
+    let chat = chat(&base, "sd");
+    frames.until(|f| f.get("toolCallProgress").is_some()).await;
+    let _ = stop.send(());
+    let rest = frames.until(|f| f["done"] == true).await;
+    assert!(
+        rest.iter().any(|f| f["type"] == "tool_call_progress_clear"),
+        "no clear before done: {rest:?}"
+    );
+    let end = tokio::time::timeout(PATIENCE, frames.body.frame())
+        .await
+        .expect("the events stream ends in time");
+    assert!(end.is_none(), "{end:?}");
+    let body = tokio::time::timeout(PATIENCE, chat)
+        .await
+        .expect("the chat ends in time")
+        .expect("chat task");
+    assert!(body.ends_with(b"data: [DONE]\n\n"), "the chat was cut");
+    tokio::time::timeout(PATIENCE, server)
+        .await
+        .expect("serve returns once both are over")
+        .expect("serve task");
+}

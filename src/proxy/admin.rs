@@ -396,7 +396,20 @@ impl Watch {
             Watch::All => registry.subscribe_all(),
         }
     }
+
+    /// Whether a stream it follows is open.
+    fn streaming(&self, registry: &SessionRegistry) -> bool {
+        match self {
+            Watch::Session(id) => registry.streaming(Some(id)),
+            Watch::All => registry.streaming(None),
+        }
+    }
 }
+
+/// How often a subscriber looks whether the streams it follows have ended,
+/// once the proxy shuts down (their ends also send it frames, which it
+/// looks at too).
+const CLOSING_CHECK: Duration = Duration::from_millis(100);
 
 /// The most a subscriber's frames not yet taken by its connection may
 /// hold, in bytes, and in frames (four times as many on `/_aalis/events`,
@@ -437,8 +450,12 @@ const STALLED_AFTER: Duration = Duration::from_secs(1);
 /// takes bytes again it gets a fresh snapshot (taken then, with a new
 /// receiver) instead of what it missed: a stalled one holds nothing
 /// meanwhile. A client that goes away closes the channel, which ends the
-/// task at once (and forgets its session if nothing else uses it); so
-/// does the proxy's shutdown.
+/// task at once (and forgets its session if nothing else uses it). At the
+/// proxy's shutdown a subscriber ends once no stream it follows (of its
+/// session; of any, on `/_aalis/events`) is open and its frames are taken:
+/// it hears its stream to the end, clear and `done` included, as the
+/// stream's own client does, within `--shutdown-grace` like it; one with
+/// no stream open ends at once.
 fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Response<ProxyBody> {
     let (tx, rx) = mpsc::channel::<Bytes>(1);
     let Subscription { resume, frames } = watch.subscribe(&registry);
@@ -461,14 +478,18 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
         stall_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let closed = registry.closed();
         tokio::pin!(closed);
+        let mut closing = false;
+        let mut closing_check = tokio::time::interval(CLOSING_CHECK);
         loop {
             let resync = frames.is_none();
             // Set by an arm below when the subscriber is to start again.
             let mut behind = false;
             tokio::select! {
-                // The proxy shuts down: end the stream so the connection
-                // can close (EventSource reconnects).
-                () = &mut closed => break,
+                // The proxy shuts down: the stream ends, so that the
+                // connection can close (EventSource reconnects), once the
+                // streams it follows have (below).
+                () = &mut closed, if !closing => closing = true,
+                _ = closing_check.tick(), if closing => {}
                 // The client went away.
                 () = tx.closed() => break,
                 // The connection takes the next frame, or the snapshot due.
@@ -512,6 +533,20 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
                 );
                 backlog.clear();
                 frames = None;
+            }
+            if closing && backlog.is_empty() && !watch.streaming(&registry) {
+                // The end's frames (a clear, `done`) are in the broadcast
+                // before its stream counts as ended: taken first.
+                let mut more = false;
+                if let Some(frames) = frames.as_mut() {
+                    while let Ok(frame) = frames.try_recv() {
+                        backlog.push(sse(&frame));
+                        more = true;
+                    }
+                }
+                if !more {
+                    break;
+                }
             }
         }
         drop(frames);

@@ -142,8 +142,9 @@ impl Session {
 #[derive(Debug, Clone, Default)]
 pub struct SessionRegistry {
     shared: Arc<Mutex<State>>,
-    /// Turns true when the proxy shuts down: live subscriptions end, so
-    /// their connections can close within the grace period.
+    /// Turns true when the proxy shuts down: live subscriptions end once
+    /// the streams they follow have, so their connections can close within
+    /// the grace period.
     closing: Arc<tokio::sync::watch::Sender<bool>>,
     /// Spinners on stderr (`serve --progress`), fed as progress is published.
     display: Option<Arc<ProgressDisplay>>,
@@ -525,9 +526,21 @@ impl SessionRegistry {
         PurgeGuard { stop: Some(stop) }
     }
 
-    /// Ends every live subscription (the proxy is shutting down).
+    /// Ends every live subscription once no stream it follows is open (the
+    /// proxy is shutting down).
     pub fn close_subscriptions(&self) {
         self.closing.send_replace(true);
+    }
+
+    /// Whether a stream is open: of session `session_id`, or of any
+    /// session for `None` (a superseded stream counts: it takes its session
+    /// back when the newer one ends).
+    pub fn streaming(&self, session_id: Option<&str>) -> bool {
+        let state = self.lock();
+        match session_id {
+            Some(id) => state.sessions.get(id).is_some_and(|s| s.streaming),
+            None => state.sessions.slots.iter().any(|(_, s)| s.streaming),
+        }
     }
 
     /// Resolves when [`close_subscriptions`](Self::close_subscriptions) is
