@@ -261,7 +261,8 @@ impl AnnotateArgs {
 /// A reverse proxy: point any OpenAI-compatible client's base URL at
 /// http://127.0.0.1:8787/v1 and every request goes to --upstream, headers
 /// and body as sent (Authorization included, never logged). Streamed
-/// responses (text/event-stream, application/x-ndjson) are passed on as they
+/// responses (text/event-stream; NDJSON as application/x-ndjson, application/ndjson or
+/// application/jsonl) are passed on as they
 /// arrive, with progress injected as --inject (or the request header
 /// X-Aalis-Inject) says; every other response passes through untouched. The
 /// request header X-Aalis-Session names the session, 1 to 128 visible ASCII

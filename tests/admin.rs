@@ -815,10 +815,19 @@ async fn ids_that_cannot_be_sessions_get_400() {
             assert_eq!(error["error"]["type"], "invalid_request_error", "{url}");
         }
     }
-    // The longest id, and `...`, are sessions.
+    // The longest id, and `...`, are sessions; a snapshot is live state,
+    // never to be stored on the way.
     for id in ["x".repeat(128), "...".to_owned()] {
         let url = format!("{}/_aalis/sessions/{id}", run.proxy);
-        assert_eq!(send("GET", &url, "", &[]).await.status(), 200, "{url}");
+        let response = send("GET", &url, "", &[]).await;
+        assert_eq!(response.status(), 200, "{url}");
+        assert_eq!(
+            response
+                .headers()
+                .get("cache-control")
+                .map(|v| v.as_bytes()),
+            Some(&b"no-store"[..])
+        );
     }
     let response = send(
         "POST",

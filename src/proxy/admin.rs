@@ -693,12 +693,22 @@ impl Body for ChannelBody {
     }
 }
 
+/// A text answer of the routes: live state, never to be stored (a cache
+/// between would show an old snapshot); plain text unless its caller says
+/// what else.
 fn text(body: String) -> Response<ProxyBody> {
-    Response::new(
+    let mut response = Response::new(
         Full::new(Bytes::from(body))
             .map_err(|never| match never {})
             .boxed(),
-    )
+    );
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 fn json_text(json: &str) -> Response<ProxyBody> {
