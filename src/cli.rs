@@ -409,7 +409,7 @@ pub struct ServeArgs {
     pub session_ttl: Duration,
 
     /// Let clients that are not on loopback, or that ask for a Host other
-    /// than localhost, 127.x.y.z or [::1] (a proxy in front that keeps its
+    /// than localhost, 127.x.y.z or `[::1]` (a proxy in front that keeps its
     /// own), use the /_aalis/ routes with `Authorization: Bearer TOKEN`
     /// (without it they get 403)
     ///
