@@ -359,6 +359,9 @@ struct StreamState {
     frames: u64,
     /// Bytes of input so far.
     input_bytes: u64,
+    /// The input failed ([`Annotator::input_failed`]): its end is no
+    /// stream's, and was said so.
+    failed: bool,
     /// Of those, the frames the framer found with the decoder's probe.
     probed_frames: u64,
     /// Increments for subscribers, kept only when asked for
@@ -446,6 +449,7 @@ impl Annotator {
                 done_written: false,
                 frames: 0,
                 input_bytes: 0,
+                failed: false,
                 probed_frames: 0,
                 events: EventLog::default(),
                 collect_events: config.collect_events,
@@ -509,6 +513,7 @@ impl Annotator {
     /// consumer of the lines that the stream ended well.
     pub fn input_failed(&mut self) {
         self.state.done_written = true;
+        self.state.failed = true;
     }
 
     pub fn finish(&mut self, now: impl Into<Now>, out: &mut impl Sink) {
@@ -545,10 +550,12 @@ impl Annotator {
         }
         state.write_done(out);
         // Bytes, but no event or line at all, nor one too large or
-        // unreadable, nor one cut by the end (each said already): not a
-        // stream of chunks (an HTML error page, a capture of another API),
-        // which would otherwise pass without a word.
+        // unreadable, nor one cut by the end, nor a failed input (each
+        // said already): not a stream of chunks (an HTML error page, a
+        // capture of another API), which would otherwise pass without a
+        // word.
         if state.frames == 0
+            && !state.failed
             && state.undecodable == 0
             && state.input_bytes > 0
             && !state
@@ -813,6 +820,14 @@ impl StreamState {
                     if self.collect_events {
                         self.events.record(&error, &applied);
                     }
+                    self.warnings.push(Warning::Upstream {
+                        at: Location {
+                            unit: "SSE event",
+                            number: event.number,
+                            offset: block.offset,
+                        },
+                        message: excerpt(event.data, EXCERPT_CHARS * 2),
+                    });
                 }
                 // The line formats carry no event as it is: a provider's
                 // named event (an `event: error`, say) goes out as an
@@ -834,8 +849,11 @@ impl StreamState {
                     } else {
                         self.lines.unparsed_between(out, event.data);
                         // Said once a stream: a provider's keep-alive
-                        // events would drown the rest.
-                        if !std::mem::replace(&mut self.named_warned, true) {
+                        // events would drown the rest. An `event: error`
+                        // is said as the upstream's error (above).
+                        if event.event_type != b"error"
+                            && !std::mem::replace(&mut self.named_warned, true)
+                        {
                             self.warnings.push(Warning::NamedEvent {
                                 at,
                                 name: excerpt(event.event_type, EXCERPT_CHARS),
@@ -1395,6 +1413,29 @@ mod tests {
                 "[DONE]: {}",
                 !done.is_empty()
             );
+        }
+    }
+
+    /// A body of bytes with no event is said so once, unless its input
+    /// failed (an upstream that dropped the connection while it sent only
+    /// comments, as OpenRouter does while a model is queued: its failure
+    /// is what `serve` says).
+    #[test]
+    fn a_body_without_events_is_said_so_unless_it_failed() {
+        for failed in [false, true] {
+            let mut annotator = Annotator::new(AnnotatorConfig::default());
+            let mut out = Vec::new();
+            annotator.push(b": OPENROUTER PROCESSING\n\n", 0, &mut out);
+            if failed {
+                annotator.input_failed();
+            }
+            annotator.finish(0, &mut out);
+            assert_eq!(out, b": OPENROUTER PROCESSING\n\n");
+            let said = annotator
+                .take_warnings()
+                .iter()
+                .any(|w| matches!(w, Warning::NoFrames { bytes: 25, .. }));
+            assert_eq!(said, !failed, "failed {failed}");
         }
     }
 

@@ -421,6 +421,14 @@ async fn tool_execute_clears_the_session() {
         assert!(message.contains("sessionId"), "{bad}: {message}");
         assert!(message.contains("line 1 column"), "{bad}: {message}");
     }
+    // The session-id rule of the header and the routes' paths.
+    for id in ["", "..", "a b", &"x".repeat(129)] {
+        let bad = format!(r#"{{"sessionId":"{id}","toolName":"x","args":{{}},"phase":"start"}}"#);
+        let (status, answer) = json("POST", &url, &bad).await;
+        assert_eq!(status, 400, "{id:?}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.starts_with("sessionId must"), "{id:?}: {message}");
+    }
     stream.abort();
 }
 

@@ -546,7 +546,8 @@ fn objects_that_are_no_chunks_are_reported() {
 }
 
 /// A provider's named event (`event: error` here) reaches the line
-/// formats as an `unparsed` line, with a warning that names it; our own
+/// formats as an `unparsed` line, with a warning (for an `event: error`,
+/// that the upstream failed; for another, that names it); our own
 /// `toolCallProgress` events, from a stream annotated before, are left
 /// out (the lines give progress afresh). `--format sse` passes both on
 /// untouched. (The line formats dropped the error without a word, and the
@@ -569,8 +570,7 @@ fn named_events_reach_the_line_formats() {
     );
     assert_eq!(
         String::from_utf8_lossy(&output.stderr),
-        "aalis-proxy: warning: SSE event 2 (byte 58): an event named `error` is no chunk; \
-         passed on as an unparsed line (so are the stream's later ones, without a warning): \
+        "aalis-proxy: warning: SSE event 2 (byte 58): upstream error: \
          {\"error\":{\"message\":\"overloaded\"}}\n"
     );
     let output = annotate_ok(&[], input.as_bytes());
@@ -1271,6 +1271,29 @@ fn a_body_that_is_no_stream_is_said_so() {
             page.len()
         )
     );
+}
+
+/// A provider's `event: error` is an upstream error, said as one (before,
+/// only as an event with a name of its own), in every format; the line
+/// formats still carry it as an `unparsed` line.
+#[test]
+fn a_named_error_event_is_said_as_an_upstream_error() {
+    let input = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n\
+                 event: error\ndata: {\"error\":{\"message\":\"overloaded\"}}\n\n\
+                 data: [DONE]\n\n";
+    for format in ["sse", "ndjson"] {
+        let output = annotate_ok(&["--format", format], input.as_bytes());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(
+                "SSE event 2 (byte 57): upstream error: {\"error\":{\"message\":\"overloaded\"}}"
+            ),
+            "--format {format}: {stderr}"
+        );
+        if format == "sse" {
+            assert_eq!(output.stdout, input.as_bytes());
+        }
+    }
 }
 
 /// An empty input is an empty stream: nothing for `--format sse`, a single

@@ -3698,8 +3698,10 @@ async fn client_text_cannot_forge_log_lines() {
         "POST /_aalis/tool-execute HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{payload}",
         payload.len()
     );
+    // No session id (the header's rule): refused, and the refusal writes
+    // no line of the id's.
     let response = RawResponse::parse(&raw_exchange(serve.addr, request.as_bytes()).await);
-    assert_eq!(response.status, 200);
+    assert_eq!(response.status, 400);
 
     let log = serve.stop().await;
     assert!(
@@ -3718,11 +3720,7 @@ async fn client_text_cannot_forge_log_lines() {
         request_line.contains(r" path=/v1/\u{202e}abc\u{9b} "),
         "{request_line}"
     );
-    let execute = log
-        .lines()
-        .find(|l| l.contains("tool:execute"))
-        .unwrap_or_else(|| panic!("no tool:execute line:\n{log}"));
-    assert!(execute.contains("forged"), "{execute}");
+    assert!(!log.contains("forged"), "{log}");
 }
 
 /// What `safe_file_part` must make of a session id, written out here

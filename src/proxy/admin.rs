@@ -366,6 +366,9 @@ async fn tool_execute(proxy: &Proxy, req: Request<Incoming>) -> Response<ProxyBo
             ));
         }
     };
+    if let Some(problem) = session_id_problem(payload.session_id.as_bytes()) {
+        return bad(format!("sessionId {problem}"));
+    }
     let cleared = match payload.phase.as_str() {
         "start" => proxy.sessions().tool_execution_started(&payload.session_id),
         _ => 0,
@@ -479,7 +482,10 @@ fn events(registry: SessionRegistry, metrics: Arc<Metrics>, watch: Watch) -> Res
         let closed = registry.closed();
         tokio::pin!(closed);
         let mut closing = false;
+        // Not ticking until the shutdown: a tick missed meanwhile would
+        // come all at once then, one look at the registry each.
         let mut closing_check = tokio::time::interval(CLOSING_CHECK);
+        closing_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let resync = frames.is_none();
             // Set by an arm below when the subscriber is to start again.
@@ -693,31 +699,32 @@ impl Body for ChannelBody {
     }
 }
 
-/// A text answer of the routes: live state, never to be stored (a cache
-/// between would show an old snapshot); plain text unless its caller says
-/// what else.
-fn text(body: String) -> Response<ProxyBody> {
-    let mut response = Response::new(
-        Full::new(Bytes::from(body))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
+/// An answer of the routes: its body, of `content_type`, with its
+/// caching rule.
+fn answer(
+    body: Bytes,
+    content_type: &'static str,
+    cache_control: &'static str,
+) -> Response<ProxyBody> {
+    let mut response = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
     let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
+        header::CACHE_CONTROL,
+        HeaderValue::from_static(cache_control),
     );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
 }
 
+/// Live state as plain text: never to be stored (a cache between would
+/// show an old snapshot).
+fn text(body: String) -> Response<ProxyBody> {
+    answer(Bytes::from(body), "text/plain; charset=utf-8", "no-store")
+}
+
+/// Live state as JSON, likewise.
 fn json_text(json: &str) -> Response<ProxyBody> {
-    let mut response = text(json.to_owned());
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
+    answer(Bytes::from(json.to_owned()), "application/json", "no-store")
 }
 
 /// A permanent redirect (308: the method and body stay) to `to`.
@@ -731,18 +738,11 @@ fn redirect(to: &'static str) -> Response<ProxyBody> {
 }
 
 fn html(page: &'static str) -> Response<ProxyBody> {
-    let mut response = Response::new(
-        Full::new(Bytes::from_static(page.as_bytes()))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/html; charset=utf-8"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    answer(
+        Bytes::from_static(page.as_bytes()),
+        "text/html; charset=utf-8",
+        "no-cache",
+    )
 }
 
 #[cfg(test)]

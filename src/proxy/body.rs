@@ -420,6 +420,9 @@ impl Body for TapBody {
                     if let Some(session) = this.session.as_mut() {
                         session.mark_failed();
                     }
+                    if let Some(annotator) = this.annotator.as_mut() {
+                        annotator.input_failed();
+                    }
                     *this.error = Some(err);
                     *this.phase = Phase::Flushing;
                     this.idle

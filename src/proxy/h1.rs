@@ -221,6 +221,17 @@ impl Conn {
         false
     }
 
+    /// Asks the kernel to acknowledge each segment of what follows, for an
+    /// upstream that waits for each ACK ([`PairsWatch`]): the kernel may
+    /// have put the socket in delayed-ACK mode by itself, guessing request
+    /// and response from a request sent soon after the last response came
+    /// (back-to-back requests on a reused connection), and such an upstream
+    /// would then wait on its timer once a response still.
+    fn ack_each_segment(&self) {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let _ = rustix::net::sockopt::set_tcp_quickack(&self.io, true);
+    }
+
     /// Whether the socket has left delayed-ACK mode ([`Conn::ack_in_pairs`]):
     /// the kernel's delayed-ACK timer fired since it was asked for.
     fn left_pairs(&self) -> bool {
@@ -425,7 +436,11 @@ pub struct H1Pool {
 /// 2nd, 4th, 8th… read, not at each: the 2nd read is the one such an
 /// upstream holds back. An upstream that waits so costs its first
 /// response's events one wait of the timer, at most about 40 ms; the
-/// ones after, none.
+/// ones after, none: each is read with an ACK a segment, the kernel's own
+/// guess of delayed-ACK mode taken back ([`Conn::ack_each_segment`]).
+/// The pool does not go back to the mode for the rest of the process,
+/// also when what tripped it was one pause of a stream that does not
+/// wait: the saving (a sixth of a paced event's CPU) goes, no latency.
 struct PairsWatch {
     /// Reads of the response body so far.
     reads: u64,
@@ -505,10 +520,16 @@ impl H1Pool {
 
     fn driven(self: &Arc<Self>, conn: Conn, answer: Answer) -> Response<DrivenBody> {
         let Answer { head, sending } = answer;
-        let watch = (head.framing != Framing::Empty
-            && self.pairs.load(Ordering::Relaxed)
-            && conn.ack_in_pairs())
-        .then_some(PairsWatch { reads: 0 });
+        let watch = match head.framing {
+            Framing::Empty => None,
+            _ if self.pairs.load(Ordering::Relaxed) => {
+                conn.ack_in_pairs().then_some(PairsWatch { reads: 0 })
+            }
+            _ => {
+                conn.ack_each_segment();
+                None
+            }
+        };
         let mut response = Response::new(DrivenBody {
             reader: match head.framing {
                 Framing::Empty => Reader::Done,
@@ -1606,10 +1627,16 @@ mod tests {
             let response = pool.request(get(addr)).await.expect("first response");
             assert_eq!(whole(response).await, expected);
             assert_eq!(pool.pairs.load(Ordering::Relaxed), !nagle, "Nagle {nagle}");
-            // Asked for the mode or not (the kernel may enter it by
-            // itself: this request followed a response at once).
+            // The mode asked for, or the kernel's own guess of it (this
+            // request followed a response at once) taken back.
             let response = pool.request(get(addr)).await.expect("second response");
             assert_eq!(response.body().watch.is_some(), !nagle, "Nagle {nagle}");
+            let io = &response.body().conn.as_ref().expect("a connection").io;
+            assert_eq!(
+                rustix::net::sockopt::tcp_quickack(io).expect("getsockopt"),
+                nagle,
+                "Nagle {nagle}: the second response's mode"
+            );
             assert_eq!(whole(response).await, expected);
         }
     }

@@ -69,10 +69,13 @@ struct Shared {
     session_prefix: String,
     /// … and a counter.
     session_counter: AtomicU64,
-    /// What this process adds to the `Via` of every request it forwards
-    /// (`1.1 aalis-` and sixteen random hex digits), and the part of it
-    /// that a request coming back finds ([`Shared::came_back`]).
-    via: HeaderValue,
+    /// This process's name in `Via`: `aalis-` and sixteen random hex
+    /// digits, what a request coming back carries ([`Shared::came_back`]).
+    via_name: String,
+    /// The entries it adds to the `Via` of every request it forwards, by
+    /// the protocol the request came by (RFC 9110 §7.6.3): HTTP/1.1,
+    /// HTTP/2, HTTP/1.0.
+    via: [HeaderValue; 3],
 }
 
 impl Shared {
@@ -82,17 +85,23 @@ impl Shared {
     /// points back). Forwarded again, it would go round until the sockets
     /// ran out, some 10,000 requests in a second.
     fn came_back(&self, headers: &http::HeaderMap) -> bool {
-        let own = &self.via.as_bytes()[VIA_PROTOCOL.len()..];
+        let own = self.via_name.as_bytes();
         headers
             .get_all(header::VIA)
             .iter()
             .any(|via| via.as_bytes().windows(own.len()).any(|w| w == own))
     }
-}
 
-/// How `Via` names the protocol this proxy received a request by: the
-/// upstream request is always HTTP/1.1's shape (see `forward`).
-const VIA_PROTOCOL: &str = "1.1 ";
+    /// The `Via` entry of a request that came by `version`.
+    fn via(&self, version: http::Version) -> HeaderValue {
+        let [http_11, http_2, http_10] = &self.via;
+        match version {
+            http::Version::HTTP_2 => http_2.clone(),
+            http::Version::HTTP_10 => http_10.clone(),
+            _ => http_11.clone(),
+        }
+    }
+}
 
 /// Whose fault an error response is, and its JSON `type`.
 #[derive(Debug, Clone, Copy)]
@@ -158,8 +167,11 @@ impl Proxy {
                 .finish()
         };
         let session_seed = random();
-        let via = HeaderValue::try_from(format!("{VIA_PROTOCOL}aalis-{:016x}", random()))
-            .unwrap_or_else(|_| HeaderValue::from_static("1.1 aalis"));
+        let via_name = format!("aalis-{:016x}", random());
+        let via = ["1.1", "2", "1.0"].map(|protocol| {
+            HeaderValue::try_from(format!("{protocol} {via_name}"))
+                .unwrap_or_else(|_| HeaderValue::from_static("1.1 aalis"))
+        });
         Proxy {
             shared: Arc::new(Shared {
                 metrics: Arc::new(Metrics::default()),
@@ -169,6 +181,7 @@ impl Proxy {
                 sessions,
                 session_prefix: session_prefix(session_seed),
                 session_counter: AtomicU64::new(0),
+                via_name,
                 via,
             }),
         }
@@ -390,11 +403,13 @@ impl Proxy {
         if parts.version == http::Version::HTTP_2 {
             join_cookies(&mut parts.headers);
         }
+        // RFC 9110 §7.6.3: a gateway adds its entry to the request's Via,
+        // naming the protocol it received the request by; ours also lets
+        // a request that comes back be told (`came_back`).
+        let via = self.shared.via(parts.version);
         parts.version = http::Version::HTTP_11;
         strip_hop_by_hop(&mut parts.headers);
-        // RFC 9110 §7.6.3: a gateway adds its entry to the request's Via;
-        // ours also lets a request that comes back be told (`came_back`).
-        parts.headers.append(header::VIA, self.shared.via.clone());
+        parts.headers.append(header::VIA, via);
         // Over HTTP/2 (only `https://` upstreams speak it), the clients'
         // credentials share a connection's header compression table.
         if !config.upstream.is_plain_http() {
