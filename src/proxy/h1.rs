@@ -559,7 +559,7 @@ impl H1Pool {
 
     /// From now on, responses are read in the kernel's default mode: the
     /// upstream waits for each ACK ([`PairsWatch`]).
-    fn ack_every_segment(&self) {
+    fn read_without_pairs(&self) {
         if self.pairs.swap(false, Ordering::Relaxed) {
             tracing::debug!(
                 "the upstream waits for the ACK of each segment (Nagle's algorithm on, no \
@@ -1205,7 +1205,7 @@ impl Body for DrivenBody {
                         && watch.read(conn)
                     {
                         this.watch = None;
-                        this.pool.ack_every_segment();
+                        this.pool.read_without_pairs();
                     }
                 }
                 Err(err) => return this.fail(BodyError::Read(err)),
