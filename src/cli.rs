@@ -32,13 +32,13 @@ pub const MAX_THREADS: i64 = 1024;
 /// {index, name, charsAccumulated} without changing a byte of the stream.
 #[derive(Debug, Parser)]
 #[command(name = "aalis-proxy", version, propagate_version = true)]
-#[command(after_long_help = EXIT_STATUS)]
+#[command(after_long_help = EXIT_STATUS_AND_ENVIRONMENT)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
 }
 
-const EXIT_STATUS: &str = "\
+const EXIT_STATUS_AND_ENVIRONMENT: &str = "\
 Exit status:
   0    success, also when stdout is closed early (e.g. `| head -1`)
   1    the input could not be opened or read, or the output written; serve
@@ -48,7 +48,22 @@ Exit status:
   130  annotate interrupted by SIGINT (it dies of the signal, as a shell
        reports, its spinners first ended with their ✗ line); serve and
        mock shut down gracefully on SIGINT or SIGTERM and exit 0; a second
-       signal stops serve at once, its open streams cut, with 130";
+       signal stops serve at once, its open streams cut, with 130
+
+Environment:
+  RUST_LOG           serve's and mock's log filter, in tracing's EnvFilter
+                     syntax (`debug`, `aalis_proxy=trace`); set and not
+                     empty, it overrides -v; one that is not a filter is
+                     said, and ignored
+  NO_COLOR           set and not empty: no colour in the log or the spinners
+  TERM               `dumb` (or unset): no spinners are drawn, as on a
+                     stderr that is not a terminal (--progress=always prints
+                     plain lines instead)
+  _RJEM_MALLOC_CONF  settings of the allocator (jemalloc), over those it
+                     was built with
+  HTTP_PROXY, HTTPS_PROXY and the system's CA store are not read: serve
+  connects to --upstream directly, trusting the bundled web PKI roots and
+  those of --upstream-ca.";
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -122,7 +137,7 @@ pub struct AnnotateArgs {
     /// recorded timing (implies --realtime) [default: 100]
     ///
     /// Example: --pace 200
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", allow_negative_numbers = true, value_parser = parse_millis)]
     pub pace: Option<u64>,
 
     #[command(flatten)]
@@ -516,7 +531,7 @@ pub struct MockArgs {
     /// Pause between two events of a replay, in milliseconds
     ///
     /// Example: --delay-ms 200
-    #[arg(long, value_name = "MS", default_value_t = 50)]
+    #[arg(long, value_name = "MS", default_value_t = 50, allow_negative_numbers = true, value_parser = parse_millis)]
     pub delay_ms: u64,
 
     /// More log lines on stderr: -v debug, -vv trace (a non-empty RUST_LOG
@@ -549,7 +564,7 @@ pub struct DemoArgs {
     /// Pause between two events of each replayed capture
     ///
     /// Example: --delay-ms 50
-    #[arg(long, value_name = "MS", default_value_t = 150)]
+    #[arg(long, value_name = "MS", default_value_t = 150, allow_negative_numbers = true, value_parser = parse_millis)]
     pub delay_ms: u64,
 
     /// Write the annotated streams on stdout instead of summaries
@@ -581,7 +596,6 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(trimmed.len());
     let (number, unit) = trimmed.split_at(split);
-    let number: usize = number.parse().map_err(|_| bad())?;
     let scale: usize = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -589,10 +603,33 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
         "g" | "gb" | "gib" => 1 << 30,
         _ => return Err(bad()),
     };
+    if number.is_empty() {
+        return Err(bad());
+    }
+    let too_large = || format!("{text:?} is too large (at most {} bytes)", usize::MAX);
+    let number: usize = number.parse().map_err(|_| too_large())?;
     match number.checked_mul(scale) {
-        Some(0) | None => Err(bad()),
+        Some(0) => Err(format!(
+            "{text:?} is not a size: it must be at least 1 byte"
+        )),
+        None => Err(too_large()),
         Some(bytes) => Ok(bytes),
     }
+}
+
+/// Parses a whole number of milliseconds, 0 or more (`--pace`,
+/// `--delay-ms`). The flags take negative numbers as their value, so that
+/// `-1` is said to be out of range, not taken for a flag.
+pub fn parse_millis(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    if !trimmed.is_empty() && trimmed.bytes().all(|b| b.is_ascii_digit()) {
+        return trimmed
+            .parse()
+            .map_err(|_| format!("{text:?} is too large (at most {} ms)", u64::MAX));
+    }
+    Err(format!(
+        "{text:?} is not a number of milliseconds (a whole number, 0 or more: 200)"
+    ))
 }
 
 /// Parses `250ms`, `1.5s`, `2m` or a bare number of seconds.
@@ -865,6 +902,68 @@ mod tests {
             "99999999999999999999G",
         ] {
             assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
+        // What is wrong is said: a size that overflows is not "not a size".
+        assert_eq!(
+            parse_bytes("99999999999GiB"),
+            Err(format!(
+                "\"99999999999GiB\" is too large (at most {} bytes)",
+                usize::MAX
+            ))
+        );
+        assert_eq!(
+            parse_bytes("0KiB"),
+            Err("\"0KiB\" is not a size: it must be at least 1 byte".to_owned())
+        );
+        assert_eq!(
+            parse_bytes("12 parsecs"),
+            Err("\"12 parsecs\" is not a size (examples: 4096, 64KiB, 16MiB)".to_owned())
+        );
+    }
+
+    #[test]
+    fn milliseconds() {
+        assert_eq!(parse_millis("0"), Ok(0));
+        assert_eq!(parse_millis("200"), Ok(200));
+        assert_eq!(
+            parse_millis("-1"),
+            Err(
+                "\"-1\" is not a number of milliseconds (a whole number, 0 or more: 200)"
+                    .to_owned()
+            )
+        );
+        assert!(parse_millis("1.5").is_err());
+        assert!(parse_millis("").is_err());
+        assert_eq!(
+            parse_millis("99999999999999999999"),
+            Err(format!(
+                "\"99999999999999999999\" is too large (at most {} ms)",
+                u64::MAX
+            ))
+        );
+    }
+
+    /// A negative pause is said to be one, not taken for a flag (clap's
+    /// tip was to pass it after `--`, which made it a FILE).
+    #[test]
+    fn a_negative_pause_is_out_of_range_not_a_flag() {
+        for args in [
+            &["aalis-proxy", "annotate", "--pace", "-1"][..],
+            &["aalis-proxy", "mock", "--delay-ms", "-5"],
+            &["aalis-proxy", "demo", "--delay-ms", "-5"],
+        ] {
+            let err = Cli::try_parse_from(args).expect_err("a negative pause");
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{args:?}"
+            );
+            let line = usage_error_line(
+                &err,
+                &args[1..].iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+            );
+            assert!(line.contains("is not a number of milliseconds"), "{line}");
+            assert!(!line.contains("tip"), "{line}");
         }
     }
 

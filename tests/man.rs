@@ -17,10 +17,13 @@ type Section = fn(&Man, &mut dyn Write) -> std::io::Result<()>;
 fn render() -> Vec<u8> {
     let mut cmd = aalis_proxy::cli::command();
     cmd.build();
-    let exit_status = cmd
+    let after = cmd
         .get_after_long_help()
         .map(|s| s.to_string())
         .unwrap_or_default();
+    let (exit_status, environment) = after
+        .split_once("\n\nEnvironment:\n")
+        .expect("the top-level long help ends with an Environment block");
     let top = cmd.clone().after_long_help(None::<&str>);
     let man = Man::new(top);
     let mut out = Vec::new();
@@ -50,9 +53,15 @@ fn render() -> Vec<u8> {
             section(&sub_man, &mut body).expect("render to memory");
         }
         // Subsections of the command's section, not top-level ones.
-        let body = String::from_utf8(body)
+        let mut body = String::from_utf8(body)
             .expect("roff is UTF-8")
             .replace(".SH ", ".SS ");
+        // clap_mangen drops the `...` of a positional that takes several
+        // values, which `--help`'s usage line shows; put it back.
+        for name in repeatable_positionals(sub) {
+            let bare = format!("[\\fI{name}\\fR] ");
+            body = body.replacen(&bare, &format!("[\\fI{name}\\fR]... "), 1);
+        }
         out.extend_from_slice(body.as_bytes());
         if let Some(examples) = examples {
             verbatim(&mut out, &examples);
@@ -60,7 +69,21 @@ fn render() -> Vec<u8> {
     }
     writeln!(out, ".SH \"EXIT STATUS\"").expect("write");
     verbatim(&mut out, exit_status.trim_start_matches("Exit status:\n"));
+    writeln!(out, ".SH ENVIRONMENT").expect("write");
+    verbatim(&mut out, environment);
     out
+}
+
+/// The value names of `cmd`'s positional arguments that take more than one
+/// value (`[CAPTURE]...` in its usage line).
+fn repeatable_positionals(cmd: &clap::Command) -> Vec<String> {
+    cmd.get_positionals()
+        .filter(|arg| arg.get_num_args().is_some_and(|n| n.max_values() > 1))
+        .map(|arg| match arg.get_value_names() {
+            Some(names) => names.join(" "),
+            None => arg.get_id().as_str().to_owned(),
+        })
+        .collect()
 }
 
 /// A preformatted block, escaped for roff.
@@ -108,5 +131,46 @@ fn man_page_documents_every_annotate_flag() {
         "EXIT STATUS",
     ] {
         assert!(page.contains(flag), "man page lacks {flag}");
+    }
+}
+
+#[test]
+fn man_page_synopses_are_the_usage_lines_of_help() {
+    let page = String::from_utf8(render()).expect("roff is UTF-8");
+    let mut cmd = aalis_proxy::cli::command();
+    cmd.build();
+    let mut checked = 0;
+    for sub in cmd.get_subcommands_mut().filter(|s| s.get_name() != "help") {
+        let usage = sub.render_usage().to_string();
+        for name in repeatable_positionals(sub) {
+            assert!(usage.contains(&format!("[{name}]...")), "{usage}");
+            assert!(
+                page.contains(&format!("[\\fI{name}\\fR]... ")),
+                "the man page's synopsis lacks [{name}]..."
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(
+        checked, 1,
+        "mock's [CAPTURE]... is the one repeatable argument"
+    );
+}
+
+#[test]
+fn man_page_has_an_environment_section_like_help() {
+    let page = String::from_utf8(render()).expect("roff is UTF-8");
+    let env = page
+        .split_once(".SH ENVIRONMENT\n")
+        .expect("an ENVIRONMENT section")
+        .1;
+    for name in [
+        "RUST_LOG",
+        "NO_COLOR",
+        "TERM",
+        "_RJEM_MALLOC_CONF",
+        "HTTPS_PROXY",
+    ] {
+        assert!(env.contains(name), "ENVIRONMENT lacks {name}");
     }
 }
