@@ -284,8 +284,9 @@ impl AnnotateArgs {
 /// characters, not . or .. (one is generated and returned in that response
 /// header when absent).
 ///
-/// Errors are OpenAI-style JSON: 400 for a bad X-Aalis-Session or
-/// X-Aalis-Inject, 501 for a protocol upgrade (WebSocket, not tunnelled)
+/// Errors are OpenAI-style JSON: 400 for a bad or repeated X-Aalis-Session
+/// or X-Aalis-Inject, or an HTTP/1.1 request without Host (any with two),
+/// 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
 /// headers in time, 408 when the client stops sending its request body,
 /// 508 when a request comes back to this proxy (its own entry in the Via
@@ -505,7 +506,8 @@ impl ServeArgs {
 /// byte for byte, --delay-ms apart; GET /v1/models lists the captures. A
 /// request whose "model" is a capture's file name (without extension) gets
 /// that capture, any other the first of its kind; a request body over 64
-/// MiB gets 413. Without CAPTURE files,
+/// MiB gets 413, and one with "stream": false 400 (it replays streams
+/// only; without "stream", a stream). Without CAPTURE files,
 /// captures bundled in the binary are served (parallel_tool_calls,
 /// reasoning_then_tool, text_then_tool, thinking_two_tools).
 #[derive(Debug, Args)]

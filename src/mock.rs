@@ -287,10 +287,21 @@ impl MockUpstream {
         #[derive(Deserialize)]
         struct ChatRequest {
             model: Option<String>,
+            stream: Option<serde_json::Value>,
         }
-        let model = serde_json::from_slice::<ChatRequest>(&body)
-            .ok()
-            .and_then(|r| r.model);
+        let (model, stream) = serde_json::from_slice::<ChatRequest>(&body)
+            .map(|r| (r.model, r.stream))
+            .unwrap_or_default();
+        // A client that asked for one JSON answer would choke on a stream
+        // (an SDK's parse error says nothing of why). Without `stream`, a
+        // stream all the same: `curl -d '{}'` is the mock's use.
+        if stream == Some(serde_json::Value::Bool(false)) {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                "the mock replays streams only, and this request asks for none \
+                 (\"stream\": false); send \"stream\": true, or leave it out",
+            );
+        }
         let of_kind = || self.captures.iter().filter(|c| c.framing == framing);
         let capture = of_kind()
             .find(|c| Some(&c.name) == model.as_ref())

@@ -1797,6 +1797,53 @@ async fn a_request_in_an_unknown_transfer_coding_is_a_501() {
     assert_no_foreign_panic();
 }
 
+/// RFC 9112 §3.2: an HTTP/1.1 request without `Host`, or any with two,
+/// is a `400`, never forwarded; so is a request with two `X-Aalis-Session`
+/// or `X-Aalis-Inject` headers (before, the first was taken without a
+/// word). HTTP/1.0 may go without `Host`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_no_host_or_doubled_headers_is_a_400() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    for (head, said) in [
+        ("GET /v1/models HTTP/1.1\r\n", "must carry a Host header"),
+        (
+            "GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\nhost: example.com\r\n",
+            "one Host header",
+        ),
+        (
+            "GET /v1/models HTTP/1.0\r\nhost: a\r\nhost: b\r\n",
+            "one Host header",
+        ),
+        (
+            "GET /v1/models HTTP/1.1\r\nhost: x\r\nx-aalis-session: a\r\nX-Aalis-Session: b\r\n",
+            "X-Aalis-Session must be sent once",
+        ),
+        (
+            "GET /v1/models HTTP/1.1\r\nhost: x\r\nx-aalis-inject: none\r\nx-aalis-inject: none\r\n",
+            "X-Aalis-Inject must be sent once",
+        ),
+    ] {
+        let request = format!("{head}connection: close\r\n\r\n");
+        let answer = RawResponse::parse(&raw_exchange(proxy.addr, request.as_bytes()).await);
+        assert_eq!(answer.status, 400, "{head:?}");
+        let error: Value = serde_json::from_slice(&answer.body).expect("a JSON error");
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{head:?}");
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(said), "{head:?}: {message}");
+    }
+    assert!(
+        upstream.requests().is_empty(),
+        "a refused request reached the upstream"
+    );
+    let answer =
+        RawResponse::parse(&raw_exchange(proxy.addr, b"GET /v1/models HTTP/1.0\r\n\r\n").await);
+    assert_eq!(answer.status, 200, "HTTP/1.0 without Host");
+    assert_eq!(answer.body, b"ok");
+    assert_eq!(upstream.requests().len(), 1);
+    assert_no_foreign_panic();
+}
+
 /// An upstream that answers each request as soon as it has its head (with
 /// the next of `replies`, keep-alive), then waits for `go` before it
 /// reads the request's body (its `content-length`), and reports it.

@@ -2332,7 +2332,10 @@ async fn a_client_that_goes_away_cancels_the_upstream_request() {
         let stream = TcpStream::connect(proxy.addr).await.expect("connect");
         let io = TokioIo::new(stream);
         let request = |path: &str| {
+            // hyper's connection-level client sends no Host of itself;
+            // HTTP/1.1 needs one (RFC 9112 §3.2).
             Request::post(format!("http://{}{path}", proxy.addr))
+                .header("host", proxy.addr.to_string())
                 .header("x-aalis-session", "chat-gone")
                 .body(full("{}"))
                 .expect("request")
@@ -2805,6 +2808,61 @@ async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
     );
     assert!(message.contains("failed the TLS handshake"), "{value}");
     assert_eq!(upstream.requests().len(), 1, "a request got past TLS");
+}
+
+/// A request body the client framed wrong (a bad chunk size) is a `400`
+/// that says so, and one cut by the client's connection ending says that;
+/// neither names the upstream, which did nothing wrong (before, both said
+/// "upstream … was sent an incomplete request body"). The same through an
+/// `http://` upstream (the proxy's own client) and an `https://` one
+/// (hyper's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_request_body_is_said_to_be_the_clients() {
+    use tokio::io::AsyncReadExt;
+    let pki = test_pki();
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-bodies");
+    let plain = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let tls = FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
+        Reply::new(200).body("ok")
+    });
+    let tls_url = format!("https://127.0.0.1:{}", tls.addr.port());
+    for url in [plain.url(""), tls_url] {
+        let mut config = proxy_config(&url);
+        if url.starts_with("https") {
+            config.upstream_ca = Some(ca_path.clone());
+        }
+        let proxy = TestProxy::start(config).await;
+        for (request, said) in [
+            (
+                &b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n"[..],
+                "the request body is malformed",
+            ),
+            (
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"stream\":",
+                "the client's connection ended inside its request body",
+            ),
+        ] {
+            let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+            stream.write_all(request).await.expect("write");
+            // The client's side ends here: it sends no more.
+            stream.shutdown().await.expect("half-close");
+            let mut got = Vec::new();
+            tokio::time::timeout(PATIENCE, stream.read_to_end(&mut got))
+                .await
+                .expect("an answer in time")
+                .expect("read");
+            let got = String::from_utf8_lossy(&got);
+            assert!(got.starts_with("HTTP/1.1 400 "), "{url}: {got}");
+            let body = &got[got.find("\r\n\r\n").expect("a head") + 4..];
+            let error: Value = serde_json::from_str(body).expect("a JSON error");
+            let message = error["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.starts_with(said), "{url}: {message}");
+            assert!(!message.contains("upstream 127.0.0.1"), "{url}: {message}");
+            assert_eq!(error["error"]["type"], "invalid_request_error");
+        }
+    }
+    let _ = std::fs::remove_file(&ca_path);
 }
 
 /// A response head over 64 KiB from an `https://` upstream is a `502`

@@ -2230,6 +2230,36 @@ fn the_mock_says_which_method_its_chat_route_takes() {
     assert_eq!(response.header("allow"), Some("GET, HEAD"));
 }
 
+/// A request that asks for no stream (`"stream": false`, as an SDK's
+/// non-streaming call sends) gets a `400` that says the mock replays
+/// streams only, on both chat routes; before, it got a stream its client
+/// could not parse. Without `stream`, or with `true`, a stream as before.
+#[test]
+fn the_mock_says_it_replays_streams_only() {
+    let mock = start_mock(&[], &[]);
+    for path in [CHAT_PATH, "/api/chat"] {
+        let mut response = request(
+            mock.port,
+            "POST",
+            path,
+            &[],
+            r#"{"model":"x","stream":false}"#,
+        );
+        assert_eq!(response.status, 400, "{path}");
+        let error: serde_json::Value =
+            serde_json::from_slice(&response.read_complete()).expect("JSON");
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("replays streams only"),
+            "{path}: {message}"
+        );
+        for body in [r#"{"stream":true}"#, "{}"] {
+            let response = request(mock.port, "POST", path, &[], body);
+            assert_eq!(response.status, 200, "{path} {body}");
+        }
+    }
+}
+
 /// `mock -v` logs a line per request (it logged none at any level, though
 /// its help offered -v).
 #[test]

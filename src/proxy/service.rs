@@ -25,7 +25,6 @@ use super::ProxyConfig;
 use super::admin;
 use super::body::{RequestLog, TapBody, log_safe};
 use super::gate::SocketFull;
-use super::h1::H1Error;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, OpenRecordings, Recorder};
 use super::server::Peer;
@@ -321,7 +320,12 @@ impl Proxy {
         path: &mut String,
     ) -> Result<Response<ProxyBody>, (Fault, String, Option<String>)> {
         let config = &self.shared.config;
-        // Phase 1: our headers.
+        // Phase 1: the request's head, then our headers.
+        if let Some(problem) = host_problem(req.version(), req.headers())
+            .or_else(|| repeated(req.headers(), &SESSION_HEADER, "X-Aalis-Session"))
+        {
+            return Err((Fault::BadRequest, problem, None));
+        }
         let session_id = match req.headers().get(&SESSION_HEADER) {
             Some(value) => valid_session_id(value).map_err(|m| (Fault::BadRequest, m, None))?,
             None => self.generate_session_id(),
@@ -383,6 +387,9 @@ impl Proxy {
                  (Transfer-Encoding); send the body chunked, or with a Content-Length"
                     .to_owned(),
             ));
+        }
+        if let Some(problem) = repeated(req.headers(), &INJECT_HEADER, "X-Aalis-Inject") {
+            return Err(fail(Fault::BadRequest, problem));
         }
         let inject = match req.headers().get(&INJECT_HEADER) {
             Some(value) => parse_inject(value).map_err(|m| fail(Fault::BadRequest, m))?,
@@ -487,6 +494,11 @@ impl Proxy {
                 ));
             }
             Ok(Err(err)) => {
+                // The client's body failed: its fault, whatever the
+                // upstream client made of it.
+                if let Some((fault, message)) = watch.as_deref().and_then(|w| w.failed.get()) {
+                    return Err(fail(*fault, message.clone()));
+                }
                 let (fault, what) = classify(&err);
                 return Err(fail(
                     fault,
@@ -760,6 +772,30 @@ fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
     }
 }
 
+/// What is wrong with a request's `Host`, if anything. RFC 9112 §3.2: a
+/// server answers `400` to an HTTP/1.1 request without one, and to any
+/// request with more than one (which of two names the target is a guess a
+/// proxy must not make). HTTP/1.0 may go without; HTTP/2 names its target
+/// in `:authority`, and its `Host`, if any, follows the same rule.
+fn host_problem(version: http::Version, headers: &http::HeaderMap) -> Option<String> {
+    let mut hosts = headers.get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (None, _) if version == http::Version::HTTP_11 => {
+            Some("an HTTP/1.1 request must carry a Host header (RFC 9112 §3.2)".to_owned())
+        }
+        (Some(_), Some(_)) => Some("a request must carry one Host header, not several".to_owned()),
+        _ => None,
+    }
+}
+
+/// A header of ours sent more than once: which one the client meant is a
+/// guess, so it is refused rather than made.
+fn repeated(headers: &http::HeaderMap, name: &HeaderName, spelled: &str) -> Option<String> {
+    let mut values = headers.get_all(name).iter();
+    (values.next().is_some() && values.next().is_some())
+        .then(|| format!("{spelled} must be sent once, not several times"))
+}
+
 /// A session id from the header: visible ASCII, at most 128 bytes.
 fn valid_session_id(value: &HeaderValue) -> Result<String, String> {
     let bytes = value.as_bytes();
@@ -810,6 +846,10 @@ struct BodyWatch {
     polled: AtomicBool,
     /// All of it was taken.
     ended: AtomicBool,
+    /// How the client's body failed, if it did: then the request failed
+    /// by the client's fault, however the upstream client reports it
+    /// (hyper's HTTP/2 client says only "stream error sent by user").
+    failed: std::sync::OnceLock<(Fault, String)>,
 }
 
 impl BodyWatch {
@@ -820,7 +860,31 @@ impl BodyWatch {
             waiting_on_client: AtomicBool::new(false),
             polled: AtomicBool::new(false),
             ended: AtomicBool::new(false),
+            failed: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Takes note of the error the client's body gave: a connection that
+    /// ended inside it (the client went away), or a body framed wrong.
+    fn failed_with(&self, err: &(dyn std::error::Error + 'static)) {
+        let ended = has_cause(err, &|e| {
+            e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::UnexpectedEof)
+                || e.downcast_ref::<hyper::Error>()
+                    .is_some_and(hyper::Error::is_incomplete_message)
+        });
+        let (fault, what) = match ended {
+            true => (
+                Fault::ClientAborted,
+                "the client's connection ended inside its request body",
+            ),
+            false => (Fault::BadRequest, "the request body is malformed"),
+        };
+        let message = format!(
+            "{what}, and the upstream request was cancelled: {}",
+            error_chain(err)
+        );
+        let _ = self.failed.set((fault, message));
     }
 
     fn moved(&self) {
@@ -859,6 +923,9 @@ impl http_body::Body for WatchedBody {
             .waiting_on_client
             .store(polled.is_pending(), Ordering::Relaxed);
         if let Poll::Ready(frame) = &polled {
+            if let Some(Err(err)) = frame {
+                watch.failed_with(err.as_ref());
+            }
             watch.moved();
             // hyper's clients stop polling a body that says it has ended
             // after its last frame: its `None` may never be asked for.
@@ -942,9 +1009,7 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
         e.downcast_ref::<hyper::Error>()
             .is_some_and(hyper::Error::is_parse_too_large)
     });
-    if request_body_failed(err) {
-        (Fault::ClientAborted, "was sent an incomplete request body")
-    } else if timed_out && err.is_connect() {
+    if timed_out && err.is_connect() {
         (
             Fault::UpstreamTimeout,
             "did not accept the connection in time",
@@ -981,25 +1046,6 @@ fn has_cause(
         return true;
     }
     err.source().is_some_and(|source| has_cause(source, test))
-}
-
-/// The body being sent failed, not the upstream: the plain-HTTP client
-/// says so ([`H1Error::RequestBody`]); hyper's (TLS upstreams) reports an
-/// error of the body it was given (a user error) whose cause is the error
-/// of the client's own request body (a `hyper::Error` of the server side).
-/// See: issue 7 (a client that goes away mid-request is not an upstream
-/// failure).
-fn request_body_failed(err: &SendError) -> bool {
-    if let SendError::Plain(err) = err {
-        return matches!(err, H1Error::RequestBody(_));
-    }
-    std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| {
-        e.source()
-    })
-    .filter_map(|e| e.downcast_ref::<hyper::Error>())
-    .any(|e| {
-        e.is_user() && std::error::Error::source(e).is_some_and(|cause| cause.is::<hyper::Error>())
-    })
 }
 
 /// An OpenAI-style error response.
@@ -1155,6 +1201,38 @@ mod tests {
         }
         let not_text = HeaderValue::from_bytes(b"chunked\xff").expect("value");
         assert!(!only_chunked(&not_text));
+    }
+
+    #[test]
+    fn a_request_names_one_host() {
+        use http::Version;
+        let mut headers = http::HeaderMap::new();
+        let missing = host_problem(Version::HTTP_11, &headers).expect("HTTP/1.1 needs a Host");
+        assert!(missing.contains("must carry a Host"), "{missing}");
+        assert_eq!(host_problem(Version::HTTP_10, &headers), None);
+        assert_eq!(host_problem(Version::HTTP_2, &headers), None);
+        headers.append(header::HOST, HeaderValue::from_static("127.0.0.1:8787"));
+        for version in [Version::HTTP_10, Version::HTTP_11, Version::HTTP_2] {
+            assert_eq!(host_problem(version, &headers), None, "{version:?}");
+        }
+        headers.append(header::HOST, HeaderValue::from_static("example.com"));
+        for version in [Version::HTTP_10, Version::HTTP_11, Version::HTTP_2] {
+            let twice = host_problem(version, &headers).expect("two Hosts");
+            assert!(twice.contains("one Host header"), "{twice}");
+        }
+    }
+
+    #[test]
+    fn our_headers_are_sent_once() {
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(repeated(&headers, &SESSION_HEADER, "X-Aalis-Session"), None);
+        headers.append(&SESSION_HEADER, HeaderValue::from_static("a"));
+        assert_eq!(repeated(&headers, &SESSION_HEADER, "X-Aalis-Session"), None);
+        headers.append(&SESSION_HEADER, HeaderValue::from_static("a"));
+        assert_eq!(
+            repeated(&headers, &SESSION_HEADER, "X-Aalis-Session").as_deref(),
+            Some("X-Aalis-Session must be sent once, not several times")
+        );
     }
 
     #[test]
