@@ -462,7 +462,8 @@ pub struct ServeArgs {
     /// logged. Lines are written by a thread of their own, so a stderr that
     /// nobody reads stops no stream: past 1,024 lines (or 1 MiB) waiting,
     /// lines are dropped, and a warning says how many (checked every 10 s,
-    /// and at exit).
+    /// and at exit). A failed accept (out of file descriptors) is retried
+    /// every 50 ms and warned of at most once every 10 s per worker.
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
 }

@@ -80,6 +80,22 @@ mod sig {
         }
     }
 
+    /// In a child between fork and exec: at most `n` open descriptors
+    /// (RLIMIT_NOFILE, both limits).
+    #[cfg(target_os = "linux")]
+    pub fn limit_descriptors(n: u64) -> std::io::Result<()> {
+        unsafe extern "C" {
+            fn setrlimit(resource: c_int, limits: *const [u64; 2]) -> c_int;
+        }
+        const RLIMIT_NOFILE: c_int = 7;
+        // SAFETY: setrlimit() is async-signal-safe; `limits` is a valid
+        // `struct rlimit` (two `rlim_t`, 64-bit on Linux) for the call.
+        match unsafe { setrlimit(RLIMIT_NOFILE, &[n, n]) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    }
+
     /// Sends `signum` to the process `pid`.
     pub fn send(pid: u32, signum: c_int) {
         let pid = c_int::try_from(pid).expect("pid fits in pid_t");
@@ -2258,6 +2274,48 @@ fn the_mock_says_it_replays_streams_only() {
             assert_eq!(response.status, 200, "{path} {body}");
         }
     }
+}
+
+/// Out of file descriptors, a failed accept is warned of once, not at
+/// every retry (every 50 ms on each worker: about 30 lines in this test's
+/// 1.5 s before), and the proxy accepts again once descriptors are free.
+#[cfg(target_os = "linux")]
+#[test]
+fn failed_accepts_are_warned_of_once_in_a_while() {
+    let port = free_port();
+    let mut cmd = aalis_proxy();
+    cmd.args(serve_args(1, port, &["--threads", "1"]));
+    // SAFETY: the closure only calls setrlimit(), which is
+    // async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| sig::limit_descriptors(24));
+    }
+    let mut serve = Running::spawn("serve with 24 descriptors", cmd, port, StderrTo::Pipe);
+    serve
+        .wait_accepting()
+        .expect("serve starts with 24 descriptors");
+    // More connections than it has descriptors for, held open.
+    let held: Vec<TcpStream> = (0..30)
+        .map(|_| TcpStream::connect_timeout(&loopback(port), DEADLINE).expect("connect"))
+        .collect();
+    serve.wait_for_stderr("accept failed");
+    thread::sleep(Duration::from_millis(1500));
+    let stderr = serve.stderr();
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("accept failed"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(
+        warnings[0].contains("Too many open files")
+            && warnings[0].contains("retrying every 50 ms, said at most once every 10 s"),
+        "{stderr}"
+    );
+    drop(held);
+    let mut response = request(port, "GET", "/_aalis/metrics", &[], "");
+    assert_eq!(response.status, 200, "{stderr}");
+    assert!(!response.read_complete().is_empty());
+    serve.stop();
 }
 
 /// `mock -v` logs a line per request (it logged none at any level, though

@@ -302,6 +302,45 @@ impl Drop for OpenConnection {
     }
 }
 
+/// How long an accept loop waits after a failed accept (out of file
+/// descriptors, say) before it tries again.
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+
+/// A failed accept is warned of at most once in this long per loop: out
+/// of descriptors, each loop retried every 50 ms with a warning each time,
+/// 40 lines a second on two workers.
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// When an accept loop's failures are said ([`ACCEPT_WARN_EVERY`]). A
+/// success in between changes nothing: with descriptors short, accepts
+/// fail and succeed in turn as connections close, and a warning after
+/// each success would be the flood again. Failures held back when they
+/// stop are not said: the warnings stopping says it.
+#[derive(Debug, Default)]
+struct AcceptFailures {
+    /// When the last warning was given.
+    warned: Option<std::time::Instant>,
+    /// Failures since then, not said.
+    held: u64,
+}
+
+impl AcceptFailures {
+    /// An accept failed at `now`: `Some(held)` to warn of it, with the
+    /// failures held back since the last warning; `None` to stay quiet.
+    fn failed(&mut self, now: std::time::Instant) -> Option<u64> {
+        match self.warned {
+            Some(warned) if now.saturating_duration_since(warned) < ACCEPT_WARN_EVERY => {
+                self.held += 1;
+                None
+            }
+            _ => {
+                self.warned = Some(now);
+                Some(std::mem::take(&mut self.held))
+            }
+        }
+    }
+}
+
 /// Accepts connections on this runtime and serves them here, until the
 /// server drains; then waits for them to finish, or drops them once the
 /// grace period is over.
@@ -353,6 +392,7 @@ async fn accept_loop<H, F>(
     let mut nodelay_inherited = None;
     #[cfg(any(target_os = "linux", target_os = "android"))]
     let mut user_timeout_inherited = None;
+    let mut failures = AcceptFailures::default();
     while *phase.borrow_and_update() == Phase::Accepting {
         tokio::select! {
             accepted = accept_when_even(&listener, &shared.loads, me) => {
@@ -361,9 +401,20 @@ async fn accept_loop<H, F>(
                     Err(err) => {
                         // Out of file descriptors and the like: wait instead
                         // of spinning; the listener itself stays usable.
-                        tracing::warn!("accept failed: {err}");
+                        match failures.failed(std::time::Instant::now()) {
+                            Some(0) => tracing::warn!(
+                                "accept failed: {err}; retrying every {} ms, said at most \
+                                 once every {} s",
+                                ACCEPT_RETRY.as_millis(),
+                                ACCEPT_WARN_EVERY.as_secs()
+                            ),
+                            Some(held) => tracing::warn!(
+                                "accept failed: {err} (and {held} times since the last warning)"
+                            ),
+                            None => {}
+                        }
                         tokio::select! {
-                            () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                            () = tokio::time::sleep(ACCEPT_RETRY) => {}
                             // Checked by the loop's condition.
                             _ = phase.changed() => {}
                         }
@@ -928,6 +979,23 @@ mod tests {
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+    /// Failed accepts are warned of once in ten seconds, with the count of
+    /// those held back; successes in between change nothing.
+    #[test]
+    fn failed_accepts_are_said_once_in_a_while() {
+        let start = std::time::Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut failures = AcceptFailures::default();
+        assert_eq!(failures.failed(at(0)), Some(0), "the first is said");
+        // Every 50 ms for ten seconds: 199 held back.
+        for k in 1..200 {
+            assert_eq!(failures.failed(at(k * 50)), None, "failure {k}");
+        }
+        assert_eq!(failures.failed(at(10_000)), Some(199));
+        assert_eq!(failures.failed(at(10_050)), None);
+        assert_eq!(failures.failed(at(30_000)), Some(1));
+    }
 
     /// Asks a keep-alive connection for one response: the name of the
     /// thread that served it (the handler's whole body).
