@@ -155,7 +155,7 @@ pub struct StreamFlags {
     /// too, all powers of 1024).
     ///
     /// Example: --max-event-bytes 64MiB
-    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_bytes)]
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", allow_negative_numbers = true, value_parser = parse_bytes)]
     pub max_event_bytes: usize,
 
     /// Spinners on stderr, one per tool being generated
@@ -285,8 +285,8 @@ impl AnnotateArgs {
 /// header when absent).
 ///
 /// Errors are OpenAI-style JSON: 400 for a bad or repeated X-Aalis-Session
-/// or X-Aalis-Inject, or an HTTP/1.1 request without Host (any with two),
-/// 501 for a protocol upgrade (WebSocket, not tunnelled)
+/// or X-Aalis-Inject, for two Host headers or an HTTP/1.1 request without
+/// one, or for a request body framed wrong or cut by the client, 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
 /// headers in time, 408 when the client stops sending its request body,
 /// 508 when a request comes back to this proxy (its own entry in the Via
@@ -507,8 +507,8 @@ impl ServeArgs {
 /// byte for byte, --delay-ms apart; GET /v1/models lists the captures. A
 /// request whose "model" is a capture's file name (without extension) gets
 /// that capture, any other the first of its kind; a request body over 64
-/// MiB gets 413, and one with "stream": false 400 (it replays streams
-/// only; without "stream", a stream). Without CAPTURE files,
+/// MiB gets 413, and one that sets "stream": false 400 (it replays
+/// streams only; without "stream", a stream). Without CAPTURE files,
 /// captures bundled in the binary are served (parallel_tool_calls,
 /// reasoning_then_tool, text_then_tool, thinking_two_tools).
 #[derive(Debug, Args)]
@@ -625,10 +625,12 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
 /// `-1` is said to be out of range, not taken for a flag.
 pub fn parse_millis(text: &str) -> Result<u64, String> {
     let trimmed = text.trim();
-    if !trimmed.is_empty() && trimmed.bytes().all(|b| b.is_ascii_digit()) {
-        return trimmed
-            .parse()
-            .map_err(|_| format!("{text:?} is too large (at most {} ms)", u64::MAX));
+    if let Ok(ms) = trimmed.parse() {
+        return Ok(ms);
+    }
+    let digits = trimmed.strip_prefix('+').unwrap_or(trimmed);
+    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{text:?} is too large (at most {} ms)", u64::MAX));
     }
     Err(format!(
         "{text:?} is not a number of milliseconds (a whole number, 0 or more: 200)"
@@ -928,6 +930,7 @@ mod tests {
     fn milliseconds() {
         assert_eq!(parse_millis("0"), Ok(0));
         assert_eq!(parse_millis("200"), Ok(200));
+        assert_eq!(parse_millis("+5"), Ok(5), "as u64's own parse takes it");
         assert_eq!(
             parse_millis("-1"),
             Err(
@@ -946,14 +949,15 @@ mod tests {
         );
     }
 
-    /// A negative pause is said to be one, not taken for a flag (clap's
-    /// tip was to pass it after `--`, which made it a FILE).
+    /// A negative pause or size is said to be out of range, not taken for
+    /// a flag (clap's tip was to pass it after `--`, which made it a FILE).
     #[test]
-    fn a_negative_pause_is_out_of_range_not_a_flag() {
+    fn a_negative_pause_or_size_is_out_of_range_not_a_flag() {
         for args in [
             &["aalis-proxy", "annotate", "--pace", "-1"][..],
             &["aalis-proxy", "mock", "--delay-ms", "-5"],
             &["aalis-proxy", "demo", "--delay-ms", "-5"],
+            &["aalis-proxy", "annotate", "--max-event-bytes", "-5"],
         ] {
             let err = Cli::try_parse_from(args).expect_err("a negative pause");
             assert_eq!(
@@ -965,7 +969,10 @@ mod tests {
                 &err,
                 &args[1..].iter().map(|a| a.to_string()).collect::<Vec<_>>(),
             );
-            assert!(line.contains("is not a number of milliseconds"), "{line}");
+            assert!(
+                line.contains("is not a number of milliseconds") || line.contains("is not a size"),
+                "{line}"
+            );
             assert!(!line.contains("tip"), "{line}");
         }
     }

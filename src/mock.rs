@@ -284,14 +284,17 @@ impl MockUpstream {
                 );
             }
         };
+        // Each member on its own: a `model` of another type does not hide
+        // `stream`.
         #[derive(Deserialize)]
         struct ChatRequest {
-            model: Option<String>,
+            model: Option<serde_json::Value>,
             stream: Option<serde_json::Value>,
         }
         let (model, stream) = serde_json::from_slice::<ChatRequest>(&body)
             .map(|r| (r.model, r.stream))
             .unwrap_or_default();
+        let model = model.as_ref().and_then(serde_json::Value::as_str);
         // A client that asked for one JSON answer would choke on a stream
         // (an SDK's parse error says nothing of why). Without `stream`, a
         // stream all the same: `curl -d '{}'` is the mock's use.
@@ -304,7 +307,7 @@ impl MockUpstream {
         }
         let of_kind = || self.captures.iter().filter(|c| c.framing == framing);
         let capture = of_kind()
-            .find(|c| Some(&c.name) == model.as_ref())
+            .find(|c| Some(c.name.as_str()) == model)
             .or_else(|| of_kind().next());
         let Some(capture) = capture else {
             return json_error(StatusCode::NOT_FOUND, "no capture of that kind is loaded");

@@ -1800,7 +1800,8 @@ async fn a_request_in_an_unknown_transfer_coding_is_a_501() {
 /// RFC 9112 §3.2: an HTTP/1.1 request without `Host`, or any with two,
 /// is a `400`, never forwarded; so is a request with two `X-Aalis-Session`
 /// or `X-Aalis-Inject` headers (before, the first was taken without a
-/// word). HTTP/1.0 may go without `Host`.
+/// word). The proxy's own routes take the `Host` rule too. HTTP/1.0 may go
+/// without `Host`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_with_no_host_or_doubled_headers_is_a_400() {
     let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
@@ -1814,6 +1815,11 @@ async fn a_request_with_no_host_or_doubled_headers_is_a_400() {
         (
             "GET /v1/models HTTP/1.0\r\nhost: a\r\nhost: b\r\n",
             "one Host header",
+        ),
+        // The proxy's own routes too.
+        (
+            "GET /_aalis/metrics HTTP/1.1\r\n",
+            "must carry a Host header",
         ),
         (
             "GET /v1/models HTTP/1.1\r\nhost: x\r\nx-aalis-session: a\r\nX-Aalis-Session: b\r\n",
@@ -1841,6 +1847,55 @@ async fn a_request_with_no_host_or_doubled_headers_is_a_400() {
     assert_eq!(answer.status, 200, "HTTP/1.0 without Host");
     assert_eq!(answer.body, b"ok");
     assert_eq!(upstream.requests().len(), 1);
+    assert_no_foreign_panic();
+}
+
+/// An HTTP/1.0 client that asks for keep-alive gets a stream (no length)
+/// up to the connection's close, and is told `Connection: close`, not
+/// `keep-alive` as hyper said; a response of a stated length keeps the
+/// connection as asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_client_is_told_a_stream_ends_with_the_connection() {
+    let upstream = FakeUpstream::start(|req| match req.uri.path() {
+        "/sse" => Reply::stream(
+            "text/event-stream",
+            [&b"data: {}\n\n"[..], b"data: [DONE]\n\n"],
+        ),
+        _ => Reply::new(200).header("content-length", "2").body("ok"),
+    })
+    .await;
+    let proxy = Served::start(proxy_config(&upstream.url(""))).await;
+    let stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    let (mut rd, mut wr) = stream.into_split();
+    // A response of a stated length: the connection stays, as asked.
+    wr.write_all(b"GET /sized HTTP/1.0\r\nconnection: keep-alive\r\n\r\n")
+        .await
+        .expect("write");
+    let sized = read_sized_response(&mut rd).await;
+    assert_eq!(sized.status, 200);
+    assert_eq!(sized.body, b"ok");
+    assert_eq!(
+        sized.header("connection").as_deref(),
+        Some(&b"keep-alive"[..])
+    );
+    // Then a stream on the same connection: told it ends with the close.
+    wr.write_all(b"GET /sse HTTP/1.0\r\nconnection: keep-alive\r\n\r\n")
+        .await
+        .expect("write");
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, rd.read_to_end(&mut rest))
+        .await
+        .expect("the connection closes after the stream")
+        .expect("read");
+    let answer = RawResponse::parse(&rest);
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("connection").as_deref(), Some(&b"close"[..]));
+    assert_eq!(answer.header("content-length"), None);
+    assert!(
+        answer.body.ends_with(b"data: [DONE]\n\n"),
+        "{:?}",
+        String::from_utf8_lossy(&answer.body)
+    );
     assert_no_foreign_panic();
 }
 

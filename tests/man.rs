@@ -57,10 +57,11 @@ fn render() -> Vec<u8> {
             .expect("roff is UTF-8")
             .replace(".SH ", ".SS ");
         // clap_mangen drops the `...` of a positional that takes several
-        // values, which `--help`'s usage line shows; put it back.
+        // values, which `--help` shows in its usage line and argument
+        // list; put it back in both.
         for name in repeatable_positionals(sub) {
-            let bare = format!("[\\fI{name}\\fR] ");
-            body = body.replacen(&bare, &format!("[\\fI{name}\\fR]... "), 1);
+            let bare = format!("[\\fI{name}\\fR]");
+            body = body.replace(&bare, &format!("{bare}..."));
         }
         out.extend_from_slice(body.as_bytes());
         if let Some(examples) = examples {
@@ -144,10 +145,13 @@ fn man_page_synopses_are_the_usage_lines_of_help() {
         let usage = sub.render_usage().to_string();
         for name in repeatable_positionals(sub) {
             assert!(usage.contains(&format!("[{name}]...")), "{usage}");
-            assert!(
-                page.contains(&format!("[\\fI{name}\\fR]... ")),
-                "the man page's synopsis lacks [{name}]..."
+            // The synopsis and the argument's own entry, as in `--help`.
+            assert_eq!(
+                page.matches(&format!("[\\fI{name}\\fR]...")).count(),
+                2,
+                "the man page lacks [{name}]... in its synopsis or argument list"
             );
+            assert_eq!(page.matches(&format!("[\\fI{name}\\fR]")).count(), 2);
             checked += 1;
         }
     }

@@ -2861,8 +2861,138 @@ async fn a_bad_request_body_is_said_to_be_the_clients() {
             assert!(!message.contains("upstream 127.0.0.1"), "{url}: {message}");
             assert_eq!(error["error"]["type"], "invalid_request_error");
         }
+        // Nor counted as the upstream's failures.
+        let metrics = get_metrics(proxy.addr).await;
+        for line in metrics
+            .lines()
+            .filter(|l| l.starts_with("aalis_upstream_errors_total{"))
+        {
+            assert!(line.ends_with(" 0"), "{url}: {line}");
+        }
     }
     let _ = std::fs::remove_file(&ca_path);
+}
+
+/// A request body that fails after the response head came (an upstream
+/// that answers at once, over HTTP/2) cuts the response, by the client's
+/// fault: not counted as an upstream error. Before, hyper's HTTP/2 client
+/// reported only "stream error sent by user", and the stream was logged
+/// `upstream_error` and counted in `aalis_upstream_errors_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_that_fails_after_the_answer_is_no_upstream_error() {
+    use hyper::service::service_fn;
+    use tokio::io::AsyncReadExt;
+    let pki = test_pki();
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-late-bodies");
+    // An HTTP/2 upstream that answers at once with a stream that waits,
+    // and reads the request body meanwhile.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server.clone());
+    let upstream = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let service = service_fn(|req: Request<Incoming>| async move {
+                    tokio::spawn(req.into_body().collect());
+                    let (tx, rx) = tokio::sync::mpsc::channel(1);
+                    tokio::spawn(async move {
+                        let _ = tx.send(Bytes::from_static(b"data: {}\n\n")).await;
+                        // Held open until the stream is reset.
+                        tx.closed().await;
+                    });
+                    let body = ChannelBody(rx);
+                    Ok::<_, std::convert::Infallible>(
+                        Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .body(body)
+                            .expect("response"),
+                    )
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}", addr.port()));
+    config.upstream_ca = Some(ca_path.clone());
+    let proxy = TestProxy::start(config).await;
+    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+    client
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n")
+        .await
+        .expect("head and a first chunk");
+    // The answer's head and first event, then a chunk framed wrong.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.ends_with(b"data: {}\n\n\r\n") {
+        let k = tokio::time::timeout(PATIENCE, client.read(&mut buf))
+            .await
+            .expect("the answer in time")
+            .expect("read");
+        assert!(
+            k > 0,
+            "closed before the answer: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..k]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 200 "),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    client.write_all(b"zz\r\n").await.expect("a bad chunk");
+    // The response is cut (no last chunk) and the connection closed.
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, client.read_to_end(&mut rest))
+        .await
+        .expect("the cut in time")
+        .ok();
+    assert!(!rest.ends_with(b"0\r\n\r\n"), "a cut stream ended cleanly");
+    let metrics = get_metrics(proxy.addr).await;
+    for line in metrics
+        .lines()
+        .filter(|l| l.starts_with("aalis_upstream_errors_total{"))
+    {
+        assert!(line.ends_with(" 0"), "{line}");
+    }
+    upstream.abort();
+    let _ = std::fs::remove_file(&ca_path);
+}
+
+/// `GET /_aalis/metrics` of the proxy at `addr`: its body.
+async fn get_metrics(addr: SocketAddr) -> String {
+    let response = send(
+        &client(),
+        Request::get(format!("http://{addr}/_aalis/metrics"))
+            .body(full(""))
+            .expect("request"),
+    )
+    .await;
+    let body = response.into_body().collect().await.expect("metrics");
+    String::from_utf8_lossy(&body.to_bytes()).into_owned()
+}
+
+/// A body of what a channel receives, ending when its senders are gone.
+struct ChannelBody(tokio::sync::mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|piece| piece.map(|p| Ok(Frame::data(p))))
+    }
 }
 
 /// A response head over 64 KiB from an `https://` upstream is a `502`

@@ -2246,29 +2246,28 @@ fn the_mock_says_which_method_its_chat_route_takes() {
     assert_eq!(response.header("allow"), Some("GET, HEAD"));
 }
 
-/// A request that asks for no stream (`"stream": false`, as an SDK's
-/// non-streaming call sends) gets a `400` that says the mock replays
-/// streams only, on both chat routes; before, it got a stream its client
-/// could not parse. Without `stream`, or with `true`, a stream as before.
+/// A request that sets `"stream": false` gets a `400` that says the mock
+/// replays streams only, on both chat routes, also beside a `model` that is
+/// no string; before, it got a stream its client could not parse. Without
+/// `stream`, or with `true`, a stream as before.
 #[test]
 fn the_mock_says_it_replays_streams_only() {
     let mock = start_mock(&[], &[]);
     for path in [CHAT_PATH, "/api/chat"] {
-        let mut response = request(
-            mock.port,
-            "POST",
-            path,
-            &[],
+        for body in [
             r#"{"model":"x","stream":false}"#,
-        );
-        assert_eq!(response.status, 400, "{path}");
-        let error: serde_json::Value =
-            serde_json::from_slice(&response.read_complete()).expect("JSON");
-        let message = error["error"]["message"].as_str().unwrap_or_default();
-        assert!(
-            message.contains("replays streams only"),
-            "{path}: {message}"
-        );
+            r#"{"model":5,"stream":false}"#,
+        ] {
+            let mut response = request(mock.port, "POST", path, &[], body);
+            assert_eq!(response.status, 400, "{path} {body}");
+            let error: serde_json::Value =
+                serde_json::from_slice(&response.read_complete()).expect("JSON");
+            let message = error["error"]["message"].as_str().unwrap_or_default();
+            assert!(
+                message.contains("replays streams only"),
+                "{path}: {message}"
+            );
+        }
         for body in [r#"{"stream":true}"#, "{}"] {
             let response = request(mock.port, "POST", path, &[], body);
             assert_eq!(response.status, 200, "{path} {body}");

@@ -138,6 +138,8 @@ pin_project! {
         session: Option<StreamHandle>,
         // `--record`: the upstream bytes, as they come.
         recording: Option<Recording>,
+        // The request body's failure, if it fails (see `with_client_body`).
+        client_body: Option<ClientBodyNote>,
         #[pin]
         idle: Sleep,
         // The waker `idle` was last polled with while it had not fired
@@ -195,7 +197,42 @@ pin_project! {
     }
 }
 
+/// How a request's body failed on the client's side, noted as it passed
+/// on its way upstream (`service`'s body watch). A response that fails
+/// after it is the client's doing, not the upstream's: hyper's HTTP/2
+/// client, its request body failed, resets the stream and reports only
+/// "stream error sent by user".
+#[derive(Debug)]
+pub struct ClientBodyFailure {
+    /// The client's connection ended (or was reset) inside the body;
+    /// otherwise the body was framed wrong.
+    pub gone: bool,
+    /// What the client's side said, for the answer or the log.
+    pub message: String,
+}
+
+impl ClientBodyFailure {
+    /// The log's outcome word for a request that failed so.
+    pub fn outcome(&self) -> &'static str {
+        match self.gone {
+            true => "cancelled",
+            false => "invalid_request_error",
+        }
+    }
+}
+
+/// Where a request's [`ClientBodyFailure`] is noted, shared by the body
+/// sent upstream and the response's [`TapBody`].
+pub type ClientBodyNote = Arc<std::sync::OnceLock<ClientBodyFailure>>;
+
 impl TapBody {
+    /// A response whose request body is `note`d as it is sent: if it
+    /// fails, so does the response, by the client's fault.
+    pub fn with_client_body(mut self, note: Option<ClientBodyNote>) -> TapBody {
+        self.client_body = note;
+        self
+    }
+
     /// A body that annotates a stream.
     #[allow(clippy::too_many_arguments)]
     pub fn stream(
@@ -258,6 +295,7 @@ impl TapBody {
             annotator,
             session,
             recording: None,
+            client_body: None,
             idle: tokio::time::sleep_until(deadline_after(now, idle_timeout)),
             idle_waker: None,
             idle_timeout,
@@ -411,10 +449,22 @@ impl Body for TapBody {
                     }
                 }
                 Some(Err(err)) => {
-                    if *this.outcome == "ok" {
-                        *this.outcome = "upstream_error";
+                    // The client's request body failed first: the upstream
+                    // is not to blame (nor counted as failing).
+                    match this.client_body.as_ref().and_then(|note| note.get()) {
+                        Some(client) => {
+                            if *this.outcome == "ok" {
+                                *this.outcome = client.outcome();
+                            }
+                            tracing::debug!(session = %this.log.session_id, path = %this.log.path, "stream cut: {}", client.message);
+                        }
+                        None => {
+                            if *this.outcome == "ok" {
+                                *this.outcome = "upstream_error";
+                            }
+                            tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
+                        }
                     }
-                    tracing::warn!(session = %this.log.session_id, path = %this.log.path, "stream ended early: {err}");
                     // Before `finish` publishes the calls' end: their
                     // spinners end with `✗`.
                     if let Some(session) = this.session.as_mut() {

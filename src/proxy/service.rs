@@ -23,8 +23,9 @@ use hyper::body::Incoming;
 
 use super::ProxyConfig;
 use super::admin;
-use super::body::{RequestLog, TapBody, log_safe};
+use super::body::{ClientBodyFailure, ClientBodyNote, RequestLog, TapBody, log_safe};
 use super::gate::SocketFull;
+use super::h1::H1Error;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, OpenRecordings, Recorder};
 use super::server::Peer;
@@ -220,8 +221,12 @@ impl Proxy {
 
     /// Handles one request; never fails (errors become responses).
     pub async fn handle(&self, req: Request<Incoming>, peer: Peer) -> Response<ProxyBody> {
-        // Phase 0: our own routes are never forwarded upstream.
+        // Phase 0: our own routes are never forwarded upstream; they take
+        // the request head's rules too.
         if req.uri().path().starts_with(ADMIN_PREFIX) || req.uri().path() == "/_aalis" {
+            if let Some(problem) = host_problem(req.version(), req.headers()) {
+                return error_response(Fault::BadRequest, &problem);
+            }
             return admin::handle(self, req, peer.addr).await;
         }
         let started = Instant::now();
@@ -398,6 +403,7 @@ impl Proxy {
 
         // Phase 2: the upstream request.
         let (mut parts, body) = req.into_parts();
+        let client_version = parts.version;
         let method = parts.method.clone();
         parts.uri = config.upstream.uri_for(&parts.uri).map_err(|e| {
             fail(
@@ -496,8 +502,20 @@ impl Proxy {
             Ok(Err(err)) => {
                 // The client's body failed: its fault, whatever the
                 // upstream client made of it.
-                if let Some((fault, message)) = watch.as_deref().and_then(|w| w.failed.get()) {
-                    return Err(fail(*fault, message.clone()));
+                if let Some(client) = watch.as_deref().and_then(|w| w.failed.get()) {
+                    let fault = match client.gone {
+                        true => Fault::ClientAborted,
+                        false => Fault::BadRequest,
+                    };
+                    return Err(fail(fault, client.message.clone()));
+                }
+                // The plain-HTTP client's own check of the body it sent
+                // (longer or shorter than its Content-Length): the client's.
+                if let SendError::Plain(H1Error::RequestBody(_)) = &err {
+                    return Err(fail(
+                        Fault::BadRequest,
+                        format!("the request body could not be sent: {}", error_chain(&err)),
+                    ));
                 }
                 let (fault, what) = classify(&err);
                 return Err(fail(
@@ -551,6 +569,7 @@ impl Proxy {
         } else {
             stream_framing(&parts.headers)
         };
+        let client_body = watch.as_ref().map(|watch| Arc::clone(&watch.failed));
         let body = match framing {
             Some(framing) => {
                 // A transformed body has a new length, and must not be
@@ -618,6 +637,7 @@ impl Proxy {
                     log,
                     self.shared.metrics.clone(),
                 )
+                .with_client_body(client_body)
                 .boxed()
             }
             None => TapBody::passthrough(
@@ -627,8 +647,23 @@ impl Proxy {
                 log,
                 self.shared.metrics.clone(),
             )
+            .with_client_body(client_body)
             .boxed(),
         };
+        // An HTTP/1.0 client gets a body of no stated length (a stream) up
+        // to the connection's close, which hyper does, but hyper still
+        // says `keep-alive` when the client asked for it (it adds it to an
+        // HTTP/1.1 response before it writes it as HTTP/1.0). Given as
+        // HTTP/1.0, with `close`, it says what it does.
+        if client_version == http::Version::HTTP_10
+            && !body.is_end_stream()
+            && !parts.headers.contains_key(header::CONTENT_LENGTH)
+        {
+            parts.version = http::Version::HTTP_10;
+            parts
+                .headers
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(value) = session_header {
             parts.headers.insert(SESSION_HEADER, value);
         }
@@ -848,8 +883,9 @@ struct BodyWatch {
     ended: AtomicBool,
     /// How the client's body failed, if it did: then the request failed
     /// by the client's fault, however the upstream client reports it
-    /// (hyper's HTTP/2 client says only "stream error sent by user").
-    failed: std::sync::OnceLock<(Fault, String)>,
+    /// (hyper's HTTP/2 client says only "stream error sent by user"),
+    /// before the response's head or after it.
+    failed: ClientBodyNote,
 }
 
 impl BodyWatch {
@@ -860,31 +896,36 @@ impl BodyWatch {
             waiting_on_client: AtomicBool::new(false),
             polled: AtomicBool::new(false),
             ended: AtomicBool::new(false),
-            failed: std::sync::OnceLock::new(),
+            failed: ClientBodyNote::default(),
         }
     }
 
-    /// Takes note of the error the client's body gave: a connection that
-    /// ended inside it (the client went away), or a body framed wrong.
+    /// Takes note of the error the client's body gave: a body framed
+    /// wrong (hyper's parse of it failed: invalid data or input), or else
+    /// a client gone (its connection ended, was reset or broke inside the
+    /// body).
     fn failed_with(&self, err: &(dyn std::error::Error + 'static)) {
-        let ended = has_cause(err, &|e| {
-            e.downcast_ref::<std::io::Error>()
-                .is_some_and(|io| io.kind() == std::io::ErrorKind::UnexpectedEof)
-                || e.downcast_ref::<hyper::Error>()
-                    .is_some_and(hyper::Error::is_incomplete_message)
+        let malformed = has_cause(err, &|e| {
+            e.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput
+                )
+            }) || e
+                .downcast_ref::<hyper::Error>()
+                .is_some_and(hyper::Error::is_parse)
         });
-        let (fault, what) = match ended {
-            true => (
-                Fault::ClientAborted,
-                "the client's connection ended inside its request body",
-            ),
-            false => (Fault::BadRequest, "the request body is malformed"),
+        let what = match malformed {
+            true => "the request body is malformed",
+            false => "the client's connection ended inside its request body",
         };
-        let message = format!(
-            "{what}, and the upstream request was cancelled: {}",
-            error_chain(err)
-        );
-        let _ = self.failed.set((fault, message));
+        let _ = self.failed.set(ClientBodyFailure {
+            gone: !malformed,
+            message: format!(
+                "{what}, and the upstream request was cancelled: {}",
+                error_chain(err)
+            ),
+        });
     }
 
     fn moved(&self) {
@@ -1201,6 +1242,46 @@ mod tests {
         }
         let not_text = HeaderValue::from_bytes(b"chunked\xff").expect("value");
         assert!(!only_chunked(&not_text));
+    }
+
+    /// A client body that fails by its framing is malformed; one that
+    /// fails any other way (its connection ended, was reset or broke) is
+    /// a client gone. Before, a reset was "malformed".
+    #[test]
+    fn a_client_bodys_failure_is_told_by_its_cause() {
+        use std::io::{Error, ErrorKind};
+        for (kind, gone) in [
+            (ErrorKind::InvalidData, false),
+            (ErrorKind::InvalidInput, false),
+            (ErrorKind::UnexpectedEof, true),
+            (ErrorKind::ConnectionReset, true),
+            (ErrorKind::ConnectionAborted, true),
+            (ErrorKind::BrokenPipe, true),
+            (ErrorKind::Other, true),
+        ] {
+            let watch = BodyWatch::new();
+            // As hyper's body errors come: an I/O error inside another.
+            let err = Error::other(Error::new(kind, "what the client did"));
+            watch.failed_with(&err);
+            let failure = watch.failed.get().expect("noted");
+            assert_eq!(failure.gone, gone, "{kind:?}");
+            assert_eq!(
+                failure.outcome(),
+                if gone {
+                    "cancelled"
+                } else {
+                    "invalid_request_error"
+                }
+            );
+            assert!(
+                failure.message.ends_with("what the client did"),
+                "{}",
+                failure.message
+            );
+            // The first failure stays.
+            watch.failed_with(&Error::new(ErrorKind::InvalidData, "later"));
+            assert_eq!(watch.failed.get().map(|f| f.gone), Some(gone));
+        }
     }
 
     #[test]
