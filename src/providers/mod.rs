@@ -525,6 +525,25 @@ pub(crate) fn raw_u64(raw: Option<&str>) -> Option<u64> {
     raw_i64(raw).and_then(|n| u64::try_from(n).ok())
 }
 
+/// Counts from their raw members (both decoder paths of each provider):
+/// a member that is no count (`"9"`, `-3`, `9.5`) counts as missing and is
+/// named ([`Chunk::Ignored`], reported once a stream), as a field of an
+/// odd shape is; `null` or no member is missing without a word.
+pub(crate) fn counts<'a, const N: usize>(
+    members: [(Option<&'a str>, &'static str); N],
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> [Option<u64>; N] {
+    members.map(|(raw, field)| {
+        let count = raw_u64(raw);
+        if count.is_none()
+            && let Some(raw) = raw.filter(|raw| *raw != "null")
+        {
+            emit(Chunk::Ignored { field, raw });
+        }
+        count
+    })
+}
+
 /// True when a raw value is present and not `null`.
 pub(crate) fn is_set(raw: Option<&RawValue>) -> bool {
     raw.is_some_and(|r| r.get() != "null")
@@ -634,6 +653,69 @@ mod tests {
         frames.sort();
         frames.dedup();
         frames
+    }
+
+    /// A usage member that is no count (`"9"`, `-3`, `9.5`, `true`) counts
+    /// as missing and is named, by both decoder paths; `null` is missing
+    /// without a word, and an integral `12.0` counts. Before, each counted
+    /// 0 without a word.
+    #[test]
+    fn usage_members_that_are_no_counts_are_named() {
+        use crate::chunk::Usage;
+        let usage = |prompt_tokens, completion_tokens, total_tokens| Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens,
+        };
+        let cases: [(Provider, &str, &[(&str, &str)], Usage); 4] = [
+            (
+                Provider::OpenAiChat,
+                r#"{"id":"a","choices":[],"usage":{"prompt_tokens":"9","completion_tokens":-3,"total_tokens":9.5}}"#,
+                &[
+                    ("usage.prompt_tokens", "\"9\""),
+                    ("usage.completion_tokens", "-3"),
+                    ("usage.total_tokens", "9.5"),
+                ],
+                usage(0, 0, 0),
+            ),
+            (
+                Provider::OpenAiChat,
+                r#"{"id":"a","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":null,"total_tokens":12.0}}"#,
+                &[],
+                usage(4, 0, 12),
+            ),
+            (
+                Provider::OpenAiChat,
+                r#"{"id":"a","choices":[],"x_groq":{"usage":{"prompt_tokens":true,"completion_tokens":2}}}"#,
+                &[("x_groq.usage.prompt_tokens", "true")],
+                usage(0, 2, 2),
+            ),
+            (
+                Provider::OllamaChat,
+                r#"{"model":"m","message":{"role":"assistant","content":""},"done":true,"prompt_eval_count":"7","eval_count":5}"#,
+                &[("prompt_eval_count", "\"7\"")],
+                usage(0, 5, 5),
+            ),
+        ];
+        for (provider, data, ignored, expected) in cases {
+            let mut state = DecoderState::default();
+            // Learned, then matched: both of the fast path's branches.
+            for _ in 0..2 {
+                let mut got = Vec::new();
+                decode(provider, data.as_bytes(), &mut state, &mut |c| got.push(c))
+                    .expect("decodes");
+                let named: Vec<(&str, &str)> = got
+                    .iter()
+                    .filter_map(|c| match c {
+                        Chunk::Ignored { field, raw } => Some((*field, *raw)),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(named, ignored, "{data}");
+                assert!(got.contains(&Chunk::Usage(expected)), "{data}: {got:?}");
+                same_as_serde(provider, data, &mut state);
+            }
+        }
     }
 
     #[test]

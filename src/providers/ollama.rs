@@ -22,8 +22,8 @@ use super::scan::{
     Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, has_text, json_text,
 };
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, expect_object, is_set,
-    raw_i64, raw_u64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, counts, expect_object,
+    is_set, raw_i64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, FinishKind, ToolCallDelta, Usage};
 
@@ -130,6 +130,7 @@ pub(super) fn decode_serde<'a>(
         if let Some(usage) = done_usage(
             view.prompt_eval_count.map(RawValue::get),
             view.eval_count.map(RawValue::get),
+            emit,
         ) {
             emit(Chunk::Usage(usage));
         }
@@ -140,9 +141,17 @@ pub(super) fn decode_serde<'a>(
 
 /// A done line's usage from its raw `prompt_eval_count` and `eval_count`
 /// (both decoder paths): none when neither is a count, as an SSE stream
-/// without `usage` has none; a missing one counts 0.
-fn done_usage(prompt: Option<&str>, completion: Option<&str>) -> Option<Usage> {
-    let (prompt, completion) = (raw_u64(prompt), raw_u64(completion));
+/// without `usage` has none; a missing one counts 0, and one that is no
+/// count is emitted as ignored.
+fn done_usage<'a>(
+    prompt: Option<&'a str>,
+    completion: Option<&'a str>,
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Option<Usage> {
+    let [prompt, completion] = counts(
+        [(prompt, "prompt_eval_count"), (completion, "eval_count")],
+        emit,
+    );
     (prompt.is_some() || completion.is_some()).then(|| Usage::new(prompt, completion, None))
 }
 
@@ -372,7 +381,8 @@ impl LineSpans {
                 choice: 0,
                 kind: finish.unwrap_or(FinishKind::Whole),
             });
-            if let Some(usage) = done_usage(raw(self.prompt_eval_count), raw(self.eval_count)) {
+            if let Some(usage) = done_usage(raw(self.prompt_eval_count), raw(self.eval_count), emit)
+            {
                 emit(Chunk::Usage(usage));
             }
             emit(Chunk::Done);

@@ -21,7 +21,7 @@ use super::scan::{
 };
 use super::{
     ArgumentsView, DecoderState, FieldShape, FrameError, FrameInfo, JsonStr, Lenient, ProbedText,
-    decode_string, expect_object, is_set, raw_i64, raw_u64,
+    counts, decode_string, expect_object, is_set, raw_i64,
 };
 use crate::chunk::{
     ArgumentsDelta, Chunk, ChunkText, FinishKind, JsonLiteral, ToolCallDelta, Usage,
@@ -185,13 +185,45 @@ impl<'de: 'a, 'a, P: Deserialize<'de> + FieldShape> Deserialize<'de> for Content
     }
 }
 
-impl UsageView<'_> {
-    fn usage(&self) -> Usage {
-        Usage::new(
-            raw_u64(self.prompt_tokens.map(RawValue::get)),
-            raw_u64(self.completion_tokens.map(RawValue::get)),
-            raw_u64(self.total_tokens.map(RawValue::get)),
-        )
+/// The names of a top-level `usage`'s members, for [`counts`]' warnings.
+const USAGE_FIELDS: [&str; 3] = [
+    "usage.prompt_tokens",
+    "usage.completion_tokens",
+    "usage.total_tokens",
+];
+
+/// The same in Groq's `x_groq.usage`.
+const GROQ_USAGE_FIELDS: [&str; 3] = [
+    "x_groq.usage.prompt_tokens",
+    "x_groq.usage.completion_tokens",
+    "x_groq.usage.total_tokens",
+];
+
+/// A usage from its raw members, the members named `fields`; one that is
+/// no count is emitted as ignored (both decoder paths).
+fn usage_of<'a>(
+    [prompt, completion, total]: [Option<&'a str>; 3],
+    fields: [&'static str; 3],
+    emit: &mut dyn FnMut(Chunk<'a>),
+) -> Usage {
+    let [prompt, completion, total] = counts(
+        [
+            (prompt, fields[0]),
+            (completion, fields[1]),
+            (total, fields[2]),
+        ],
+        emit,
+    );
+    Usage::new(prompt, completion, total)
+}
+
+impl<'a> UsageView<'a> {
+    fn members(&self) -> [Option<&'a str>; 3] {
+        [
+            self.prompt_tokens.map(RawValue::get),
+            self.completion_tokens.map(RawValue::get),
+            self.total_tokens.map(RawValue::get),
+        ]
     }
 }
 
@@ -261,12 +293,11 @@ pub(super) fn decode_serde<'a>(
             emit(Chunk::Finish { choice: k, kind });
         }
     }
-    let usage = Lenient::fit(view.usage, "usage", emit);
+    let usage = Lenient::fit(view.usage, "usage", emit).map(|u| (u, USAGE_FIELDS));
     let groq = Lenient::fit(view.x_groq, "x_groq", emit);
-    let usage = usage
-        .or_else(|| groq.and_then(|x| x.usage))
-        .map(|u| u.usage());
-    if let Some(usage) = usage {
+    let usage = usage.or_else(|| groq.and_then(|x| x.usage).map(|u| (u, GROQ_USAGE_FIELDS)));
+    if let Some((usage, fields)) = usage {
+        let usage = usage_of(usage.members(), fields, emit);
         emit(Chunk::Usage(usage));
     }
     Ok(info)
@@ -1048,12 +1079,12 @@ impl Spans {
                 emit(Chunk::Finish { choice: k, kind });
             }
         }
-        if let Some(usage) = top.usage.or(top.groq_usage) {
-            emit(Chunk::Usage(Usage::new(
-                raw_u64(raw(usage.prompt)),
-                raw_u64(raw(usage.completion)),
-                raw_u64(raw(usage.total)),
-            )));
+        let usage = (top.usage.map(|u| (u, USAGE_FIELDS)))
+            .or(top.groq_usage.map(|u| (u, GROQ_USAGE_FIELDS)));
+        if let Some((usage, fields)) = usage {
+            let members = [raw(usage.prompt), raw(usage.completion), raw(usage.total)];
+            let usage = usage_of(members, fields, emit);
+            emit(Chunk::Usage(usage));
         }
         info
     }
