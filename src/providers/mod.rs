@@ -667,7 +667,9 @@ mod tests {
             completion_tokens,
             total_tokens,
         };
-        let cases: [(Provider, &str, &[(&str, &str)], Usage); 4] = [
+        // (provider, frame, the members named as ignored, the usage)
+        type Case<'a> = (Provider, &'a str, &'a [(&'a str, &'a str)], Usage);
+        let cases: [Case; 4] = [
             (
                 Provider::OpenAiChat,
                 r#"{"id":"a","choices":[],"usage":{"prompt_tokens":"9","completion_tokens":-3,"total_tokens":9.5}}"#,
