@@ -114,7 +114,9 @@ pub fn schedule(
     pace: Duration,
 ) -> Vec<(Range<usize>, Duration)> {
     let mut out = Vec::new();
-    match timing {
+    // A timing of no marks (a file cut after its header) times nothing:
+    // the capture is paced as one without timing, not sent in one piece.
+    match timing.filter(|timing| !timing.marks.is_empty()) {
         Some(timing) => {
             let (mut start, mut last_ms) = (0usize, 0u64);
             for &(offset, ms) in &timing.marks {
@@ -239,6 +241,13 @@ mod tests {
                 (5..20, Duration::from_millis(30)),
                 (20..32, Duration::ZERO),
             ]
+        );
+        // A timing of no marks (a file cut after its header, by a full
+        // disk) paces the capture as none does; it was sent in one piece.
+        let empty = Timing { marks: Vec::new() };
+        assert_eq!(
+            schedule(bytes, Some(&empty), Duration::from_millis(7)),
+            paced
         );
         // A mark with no new bytes between two pieces, and one before the
         // first: the pauses count from the pieces, not from those marks.

@@ -45,8 +45,8 @@ Exit status:
        or mock could not start (the port taken, a CA or capture file)
   2    usage error: unknown flag, bad value, missing argument, flags that
        cannot go together
-  130  annotate interrupted by SIGINT (it dies of the signal, as a shell
-       reports, its spinners first ended with their ✗ line); serve and
+  130  annotate or demo interrupted by SIGINT (it dies of the signal, as a
+       shell reports, its spinners first ended with their ✗ line); serve and
        mock shut down gracefully on SIGINT or SIGTERM and exit 0; a second
        signal stops serve at once, its open streams cut, with 130
 
@@ -442,7 +442,8 @@ pub struct ServeArgs {
     /// characters. Request bodies stream on as usual; their first MiB is
     /// kept. A recording a write failed for (a full disk) stops there and
     /// is kept with `.partial` added to its name, without the other two
-    /// files.
+    /// files; a sidecar not written whole is removed. A DIR that takes no
+    /// files fails the start.
     ///
     /// Example: --record captures/
     #[arg(long, value_name = "DIR")]

@@ -487,6 +487,48 @@ mod tests {
         );
     }
 
+    /// A stream that ends with neither `[DONE]` nor a finish ends its tools
+    /// with `✗`, as its done line calls them incomplete; one whose choice
+    /// finished (`tool_calls`) before it just ended ends them with `✓`.
+    /// Before, both ended with `✓`.
+    #[test]
+    fn a_stream_cut_short_ends_its_tools_with_a_cross() {
+        let call = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",",
+            "\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"ci\"}}]}}]}\n\n",
+        );
+        let finish =
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n";
+        for (input, mark) in [
+            (call.to_owned(), '✗'),
+            (format!("{call}{finish}"), '✓'),
+            (format!("{call}data: [DONE]\n\n"), '✓'),
+        ] {
+            let lines = Shared::default();
+            let display = ProgressDisplay::plain(Box::new(lines.clone()));
+            run(
+                Source::Replay {
+                    bytes: input.as_bytes(),
+                    schedule: vec![(0..input.len(), Duration::ZERO)],
+                },
+                "stdin",
+                &mut Vec::new(),
+                &mut Vec::new(),
+                AnnotatorConfig::default(),
+                &display,
+                &mut || 1000,
+            )
+            .expect("the filter runs");
+            let lines = String::from_utf8_lossy(&lines.0.lock().expect("lines")).into_owned();
+            let last = lines.lines().last().unwrap_or_default();
+            assert_eq!(
+                last,
+                format!("{mark} get_weather  4 chars · 0.0s"),
+                "{input}"
+            );
+        }
+    }
+
     /// Many small reads through the reading thread come out as one read of
     /// the whole input does: in order, nothing lost, interruptions retried.
     #[test]

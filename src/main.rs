@@ -373,6 +373,9 @@ fn serve_logged(
             std::fs::create_dir_all(dir).with_context(|| {
                 format!("cannot create the --record directory {}", dir.display())
             })?;
+            aalis_proxy::proxy::record::check_writable(dir).with_context(|| {
+                format!("cannot write in the --record directory {}", dir.display())
+            })?;
         }
         // The first signal drains (open streams finish within
         // --shutdown-grace); a second ends the process at once, as a user
@@ -506,13 +509,22 @@ fn display(mode: ProgressMode, log: Option<&StderrLog>) -> ProgressDisplay {
 }
 
 fn demo(args: &DemoArgs) -> anyhow::Result<()> {
+    let display = Arc::new(display(args.progress, None));
+    // Ctrl-C ends the spinners with their ✗ lines, as annotate's: they
+    // were left half drawn, and the shell's prompt on their line.
+    let signalled = match display.is_off() {
+        true => Vec::new(),
+        false => end_spinners_on_signal(&display),
+    };
     let options = aalis_proxy::demo::DemoOptions {
         delay: Duration::from_millis(args.delay_ms),
         stream: args.stream,
-        display: Arc::new(display(args.progress, None)),
+        display: Arc::clone(&display),
     };
     let mut stdout = io::stdout();
-    let calls = runtime()?.block_on(aalis_proxy::demo::run(options, &mut stdout))?;
+    let calls = runtime()?.block_on(aalis_proxy::demo::run(options, &mut stdout));
+    die_if_signalled(&display, &signalled);
+    let calls = calls?;
     if !args.stream {
         writeln!(
             stdout,

@@ -334,10 +334,16 @@ impl MockUpstream {
 }
 
 /// Sends pieces one by one, each after its pause; stops when the client
-/// goes (the body is dropped, and with it the timer).
+/// goes (the body is dropped, and with it the timer). Each piece is due at
+/// the body's start plus the pauses before it, not at its pause after the
+/// last piece went: the time a piece takes to go out (a wake-up, a write)
+/// is not added to every pause, which made a recording replay a third
+/// slower, and a piece that is late goes at once.
 struct PacedBody {
     pieces: VecDeque<(Bytes, Duration)>,
     sleep: Option<Pin<Box<Sleep>>>,
+    /// When the last piece was due (the body's first poll, at first).
+    due: Option<tokio::time::Instant>,
 }
 
 impl PacedBody {
@@ -345,6 +351,7 @@ impl PacedBody {
         PacedBody {
             pieces: pieces.into(),
             sleep: None,
+            due: None,
         }
     }
 }
@@ -366,16 +373,19 @@ impl Body for PacedBody {
                 };
                 return Poll::Ready(Some(Ok(Frame::data(piece))));
             }
-            let Some((_, pause)) = self.pieces.front() else {
+            let Some(&(_, pause)) = self.pieces.front() else {
                 return Poll::Ready(None);
             };
-            if pause.is_zero() {
+            let now = tokio::time::Instant::now();
+            let due = self.due.unwrap_or(now) + pause;
+            self.due = Some(due);
+            if due <= now {
                 let Some((piece, _)) = self.pieces.pop_front() else {
                     return Poll::Ready(None);
                 };
                 return Poll::Ready(Some(Ok(Frame::data(piece))));
             }
-            self.sleep = Some(Box::pin(tokio::time::sleep(*pause)));
+            self.sleep = Some(Box::pin(tokio::time::sleep_until(due)));
         }
     }
 
@@ -391,6 +401,36 @@ fn json_error(status: StatusCode, message: &str) -> Response<ProxyBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reader that takes 1 ms with each of 100 pieces paced 2 ms apart
+    /// gets the last at 200 ms, as the pauses add up, not at 300: the time
+    /// a piece takes to go is not added to the next pause.
+    #[tokio::test(start_paused = true)]
+    async fn a_replay_keeps_its_timing_behind_a_slow_reader() {
+        use http_body_util::BodyExt;
+        let pieces = (0..100)
+            .map(|_| {
+                (
+                    Bytes::from_static(b"data: {}\n\n"),
+                    Duration::from_millis(2),
+                )
+            })
+            .collect();
+        let mut body = PacedBody::new(pieces);
+        let start = tokio::time::Instant::now();
+        let mut got = 0;
+        while let Some(frame) = body.frame().await {
+            assert!(frame.expect("a piece").is_data());
+            got += 1;
+            tokio::time::advance(Duration::from_millis(1)).await;
+        }
+        assert_eq!(got, 100);
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_millis(201),
+            "2 ms a piece, then the last read"
+        );
+    }
 
     #[test]
     fn bundled_captures_cut_into_frames_that_rebuild_the_file() {

@@ -540,7 +540,7 @@ impl Annotator {
         if state.collect_events {
             state.events.end_carries(|_, _| true);
         }
-        if let Applied::Cleared = state.tracker.end()
+        if let Applied::Cleared = state.tracker.end_of_input(!state.ended)
             && state.collect_events
         {
             state

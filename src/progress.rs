@@ -355,13 +355,28 @@ impl ToolCallTracker {
     /// The stream ended (`[DONE]`, its last byte, or `done: true`): every
     /// call is complete and the in-progress map is cleared.
     pub fn end(&mut self) -> Applied<'_> {
+        self.end_of_input(false)
+    }
+
+    /// [`end`](Self::end), at the end of the input: when it came with
+    /// neither `[DONE]` nor Ollama's `done` (`stopped_early`), a call in
+    /// progress whose choice reported no finish ends as failed (its
+    /// spinner's `✗`), as the done line calls its arguments incomplete
+    /// ([`cut_short`](Self::cut_short)). It ended with `✓`, as if whole.
+    pub fn end_of_input(&mut self, stopped_early: bool) -> Applied<'_> {
         if self.phase != StreamPhase::Failed {
             self.phase = StreamPhase::Done;
         }
         for call in self.choices.iter_mut().flat_map(|c| c.calls.iter_mut()) {
             call.state = CallState::Complete;
         }
-        self.clear()
+        if self.in_progress.is_empty() {
+            return Applied::Unchanged;
+        }
+        self.clear_calls_with(|tracker, choice| {
+            tracker.phase == StreamPhase::Failed
+                || (stopped_early && tracker.cut_short(choice, true))
+        })
     }
 
     /// A tool started executing (`tool:execute` with `phase: "start"`).
@@ -534,11 +549,16 @@ impl ToolCallTracker {
     /// [`clear`](Self::clear) with calls in progress.
     #[inline(never)]
     fn clear_calls(&mut self) -> Applied<'_> {
+        self.clear_calls_with(|tracker, _| tracker.phase == StreamPhase::Failed)
+    }
+
+    /// [`clear_calls`](Self::clear_calls), each ended call `failed` as
+    /// the tracker and its choice say.
+    fn clear_calls_with(&mut self, failed: impl Fn(&Self, i64) -> bool) -> Applied<'_> {
         if let Some(mut ended) = self.ended.take() {
-            let failed = self.phase == StreamPhase::Failed;
             ended.extend(self.in_progress().map(|p| EndedCall {
                 entry: p.to_entry(),
-                failed,
+                failed: failed(self, p.choice),
             }));
             self.ended = Some(ended);
         }

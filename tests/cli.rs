@@ -654,7 +654,9 @@ fn the_line_formats_pass_on_errors_and_what_they_cannot_read() {
         concat!(
             "{\"sessionId\":\"s\",\"contentDelta\":\"a\"}\n",
             "{\"sessionId\":\"s\",\"error\":\"boom\"}\n",
-            "{\"sessionId\":\"s\",\"done\":true}\n",
+            // Cut short by the error, as the ndjson format's done line says
+            // (the messages line did not say so before).
+            "{\"sessionId\":\"s\",\"done\":true,\"incomplete\":true}\n",
         )
     );
     // An event too large to parse cannot be a line: the warning says it is

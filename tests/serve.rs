@@ -1412,6 +1412,45 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
     }
 }
 
+/// `demo --progress` on a terminal, interrupted or terminated while a
+/// tool's spinner turns: the spinner ends with its `✗` line, the cursor on
+/// a line of its own, and the process dies of the signal, as `annotate`
+/// does. (Its spinner was left half drawn, the prompt on its line.)
+#[test]
+fn demo_interrupted_ends_its_spinners_and_dies_of_the_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    for signum in [sig::SIGINT, sig::SIGTERM] {
+        let (master, slave) = pty::open(24, 100);
+        let mut child = aalis_proxy()
+            .args(["demo", "--progress", "--delay-ms", "200"])
+            .env("TERM", "xterm")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(slave)
+            .spawn()
+            .expect("spawn demo");
+        let (shown_tx, shown) = mpsc::channel();
+        let drawn = read_terminal(master, " chars · ", shown_tx);
+        let out = read_all(child.stdout.take().expect("stdout"));
+        let shown = shown.recv_timeout(Duration::from_secs(20)).is_ok();
+        sig::send(child.id(), signum);
+        let status = exit_or_kill(&mut child, Duration::from_secs(20));
+        drop(out.join().expect("stdout thread"));
+        let drawn = text(&drawn.join().expect("terminal thread"));
+        assert!(shown, "signal {signum}: no spinner drawn: {drawn:?}");
+        assert_eq!(
+            status.and_then(|s| s.signal()),
+            Some(signum),
+            "signal {signum}: {status:?}"
+        );
+        assert!(
+            drawn.contains("✗ "),
+            "signal {signum}: no ✗ line in {drawn:?}"
+        );
+        assert!(drawn.ends_with('\n'), "signal {signum}: {drawn:?}");
+    }
+}
+
 /// `annotate --progress` started with SIGINT ignored (a background job of
 /// a script): it stays ignored. A SIGINT changes nothing, and the filter
 /// runs to its input's end, its tool's spinner ending as an input's end
@@ -1807,6 +1846,29 @@ fn startup_errors() {
     let last = stderr.lines().last().unwrap_or_default();
     assert!(
         last.starts_with("aalis-proxy: error: cannot read --upstream-ca /nonexistent: "),
+        "{stderr}"
+    );
+
+    // A --record directory that takes no files (sysfs refuses new files
+    // even to root, whom a read-only mode would not stop): the start
+    // fails, naming it, rather than every stream with a warning.
+    assert!(
+        std::path::Path::new("/sys/kernel").is_dir(),
+        "this test needs sysfs at /sys"
+    );
+    let out = run_to_end(&[
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+        "--record",
+        "/sys/kernel",
+    ]);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("aalis-proxy: error: cannot write in the --record directory /sys/kernel: "),
         "{stderr}"
     );
 

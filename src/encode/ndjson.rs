@@ -50,7 +50,8 @@
 //! and `usage`: `{"sessionId":"s1","contentDelta":"…"}`,
 //! `{"sessionId":"s1","toolCallProgress":{…}}`, `{"sessionId":"s1","error":{…}}`,
 //! `{"sessionId":"s1","unparsed":"…"}`, and a single
-//! `{"sessionId":"s1","done":true}` at the end.
+//! `{"sessionId":"s1","done":true}` at the end, with `"incomplete":true`
+//! when any choice's `done` line in `ndjson` would have it.
 
 use std::fmt::Write;
 
@@ -202,6 +203,15 @@ impl LineEncoder {
         if matches!(self.format, LineFormat::Messages { .. }) {
             self.open();
             self.line.push_str("\"done\":true");
+            // One line for every choice: any answer that may stop in the
+            // middle makes it so.
+            if tracker.cut_short(0, stopped_early)
+                || tracker
+                    .calls()
+                    .any(|(choice, _)| tracker.cut_short(choice, stopped_early))
+            {
+                self.line.push_str(",\"incomplete\":true");
+            }
             return self.close(out);
         }
         let usage = tracker.usage();

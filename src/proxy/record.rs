@@ -175,7 +175,13 @@ impl Recorder {
             match create_new(&body_path) {
                 Ok(file) => break (stem, body_path, file),
                 Err(err) if err.kind() == ErrorKind::AlreadyExists && tries < 100 => tries += 1,
-                Err(err) => return Err(err),
+                // Which file could not be made, for the warning.
+                Err(err) => {
+                    return Err(std::io::Error::new(
+                        err.kind(),
+                        format!("{}: {err}", body_path.display()),
+                    ));
+                }
             }
         };
         let body = BufWriter::new(file);
@@ -229,6 +235,35 @@ impl OpenRecordings {
 /// consistent between statements).
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether files can be made in `dir`: a probe file is made and removed,
+/// so that a directory that takes none (read-only, another user's) fails
+/// `serve`'s start, not every stream with a warning.
+pub fn check_writable(dir: &Path) -> std::io::Result<()> {
+    let mut tries = 0;
+    loop {
+        let probe = dir.join(format!(
+            ".aalis-proxy-write-check-{}-{}",
+            std::process::id(),
+            unix_ms().wrapping_add(tries)
+        ));
+        match create_new(&probe) {
+            Ok(_) => return std::fs::remove_file(&probe),
+            Err(err) if err.kind() == ErrorKind::AlreadyExists && tries < 10 => tries += 1,
+            Err(err) => return Err(err),
+        }
+    }
+}
+
+/// Writes `bytes` to a new file at `path` (see [`create_new`]); a file
+/// made but not written whole (a full disk) is removed: an empty `.timing`
+/// would replay the capture in one piece, where none paces it.
+fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut file = create_new(path)?;
+    file.write_all(bytes).inspect_err(|_| {
+        let _ = std::fs::remove_file(path);
+    })
 }
 
 /// Creates `path`, which must not exist yet (not even as a link).
@@ -308,9 +343,8 @@ impl Open {
         let request = std::mem::take(&mut *lock(&self.request.0));
         let write = move || {
             // Each is tried, whatever became of the others.
-            let timing_written =
-                create_new(&timing_path).and_then(|mut f| f.write_all(timing.as_bytes()));
-            let request_written = create_new(&request_path).and_then(|mut f| f.write_all(&request));
+            let timing_written = write_new(&timing_path, timing.as_bytes());
+            let request_written = write_new(&request_path, &request);
             let written = timing_written.and(request_written);
             if let Err(err) = written {
                 tracing::warn!(
