@@ -1230,7 +1230,10 @@ impl StreamState {
                 // A stream that ended without its end marker, whether or
                 // not it had frames: an empty body is no whole answer.
                 let stopped_early = !self.ended;
-                self.lines.done(out, &self.tracker, stopped_early);
+                // A frame that could not be read (not JSON, too large) may
+                // have carried a piece of any answer or call.
+                let unread = self.undecodable > 0;
+                self.lines.done(out, &self.tracker, stopped_early, unread);
             }
         }
     }

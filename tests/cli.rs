@@ -609,6 +609,34 @@ fn named_events_leave_the_text_whole_and_the_end_last() {
     );
 }
 
+/// A call whose fragment came in an event too large to read ends in a done
+/// line that says `incomplete`, though its choice finished and the stream
+/// ended with `[DONE]`: its arguments lack that fragment (before, they
+/// were given as whole). A stream of events all read stays whole.
+#[test]
+fn a_done_line_after_an_unread_event_says_incomplete() {
+    let first = "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\":\"}}]}}]}\n\n";
+    let large = format!(
+        "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\"function\":{{\"arguments\":\"\\\"{}\\\"}}\"}}}}]}}}}]}}\n\n",
+        "x".repeat(300)
+    );
+    let end = "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n";
+    let input = format!("{first}{large}{end}");
+    let output = annotate_ok(
+        &["--format", "ndjson", "--max-event-bytes", "256"],
+        input.as_bytes(),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let done = stdout.lines().last().unwrap_or_default();
+    assert!(done.contains(r#""arguments":"{\"a\":""#), "{stdout}");
+    assert!(done.ends_with(r#","incomplete":true}"#), "{stdout}");
+    // Read whole, the same stream is whole.
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let done = stdout.lines().last().unwrap_or_default();
+    assert!(!done.contains("incomplete"), "{stdout}");
+}
+
 /// The line formats lose nothing either: an upstream's mid-stream error is
 /// an `error` line holding its `error` value (on one line, though the
 /// event spread it over two `data:` lines), and an event that cannot be

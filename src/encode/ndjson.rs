@@ -34,8 +34,10 @@
 //!   `done_reason`) is `length`, `max_tokens`, `content_filter` or
 //!   `error`; or it reported none (`null` and `""` are none) and the stream
 //!   carried an error (anywhere, whatever came after it) or ended with
-//!   neither `[DONE]` nor Ollama's `done`. Its last call's arguments may
-//!   then be cut short, so do not run it blindly. Without tool calls, the
+//!   neither `[DONE]` nor Ollama's `done`; or a frame of the stream could
+//!   not be read (not JSON, over `--max-event-bytes`), which may have held
+//!   a piece of it. Its calls' arguments may then be cut short, so do not
+//!   run them blindly. Without tool calls, the
 //!   one `done` line has it by choice 0's answer, its text. A choice
 //!   without tool calls has no `done` line of its own when another choice
 //!   has some, so its text's end is not told.
@@ -198,18 +200,23 @@ impl LineEncoder {
     /// surrogate still held back (no fragment completed it).
     /// `stopped_early`: the stream had frames and ended with neither
     /// `[DONE]` nor Ollama's `done` ([`ToolCallTracker::cut_short`]).
-    pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker, stopped_early: bool) {
+    /// `unread`: a frame of the stream could not be read (not JSON, too
+    /// large), so any answer may lack a piece: every line is incomplete.
+    pub fn done(
+        &mut self,
+        out: &mut impl Sink,
+        tracker: &ToolCallTracker,
+        stopped_early: bool,
+        unread: bool,
+    ) {
         self.write_carries(out, |_, _| true);
+        let cut_short = |choice| unread || tracker.cut_short(choice, stopped_early);
         if matches!(self.format, LineFormat::Messages { .. }) {
             self.open();
             self.line.push_str("\"done\":true");
             // One line for every choice: any answer that may stop in the
             // middle makes it so.
-            if tracker.cut_short(0, stopped_early)
-                || tracker
-                    .calls()
-                    .any(|(choice, _)| tracker.cut_short(choice, stopped_early))
-            {
+            if cut_short(0) || tracker.calls().any(|(choice, _)| cut_short(choice)) {
                 self.line.push_str(",\"incomplete\":true");
             }
             return self.close(out);
@@ -219,7 +226,7 @@ impl LineEncoder {
         if choices == 0 {
             self.open();
             self.line.push_str("\"done\":true");
-            if tracker.cut_short(0, stopped_early) {
+            if cut_short(0) {
                 // A text answer cut short would end as a whole one does.
                 self.line.push_str(",\"incomplete\":true");
             }
@@ -253,8 +260,9 @@ impl LineEncoder {
                 self.line.push_str("}}");
             }
             self.line.push(']');
-            if tracker.cut_short(choice, stopped_early) {
-                // Its last call's arguments may stop in the middle.
+            if cut_short(choice) {
+                // Its last call's arguments may stop in the middle, or
+                // lack the piece an unread frame held.
                 self.line.push_str(",\"incomplete\":true");
             }
             if i + 1 == choices {
