@@ -442,7 +442,8 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
     let (skipped, given): (Vec<&std::path::PathBuf>, Vec<&std::path::PathBuf>) = args
         .captures
         .iter()
-        .partition(|path| aalis_proxy::mock::is_not_a_capture(path));
+        // A file that is not there is said so below, whatever its name.
+        .partition(|path| aalis_proxy::mock::is_not_a_capture(path) && path.exists());
     if given.is_empty() && !skipped.is_empty() {
         anyhow::bail!(
             "no capture among the files given: .timing, .request.json and .partial files \
@@ -471,10 +472,19 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
             );
         }
     }
+    // Names are looked up among the captures of one route's kind: an SSE
+    // and an NDJSON capture of one name are both served.
     for (i, capture) in captures.iter().enumerate() {
-        if captures[..i].iter().any(|c| c.name == capture.name) {
+        if captures[..i]
+            .iter()
+            .any(|c| c.name == capture.name && c.framing == capture.framing)
+        {
             tracing::warn!(
-                "two captures are named {}: requests for it get the first",
+                "two {} captures are named {}: requests for it get the first",
+                match capture.framing {
+                    aalis_proxy::framing::Framing::Sse => "SSE",
+                    aalis_proxy::framing::Framing::Ndjson => "NDJSON",
+                },
                 capture.name
             );
         }

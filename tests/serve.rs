@@ -2308,6 +2308,64 @@ fn the_mock_says_which_method_its_chat_route_takes() {
     assert_eq!(response.header("allow"), Some("GET, HEAD"));
 }
 
+/// Two captures of one name are warned of only when they are of one kind
+/// (one route): an SSE and an NDJSON capture named `x` are both served,
+/// each on its route, without a word (the warning said the first took all
+/// requests). Two SSE captures named `x` are warned of. And a capture that
+/// is not there is said to be missing, whatever its name (a missing
+/// `.partial` was "left out: not a capture").
+#[test]
+fn mock_warns_of_names_only_within_a_route_and_of_missing_files() {
+    let sse = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
+    let ndjson = std::fs::read(common::fixtures_dir().join("ollama/thinking_two_tools.ndjson"))
+        .expect("fixture");
+    let (mut mock, dir, stderr) = mock_over_files(
+        "two-kinds",
+        &[("x.sse", &sse[..]), ("x.ndjson", &ndjson[..])],
+    );
+    assert!(!stderr.contains("are named"), "{stderr}");
+    for (path, kind) in [
+        (CHAT_PATH, "text/event-stream"),
+        ("/api/chat", "application/x-ndjson"),
+    ] {
+        let response = request(mock.port, "POST", path, &[], r#"{"model":"x"}"#);
+        assert_eq!(response.status, 200, "{path}");
+        assert_eq!(response.header("content-type"), Some(kind), "{path}");
+    }
+    mock.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let other = std::env::temp_dir().join(format!("aalis-mock-other-{}", std::process::id()));
+    std::fs::create_dir_all(&other).expect("a directory");
+    let second = other.join("x.sse");
+    std::fs::write(&second, &sse).expect("written");
+    let (mut mock, dir, _) = mock_over_files("same-kind", &[("x.sse", &sse[..])]);
+    mock.stop();
+    let first = dir.join("x.sse");
+    let mut both = start_mock(&[&first.to_string_lossy(), &second.to_string_lossy()], &[]);
+    let stderr = both.wait_for_stderr("mock upstream on");
+    assert!(
+        stderr.contains("two SSE captures are named x: requests for it get the first"),
+        "{stderr}"
+    );
+    both.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&other);
+
+    let out = run_to_end(&[
+        "mock",
+        "/nonexistent.sse.partial",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    let line = one_line_stderr(&out);
+    assert!(
+        line.starts_with("aalis-proxy: error: cannot read /nonexistent.sse.partial: "),
+        "{line}"
+    );
+}
+
 /// A request that sets `"stream": false` gets a `400` that says the mock
 /// replays streams only, on both chat routes, also beside a `model` that is
 /// no string; before, it got a stream its client could not parse. Without
