@@ -438,7 +438,13 @@ async fn accept_loop<H, F>(
                 let watcher = shared.graceful.watcher();
                 let shared = Arc::clone(&shared);
                 connections.spawn(async move {
-                    if let Err(err) = serve_connection(stream, peer, &shared, watcher).await {
+                    // Boxed: the connection's future (3 KiB) is moved
+                    // into the task, its cell and out again several times
+                    // as tokio spawns and runs it; a pointer is moved
+                    // instead. 2,380 instructions a stream fewer
+                    // (BENCHMARKS.md, fifth session after the fiftieth round).
+                    let connection = Box::pin(serve_connection(stream, peer, &shared, watcher));
+                    if let Err(err) = connection.await {
                         if timed_out(&*err) {
                             // Its streams' log lines say `cancelled`: this
                             // says why.

@@ -88,7 +88,10 @@ pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(usize, Head)>, 
     // The values are slices of one copy of the head: two allocations for
     // all of them (the copy, and the count that shares it), not one each.
     let head = Bytes::copy_from_slice(buf.get(..len).unwrap_or_default());
-    let mut headers = HeaderMap::with_capacity(response.headers.len());
+    // Room for the three a stream's head gets besides (`Cache-Control`,
+    // `X-Accel-Buffering`, `X-Aalis-Session`): the map grew (rehashed) for
+    // them when the upstream sent few headers.
+    let mut headers = HeaderMap::with_capacity(response.headers.len() + 3);
     for field in response.headers.iter() {
         let name = HeaderName::from_bytes(field.name.as_bytes())
             .map_err(|_| WireError::Head(format!("invalid header name {:?}", field.name)))?;
