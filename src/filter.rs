@@ -488,9 +488,10 @@ mod tests {
     }
 
     /// A stream that ends with neither `[DONE]` nor a finish ends its tools
-    /// with `✗`, as its done line calls them incomplete; one whose choice
-    /// finished (`tool_calls`) before it just ended ends them with `✓`.
-    /// Before, both ended with `✓`.
+    /// with `✗`, as its done line calls them incomplete, and so does one
+    /// whose choice was cut (`length`) or that had a frame it could not
+    /// read; one whose choice finished (`tool_calls`) before it just ended
+    /// ends them with `✓`. Before, all ended with `✓`.
     #[test]
     fn a_stream_cut_short_ends_its_tools_with_a_cross() {
         let call = concat!(
@@ -499,10 +500,21 @@ mod tests {
         );
         let finish =
             "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n";
+        let cut =
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"length\"}]}\n\n";
         for (input, mark) in [
             (call.to_owned(), '✗'),
             (format!("{call}{finish}"), '✓'),
             (format!("{call}data: [DONE]\n\n"), '✓'),
+            // Cut by its finish (`length`), with `[DONE]` or without: as
+            // the done line says, incomplete either way.
+            (format!("{call}{cut}data: [DONE]\n\n"), '✗'),
+            (format!("{call}{cut}"), '✗'),
+            // A frame that could not be read may have held a piece.
+            (
+                format!("{call}data: {{bad\n\n{finish}data: [DONE]\n\n"),
+                '✗',
+            ),
         ] {
             let lines = Shared::default();
             let display = ProgressDisplay::plain(Box::new(lines.clone()));

@@ -968,6 +968,9 @@ impl StreamState {
     /// A piece of a frame too large to parse: forwarded, reported once.
     fn oversized(&mut self, at: Location, first: bool, raw: &[u8], out: &mut impl Sink) {
         if first {
+            // Not read, so it may have held a piece of any answer, or not
+            // (a comment, a named event): the done lines cannot tell.
+            self.tracker.frame_unread();
             // Counted with the undecodable frames: past the first few, a
             // count at the end says how many more (a small
             // --max-event-bytes made one warning an event).
@@ -1023,6 +1026,17 @@ impl StreamState {
             Err(source) => {
                 if self.output != OutputFormat::Sse {
                     self.lines.unparsed(out, data.unwrap_or_default());
+                }
+                // A frame that may have been a chunk, unread: the answers
+                // may lack what it held. One that is no chunk (another
+                // API's `{"type":"ping"}`, a number) held nothing of them.
+                if matches!(
+                    source,
+                    FrameError::NotUtf8 { .. }
+                        | FrameError::InvalidJson(_)
+                        | FrameError::UnexpectedShape(_)
+                ) {
+                    self.tracker.frame_unread();
                 }
                 self.undecodable += 1;
                 if self.undecodable <= MAX_REPORTED {
@@ -1230,10 +1244,7 @@ impl StreamState {
                 // A stream that ended without its end marker, whether or
                 // not it had frames: an empty body is no whole answer.
                 let stopped_early = !self.ended;
-                // A frame that could not be read (not JSON, too large) may
-                // have carried a piece of any answer or call.
-                let unread = self.undecodable > 0;
-                self.lines.done(out, &self.tracker, stopped_early, unread);
+                self.lines.done(out, &self.tracker, stopped_early);
             }
         }
     }

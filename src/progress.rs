@@ -231,6 +231,9 @@ pub struct ToolCallTracker {
     phase: StreamPhase,
     /// The stream carried an error, whatever came after it.
     errored: bool,
+    /// A frame of the stream that may have carried a chunk could not be
+    /// read ([`frame_unread`](Self::frame_unread)).
+    unread: bool,
     usage: Option<Usage>,
     /// Counts changes of the in-progress map (progress or clear), so an
     /// observer can tell cheaply whether there is anything new to publish.
@@ -358,11 +361,11 @@ impl ToolCallTracker {
         self.end_of_input(false)
     }
 
-    /// [`end`](Self::end), at the end of the input: when it came with
-    /// neither `[DONE]` nor Ollama's `done` (`stopped_early`), a call in
-    /// progress whose choice reported no finish ends as failed (its
-    /// spinner's `✗`), as the done line calls its arguments incomplete
-    /// ([`cut_short`](Self::cut_short)). It ended with `✓`, as if whole.
+    /// [`end`](Self::end), at the end of the input (`stopped_early`: with
+    /// neither `[DONE]` nor Ollama's `done`): a call in progress whose
+    /// answer may stop in the middle ends as failed (its spinner's `✗`),
+    /// by the rule of the done line's `incomplete`
+    /// ([`cut_short`](Self::cut_short)); it ended with `✓`, as if whole.
     pub fn end_of_input(&mut self, stopped_early: bool) -> Applied<'_> {
         if self.phase != StreamPhase::Failed {
             self.phase = StreamPhase::Done;
@@ -374,9 +377,15 @@ impl ToolCallTracker {
             return Applied::Unchanged;
         }
         self.clear_calls_with(|tracker, choice| {
-            tracker.phase == StreamPhase::Failed
-                || (stopped_early && tracker.cut_short(choice, true))
+            tracker.phase == StreamPhase::Failed || tracker.cut_short(choice, stopped_early)
         })
+    }
+
+    /// A frame that may have carried a chunk (not JSON, not UTF-8, of an
+    /// unexpected shape, or too large to read) was passed over: every
+    /// answer of the stream may lack a piece ([`cut_short`](Self::cut_short)).
+    pub fn frame_unread(&mut self) {
+        self.unread = true;
     }
 
     /// A tool started executing (`tool:execute` with `phase: "start"`).
@@ -515,8 +524,12 @@ impl ToolCallTracker {
     /// or `stopped_early`, with neither `[DONE]` nor Ollama's `done`. A
     /// choice that reported none before `[DONE]` is whole: some providers
     /// never send one. An error counts whatever came after it (a stream
-    /// that goes on after an error is still one that failed).
+    /// that goes on after an error is still one that failed). And any
+    /// choice may lack a piece when a frame could not be read.
     pub fn cut_short(&self, choice: i64, stopped_early: bool) -> bool {
+        if self.unread {
+            return true;
+        }
         let calls = self.choices.iter().find(|c| c.choice == choice);
         match calls.and_then(|c| c.finish) {
             Some(FinishKind::Whole) => false,

@@ -1192,17 +1192,28 @@ fn annotate_on_a_terminal(watch: &'static str) -> OnATerminal {
 }
 
 /// [`annotate_on_a_terminal`], run by `cmd` (the binary, set up).
-fn annotate_on_a_terminal_from(mut cmd: Command, watch: &'static str) -> OnATerminal {
+fn annotate_on_a_terminal_from(cmd: Command, watch: &'static str) -> OnATerminal {
+    on_a_terminal(cmd, &["annotate", "--progress"], Stdio::piped(), watch)
+}
+
+/// `cmd args` with stderr on a pseudoterminal (100 columns), stdout
+/// piped, `stdin` as given; `shown` is told when `watch` is drawn.
+fn on_a_terminal(
+    mut cmd: Command,
+    args: &[&str],
+    stdin: Stdio,
+    watch: &'static str,
+) -> OnATerminal {
     let (master, slave) = pty::open(24, 100);
     let child = cmd
-        .args(["annotate", "--progress"])
+        .args(args)
         // Without TERM (or with TERM=dumb) indicatif draws nothing.
         .env("TERM", "xterm")
-        .stdin(Stdio::piped())
+        .stdin(stdin)
         .stdout(Stdio::piped())
         .stderr(slave)
         .spawn()
-        .expect("spawn annotate");
+        .expect("spawn aalis-proxy");
     let (shown_tx, shown) = mpsc::channel();
     let drawn = read_terminal(master, watch, shown_tx);
     OnATerminal {
@@ -1420,17 +1431,16 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
 fn demo_interrupted_ends_its_spinners_and_dies_of_the_signal() {
     use std::os::unix::process::ExitStatusExt;
     for signum in [sig::SIGINT, sig::SIGTERM] {
-        let (master, slave) = pty::open(24, 100);
-        let mut child = aalis_proxy()
-            .args(["demo", "--progress", "--delay-ms", "200"])
-            .env("TERM", "xterm")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(slave)
-            .spawn()
-            .expect("spawn demo");
-        let (shown_tx, shown) = mpsc::channel();
-        let drawn = read_terminal(master, " chars · ", shown_tx);
+        let OnATerminal {
+            mut child,
+            drawn,
+            shown,
+        } = on_a_terminal(
+            aalis_proxy(),
+            &["demo", "--progress", "--delay-ms", "200"],
+            Stdio::null(),
+            " chars · ",
+        );
         let out = read_all(child.stdout.take().expect("stdout"));
         let shown = shown.recv_timeout(Duration::from_secs(20)).is_ok();
         sig::send(child.id(), signum);
@@ -1890,14 +1900,17 @@ fn startup_errors() {
         );
     }
 
-    // A capture file that does not exist.
-    let out = run_to_end(&["mock", "/nonexistent.sse", "--listen", "127.0.0.1:0"]);
-    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
-    let line = one_line_stderr(&out);
-    assert!(
-        line.starts_with("aalis-proxy: error: cannot read /nonexistent.sse: "),
-        "{line}"
-    );
+    // A capture file that does not exist, whatever its name (a missing
+    // `.partial` was "left out: not a capture").
+    for path in ["/nonexistent.sse", "/nonexistent.sse.partial"] {
+        let out = run_to_end(&["mock", path, "--listen", "127.0.0.1:0"]);
+        assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+        let line = one_line_stderr(&out);
+        assert!(
+            line.starts_with(&format!("aalis-proxy: error: cannot read {path}: ")),
+            "{line}"
+        );
+    }
 
     // Flags that cannot go together, or values that cannot work, are
     // usage errors (status 2) that say why; a failed start leaves no
@@ -2160,6 +2173,55 @@ fn a_request_whose_client_leaves_before_the_answer_is_logged() {
     drop(silent);
 }
 
+/// A client whose connection ends inside its request body has left before
+/// the answer too: logged 499, `cancelled` (it was logged 400), and not
+/// the upstream's fault. One whose body is framed wrong is a 400,
+/// `invalid_request_error`.
+#[test]
+fn a_client_gone_inside_its_body_is_logged_499() {
+    let silent = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = silent.local_addr().expect("local_addr").port();
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    for (session, request) in [
+        ("cut", "content-length: 100\r\n\r\n{\"str"),
+        ("bad", "transfer-encoding: chunked\r\n\r\nzz\r\n"),
+    ] {
+        let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
+        client
+            .write_all(
+                format!(
+                    "POST {CHAT_PATH} HTTP/1.1\r\nhost: x\r\nx-aalis-session: {session}\r\n{request}"
+                )
+                .as_bytes(),
+            )
+            .expect("request");
+        client
+            .shutdown(std::net::Shutdown::Write)
+            .expect("the client's side ends");
+        serve.wait_for_stderr(&format!("session={session} "));
+        drop(client);
+    }
+    let stderr = serve.stop();
+    let line = |session: &str| {
+        stderr
+            .lines()
+            .find(|l| l.contains(" request ") && l.contains(&format!("session={session} ")))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let cut = line("cut");
+    assert!(
+        cut.contains("status=499") && cut.contains("outcome=\"cancelled\""),
+        "{cut}"
+    );
+    let bad = line("bad");
+    assert!(
+        bad.contains("status=400") && bad.contains("outcome=\"invalid_request_error\""),
+        "{bad}"
+    );
+    drop(silent);
+}
+
 /// `mock` started on `files` (name, bytes), written to a directory of
 /// their own (`tag` names it): the mock, the directory (for the caller
 /// to remove), and the mock's stderr once it serves.
@@ -2311,11 +2373,10 @@ fn the_mock_says_which_method_its_chat_route_takes() {
 /// Two captures of one name are warned of only when they are of one kind
 /// (one route): an SSE and an NDJSON capture named `x` are both served,
 /// each on its route, without a word (the warning said the first took all
-/// requests). Two SSE captures named `x` are warned of. And a capture that
-/// is not there is said to be missing, whatever its name (a missing
-/// `.partial` was "left out: not a capture").
+/// requests). Two SSE captures named `x` are warned of. (A missing
+/// capture: `startup_errors`.)
 #[test]
-fn mock_warns_of_names_only_within_a_route_and_of_missing_files() {
+fn mock_warns_of_names_only_within_a_route() {
     let sse = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
     let ndjson = std::fs::read(common::fixtures_dir().join("ollama/thinking_two_tools.ndjson"))
         .expect("fixture");
@@ -2351,19 +2412,6 @@ fn mock_warns_of_names_only_within_a_route_and_of_missing_files() {
     both.stop();
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&other);
-
-    let out = run_to_end(&[
-        "mock",
-        "/nonexistent.sse.partial",
-        "--listen",
-        "127.0.0.1:0",
-    ]);
-    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
-    let line = one_line_stderr(&out);
-    assert!(
-        line.starts_with("aalis-proxy: error: cannot read /nonexistent.sse.partial: "),
-        "{line}"
-    );
 }
 
 /// A request that sets `"stream": false` gets a `400` that says the mock

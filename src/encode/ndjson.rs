@@ -35,8 +35,8 @@
 //!   `error`; or it reported none (`null` and `""` are none) and the stream
 //!   carried an error (anywhere, whatever came after it) or ended with
 //!   neither `[DONE]` nor Ollama's `done`; or a frame of the stream could
-//!   not be read (not JSON, over `--max-event-bytes`), which may have held
-//!   a piece of it. Its calls' arguments may then be cut short, so do not
+//!   not be read (not JSON or not UTF-8, of an unexpected shape, or over
+//!   `--max-event-bytes`), which may have held a piece of it. Its calls' arguments may then be cut short, so do not
 //!   run them blindly. Without tool calls, the
 //!   one `done` line has it by choice 0's answer, its text. A choice
 //!   without tool calls has no `done` line of its own when another choice
@@ -53,7 +53,9 @@
 //! `{"sessionId":"s1","toolCallProgress":{…}}`, `{"sessionId":"s1","error":{…}}`,
 //! `{"sessionId":"s1","unparsed":"…"}`, and a single
 //! `{"sessionId":"s1","done":true}` at the end, with `"incomplete":true`
-//! when any choice's `done` line in `ndjson` would have it.
+//! when any choice's answer may stop in the middle (choice 0's text
+//! included, which has no `done` line of its own in `ndjson` when another
+//! choice made tool calls).
 
 use std::fmt::Write;
 
@@ -200,17 +202,9 @@ impl LineEncoder {
     /// surrogate still held back (no fragment completed it).
     /// `stopped_early`: the stream had frames and ended with neither
     /// `[DONE]` nor Ollama's `done` ([`ToolCallTracker::cut_short`]).
-    /// `unread`: a frame of the stream could not be read (not JSON, too
-    /// large), so any answer may lack a piece: every line is incomplete.
-    pub fn done(
-        &mut self,
-        out: &mut impl Sink,
-        tracker: &ToolCallTracker,
-        stopped_early: bool,
-        unread: bool,
-    ) {
+    pub fn done(&mut self, out: &mut impl Sink, tracker: &ToolCallTracker, stopped_early: bool) {
         self.write_carries(out, |_, _| true);
-        let cut_short = |choice| unread || tracker.cut_short(choice, stopped_early);
+        let cut_short = |choice| tracker.cut_short(choice, stopped_early);
         if matches!(self.format, LineFormat::Messages { .. }) {
             self.open();
             self.line.push_str("\"done\":true");

@@ -269,7 +269,15 @@ impl Proxy {
                 let log = RequestLog {
                     method,
                     path,
-                    status: fault.status(),
+                    // A client gone inside its body left before the
+                    // answer: nginx's 499 in the log, as for one that left
+                    // while the upstream was silent (the `400` it is sent
+                    // reaches it only if it still reads).
+                    status: match fault {
+                        Fault::ClientAborted => StatusCode::from_u16(CLIENT_CLOSED_REQUEST)
+                            .unwrap_or(StatusCode::BAD_REQUEST),
+                        _ => fault.status(),
+                    },
                     session_id: session_id.clone().unwrap_or_else(|| "-".to_owned()),
                     started,
                 };
