@@ -1028,14 +1028,8 @@ impl StreamState {
                     self.lines.unparsed(out, data.unwrap_or_default());
                 }
                 // A frame that may have been a chunk, unread: the answers
-                // may lack what it held. One that is no chunk (another
-                // API's `{"type":"ping"}`, a number) held nothing of them.
-                if matches!(
-                    source,
-                    FrameError::NotUtf8 { .. }
-                        | FrameError::InvalidJson(_)
-                        | FrameError::UnexpectedShape(_)
-                ) {
+                // may lack what it held.
+                if source.may_be_a_chunk() {
                     self.tracker.frame_unread();
                 }
                 self.undecodable += 1;

@@ -1360,6 +1360,18 @@ fn first_six_events() -> Vec<u8> {
         .collect()
 }
 
+/// A process on a terminal showed its spinner (`shown`, what was `drawn`)
+/// and then died of `signum`.
+fn assert_drawn_then_died_of(signum: i32, shown: bool, drawn: &str, status: Option<ExitStatus>) {
+    use std::os::unix::process::ExitStatusExt;
+    assert!(shown, "signal {signum}: no spinner drawn: {drawn:?}");
+    assert_eq!(
+        status.and_then(|s| s.signal()),
+        Some(signum),
+        "signal {signum}: {status:?}"
+    );
+}
+
 /// `annotate --progress` on a terminal, interrupted (Ctrl-C) or terminated
 /// in the middle of a tool call: the tool's spinner ends with its `✗` line
 /// and its last count (it was left frozen mid-turn on the terminal), every
@@ -1367,7 +1379,6 @@ fn first_six_events() -> Vec<u8> {
 /// (a shell sees 130 for SIGINT, and a script's loop stops).
 #[test]
 fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
-    use std::os::unix::process::ExitStatusExt;
     let fed = first_six_events();
     let mut annotator = Annotator::new(AnnotatorConfig {
         framing: Some(Framing::Sse),
@@ -1404,12 +1415,7 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
         drop(stdin);
         let out = out.join().expect("stdout thread");
         let drawn = text(&drawn.join().expect("terminal thread"));
-        assert!(shown, "signal {signum}: no spinner drawn: {drawn:?}");
-        assert_eq!(
-            status.and_then(|s| s.signal()),
-            Some(signum),
-            "signal {signum}: {status:?}"
-        );
+        assert_drawn_then_died_of(signum, shown, &drawn, status);
         assert_eq!(text(&out), text(&expected), "signal {signum}");
         // With the input's end too, the end may come first: its final
         // line is then the stream's end's, `✓`.
@@ -1429,7 +1435,6 @@ fn annotate_interrupted_ends_its_spinners_and_dies_of_the_signal() {
 /// does. (Its spinner was left half drawn, the prompt on its line.)
 #[test]
 fn demo_interrupted_ends_its_spinners_and_dies_of_the_signal() {
-    use std::os::unix::process::ExitStatusExt;
     for signum in [sig::SIGINT, sig::SIGTERM] {
         let OnATerminal {
             mut child,
@@ -1447,12 +1452,7 @@ fn demo_interrupted_ends_its_spinners_and_dies_of_the_signal() {
         let status = exit_or_kill(&mut child, Duration::from_secs(20));
         drop(out.join().expect("stdout thread"));
         let drawn = text(&drawn.join().expect("terminal thread"));
-        assert!(shown, "signal {signum}: no spinner drawn: {drawn:?}");
-        assert_eq!(
-            status.and_then(|s| s.signal()),
-            Some(signum),
-            "signal {signum}: {status:?}"
-        );
+        assert_drawn_then_died_of(signum, shown, &drawn, status);
         assert!(
             drawn.contains("✗ "),
             "signal {signum}: no ✗ line in {drawn:?}"

@@ -36,9 +36,10 @@
 //!   carried an error (anywhere, whatever came after it) or ended with
 //!   neither `[DONE]` nor Ollama's `done`; or a frame of the stream could
 //!   not be read (not JSON or not UTF-8, of an unexpected shape, or over
-//!   `--max-event-bytes`), which may have held a piece of it. Its calls' arguments may then be cut short, so do not
-//!   run them blindly. Without tool calls, the
-//!   one `done` line has it by choice 0's answer, its text. A choice
+//!   `--max-event-bytes`), which may have held a piece of it. Its calls'
+//!   arguments may then be cut short, so do not run them blindly. Without
+//!   tool calls, the one `done` line has it by choice 0's answer, its
+//!   text. A choice
 //!   without tool calls has no `done` line of its own when another choice
 //!   has some, so its text's end is not told.
 //! - `usage` is `{"promptTokens":…,"completionTokens":…,"totalTokens":…}`,

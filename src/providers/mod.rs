@@ -110,6 +110,21 @@ pub enum FrameError {
     UnexpectedShape(serde_json::Error),
 }
 
+impl FrameError {
+    /// Whether the frame may have been a chunk, and held a piece of an
+    /// answer: one that is not JSON or not UTF-8, or of a shape the chunk
+    /// does not take. A JSON value that is no chunk (a number, another
+    /// API's `{"type":"ping"}`) held none.
+    pub fn may_be_a_chunk(&self) -> bool {
+        match self {
+            FrameError::NotUtf8 { .. }
+            | FrameError::InvalidJson(_)
+            | FrameError::UnexpectedShape(_) => true,
+            FrameError::NotAnObject | FrameError::NotAChunk => false,
+        }
+    }
+}
+
 impl From<serde_json::Error> for FrameError {
     fn from(err: serde_json::Error) -> Self {
         match err.classify() {

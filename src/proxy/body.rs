@@ -212,7 +212,8 @@ pub struct ClientBodyFailure {
 }
 
 impl ClientBodyFailure {
-    /// The log's outcome word for a request that failed so.
+    /// The log's outcome word for a request that failed so (those of
+    /// `service`'s `Fault::outcome` for the same failure before the head).
     pub fn outcome(&self) -> &'static str {
         match self.gone {
             true => "cancelled",

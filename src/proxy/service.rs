@@ -154,6 +154,44 @@ impl Fault {
             Fault::Loop => "loop_detected",
         }
     }
+
+    /// The status of the request's log line: the one sent, but for a
+    /// client gone inside its body, which left before the answer: nginx's
+    /// 499, as for one that left while the upstream was silent (the `400`
+    /// it is sent reaches it only if it still reads).
+    fn logged_status(self) -> StatusCode {
+        match self {
+            Fault::ClientAborted => {
+                StatusCode::from_u16(CLIENT_CLOSED_REQUEST).unwrap_or(StatusCode::BAD_REQUEST)
+            }
+            _ => self.status(),
+        }
+    }
+
+    /// The outcome word of the request's log line.
+    fn outcome(self) -> &'static str {
+        match self {
+            // The same word as a stream whose client went away.
+            Fault::ClientAborted => "cancelled",
+            // Not `client-timeout`: that is `--client-timeout`'s, a client
+            // that stops reading (logged as `cancelled`).
+            Fault::ClientTimeout => "client_body_timeout",
+            Fault::BadRequest
+            | Fault::NotImplemented
+            | Fault::Loop
+            | Fault::UpstreamUnreachable
+            | Fault::UpstreamTimeout
+            | Fault::UpstreamError => self.kind(),
+        }
+    }
+
+    /// Whose fault a request is whose client's body failed so.
+    fn of_client_body(failure: &ClientBodyFailure) -> Fault {
+        match failure.gone {
+            true => Fault::ClientAborted,
+            false => Fault::BadRequest,
+        }
+    }
 }
 
 impl Proxy {
@@ -269,33 +307,12 @@ impl Proxy {
                 let log = RequestLog {
                     method,
                     path,
-                    // A client gone inside its body left before the
-                    // answer: nginx's 499 in the log, as for one that left
-                    // while the upstream was silent (the `400` it is sent
-                    // reaches it only if it still reads).
-                    status: match fault {
-                        Fault::ClientAborted => StatusCode::from_u16(CLIENT_CLOSED_REQUEST)
-                            .unwrap_or(StatusCode::BAD_REQUEST),
-                        _ => fault.status(),
-                    },
+                    status: fault.logged_status(),
                     session_id: session_id.clone().unwrap_or_else(|| "-".to_owned()),
                     started,
                 };
                 let bytes_out = response.body().size_hint().exact().unwrap_or(0);
-                let outcome = match fault {
-                    // The same word as a stream whose client went away.
-                    Fault::ClientAborted => "cancelled",
-                    // Not `client-timeout`: that is `--client-timeout`'s,
-                    // a client that stops reading (logged as `cancelled`).
-                    Fault::ClientTimeout => "client_body_timeout",
-                    Fault::BadRequest
-                    | Fault::NotImplemented
-                    | Fault::Loop
-                    | Fault::UpstreamUnreachable
-                    | Fault::UpstreamTimeout
-                    | Fault::UpstreamError => fault.kind(),
-                };
-                log.write(0, bytes_out, 0, outcome);
+                log.write(0, bytes_out, 0, fault.outcome());
                 match fault {
                     // Why the upstream failed is for whoever runs the
                     // proxy (a refused connection, a certificate that does
@@ -511,11 +528,7 @@ impl Proxy {
                 // The client's body failed: its fault, whatever the
                 // upstream client made of it.
                 if let Some(client) = watch.as_deref().and_then(|w| w.failed.get()) {
-                    let fault = match client.gone {
-                        true => Fault::ClientAborted,
-                        false => Fault::BadRequest,
-                    };
-                    return Err(fail(fault, client.message.clone()));
+                    return Err(fail(Fault::of_client_body(client), client.message.clone()));
                 }
                 // The plain-HTTP client's own check of the body it sent
                 // (longer or shorter than its Content-Length): the client's.
