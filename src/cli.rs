@@ -571,7 +571,7 @@ pub struct DemoArgs {
     #[arg(long, value_name = "MS", default_value_t = 150, allow_negative_numbers = true, value_parser = parse_millis)]
     pub delay_ms: u64,
 
-    /// Write the annotated streams on stdout instead of summaries
+    /// Write the annotated streams on stdout as they arrive, instead of summaries
     #[arg(long)]
     pub stream: bool,
 

@@ -40,7 +40,7 @@ use crate::render::spinner::ProgressDisplay;
 pub struct DemoOptions {
     /// Pause between two events of each replayed capture.
     pub delay: Duration,
-    /// Write the annotated streams on stdout instead of summaries.
+    /// Write the annotated streams on stdout as they arrive, instead of summaries.
     pub stream: bool,
     /// Where spinners go.
     pub display: Arc<ProgressDisplay>,
@@ -89,14 +89,22 @@ pub async fn run(options: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::
             .await
             .with_context(|| format!("the demo request for {} failed", capture.name))?;
         let status = response.status();
-        let annotated = response
-            .into_body()
-            .collect()
-            .await
-            .with_context(|| format!("the demo stream for {} was cut", capture.name))?
-            .to_bytes();
-        if options.stream {
-            out.write_all(&annotated).context(CANNOT_WRITE)?;
+        // With --stream each piece goes out as it comes, flushed, as
+        // `annotate` writes: collected first, a stream showed only once
+        // it had ended.
+        let mut body = response.into_body();
+        let mut annotated = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame =
+                frame.with_context(|| format!("the demo stream for {} was cut", capture.name))?;
+            if let Ok(data) = frame.into_data() {
+                if options.stream {
+                    out.write_all(&data)
+                        .and_then(|()| out.flush())
+                        .context(CANNOT_WRITE)?;
+                }
+                annotated.extend_from_slice(&data);
+            }
         }
         let summary = summarize(&annotated, capture.framing);
         tool_calls += summary.calls.len();

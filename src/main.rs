@@ -532,7 +532,15 @@ fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         display: Arc::clone(&display),
     };
     let mut stdout = io::stdout();
-    let calls = runtime()?.block_on(aalis_proxy::demo::run(options, &mut stdout));
+    // The streams, on the spinners' terminal, are written above them, as
+    // `annotate`'s output is: written past them, the next redraw erased
+    // what they had just shown.
+    let mut output: Box<dyn Write + Send> = match display.is_terminal() && stdout.is_terminal() {
+        true => Box::new(display.above_as_is(io::stdout())),
+        false => Box::new(io::stdout()),
+    };
+    let calls = runtime()?.block_on(aalis_proxy::demo::run(options, &mut output));
+    drop(output);
     die_if_signalled(&display, &signalled);
     let calls = calls?;
     if !args.stream {

@@ -91,3 +91,50 @@ fn a_closed_stdout_ends_the_demo_quietly() {
         assert!(stderr.is_empty(), "{extra:?}: {stderr}");
     }
 }
+
+/// A writer that keeps its first write and then fails, as a closed pipe
+/// would: the demo stops there.
+struct FirstWrite(Vec<u8>);
+
+impl std::io::Write for FirstWrite {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if !self.0.is_empty() {
+            return Err(std::io::ErrorKind::BrokenPipe.into());
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `--stream` writes each piece of a stream as it comes: the first thing
+/// written is the first capture's start, not the whole of it. (The client
+/// collected each body first, so a stream showed only once it had ended.)
+#[test]
+fn the_demo_streams_as_the_events_come() {
+    let options = aalis_proxy::demo::DemoOptions {
+        // Far longer than a piece takes to cross the proxy: the first
+        // piece is written before the second is sent.
+        delay: std::time::Duration::from_millis(300),
+        stream: true,
+        display: std::sync::Arc::new(aalis_proxy::render::spinner::ProgressDisplay::off()),
+    };
+    let mut out = FirstWrite(Vec::new());
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    let result = runtime.block_on(aalis_proxy::demo::run(options, &mut out));
+    let first = String::from_utf8_lossy(&out.0);
+    assert!(
+        result.is_err_and(|e| e.chain().any(|cause| cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe))),
+        "the demo went on past its first write"
+    );
+    assert!(first.starts_with("data: "), "{first:?}");
+    assert!(
+        !first.contains("[DONE]"),
+        "the whole stream at once: {first:?}"
+    );
+}
