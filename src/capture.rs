@@ -14,6 +14,10 @@
 //! 1045 52
 //! ```
 //!
+//! A recording whose response did not end (the upstream failed, the
+//! client left, or `serve` exited) ends with [`CUT_LINE`], a comment to
+//! readers that know nothing of it; `mock` replays such a capture cut.
+//!
 //! Read [`schedule`] first.
 
 use std::ops::Range;
@@ -28,11 +32,17 @@ use crate::framing::sse::SseDecoder;
 pub const TIMING_HEADER: &str =
     "# aalis-proxy timing 1: <end offset in bytes> <milliseconds since the response began>";
 
+/// The last line of the timing of a response that was cut, not ended.
+pub const CUT_LINE: &str = "# cut: the response stopped here without its end";
+
 /// When each piece of a capture arrived: `(end offset, ms since start)`,
 /// both non-decreasing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Timing {
     pub marks: Vec<(u64, u64)>,
+    /// The response stopped after its last mark without its end
+    /// ([`CUT_LINE`]).
+    pub cut: bool,
 }
 
 /// Why a timing file cannot be used.
@@ -64,9 +74,11 @@ impl Timing {
 
     pub fn parse(text: &str) -> Result<Timing, TimingError> {
         let mut marks: Vec<(u64, u64)> = Vec::new();
+        let mut cut = false;
         for (n, line) in text.lines().enumerate() {
             let line_no = n + 1;
             let line = line.trim();
+            cut |= line.starts_with("# cut");
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
@@ -90,7 +102,7 @@ impl Timing {
             }
             marks.push((offset, ms));
         }
-        Ok(Timing { marks })
+        Ok(Timing { marks, cut })
     }
 
     /// The file's text.
@@ -99,6 +111,10 @@ impl Timing {
         out.push('\n');
         for (offset, ms) in &self.marks {
             out.push_str(&format!("{offset} {ms}\n"));
+        }
+        if self.cut {
+            out.push_str(CUT_LINE);
+            out.push('\n');
         }
         out
     }
@@ -209,10 +225,17 @@ mod tests {
 
     #[test]
     fn timing_round_trips_and_rejects_nonsense() {
-        let timing = Timing {
+        let mut timing = Timing {
             marks: vec![(10, 0), (25, 40), (25, 41)],
+            cut: false,
         };
         assert_eq!(Timing::parse(&timing.render()).expect("parses"), timing);
+        // A cut response says so on a last line of its own, a comment to
+        // a reader that does not know it.
+        timing.cut = true;
+        let text = timing.render();
+        assert!(text.ends_with(&format!("25 41\n{CUT_LINE}\n")), "{text:?}");
+        assert_eq!(Timing::parse(&text).expect("parses"), timing);
         for bad in ["10", "a 1", "10 5\n5 6", "10 5\n11 4", "1 2 3"] {
             assert!(Timing::parse(bad).is_err(), "{bad:?}");
         }
@@ -232,6 +255,7 @@ mod tests {
         );
         let timing = Timing {
             marks: vec![(5, 0), (20, 30), (20, 35)],
+            cut: false,
         };
         let timed = schedule(bytes, Some(&timing), Duration::ZERO);
         assert_eq!(
@@ -244,7 +268,7 @@ mod tests {
         );
         // A timing of no marks (a file cut after its header, by a full
         // disk) paces the capture as none does; it was sent in one piece.
-        let empty = Timing { marks: Vec::new() };
+        let empty = Timing::default();
         assert_eq!(
             schedule(bytes, Some(&empty), Duration::from_millis(7)),
             paced
@@ -253,6 +277,7 @@ mod tests {
         // first: the pauses count from the pieces, not from those marks.
         let timing = Timing {
             marks: vec![(0, 500), (9, 600), (9, 1000), (18, 1100)],
+            cut: false,
         };
         let timed = schedule(bytes, Some(&timing), Duration::ZERO);
         assert_eq!(

@@ -442,8 +442,10 @@ pub struct ServeArgs {
     /// characters. Request bodies stream on as usual; their first MiB is
     /// kept. A recording a write failed for (a full disk) stops there and
     /// is kept with `.partial` added to its name, without the other two
-    /// files; a sidecar not written whole is removed. A DIR that takes no
-    /// files fails the start.
+    /// files; a sidecar not written whole is removed. A response that
+    /// stopped before its end (the upstream failed, the client left, serve
+    /// exited) is kept as it came, and its .timing ends with a `# cut` line:
+    /// `mock` replays it cut. A DIR that takes no files fails the start.
     ///
     /// Example: --record captures/
     #[arg(long, value_name = "DIR")]
@@ -519,7 +521,9 @@ pub struct MockArgs {
     ///
     /// What `serve --record` writes beside a capture (.timing, read with
     /// it; .request.json) and a .partial recording are left out, with a
-    /// warning, so `mock captures/*` serves the captures alone. A file with
+    /// warning, so `mock captures/*` serves the captures alone. A capture
+    /// whose .timing says it was cut is replayed cut: its bytes, then the
+    /// connection ends without the body's end. A file with
     /// no event in it, or none that carries text, reasoning, a tool call,
     /// usage or an error, is served all the same, byte for byte, with a
     /// warning that says so.

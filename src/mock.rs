@@ -36,8 +36,9 @@ use crate::capture::{self, Timing};
 use crate::encode::OutputFormat;
 use crate::framing::Framing;
 use crate::pipeline::{Annotator, AnnotatorConfig};
+use crate::proxy::body::FLUSH_GRACE;
 use crate::proxy::upstream::{BoxError, ProxyBody};
-use crate::proxy::{server, service};
+use crate::proxy::{SocketFull, server, service};
 
 /// Captures built into the binary: `(name, bytes)`.
 pub const BUNDLED: [(&str, &[u8]); 4] = [
@@ -173,6 +174,12 @@ impl Capture {
             .map(|(range, pause)| (self.bytes.slice(range), pause))
             .collect()
     }
+
+    /// The recorded response was cut, not ended (its timing says so):
+    /// a replay stops as it did.
+    pub fn cut(&self) -> bool {
+        self.timing.as_ref().is_some_and(|timing| timing.cut)
+    }
 }
 
 /// Whether lines of `annotate --format ndjson` say anything of a chat: a
@@ -213,13 +220,13 @@ impl MockUpstream {
 
     /// Serves until `shutdown` resolves.
     pub async fn run(self, listener: TcpListener, shutdown: impl Future<Output = ()>) {
-        let handler = move |req: Request<Incoming>, _peer| {
+        let handler = move |req: Request<Incoming>, peer: server::Peer| {
             let mock = self.clone();
             async move {
                 // One line a request with -v (the replay itself is the
                 // mock's whole job; it logs nothing at the default level).
                 let (method, path) = (req.method().clone(), req.uri().path().to_owned());
-                let response = mock.handle(req).await;
+                let response = mock.handle(req, peer.socket_full).await;
                 tracing::debug!(%method, %path, status = response.status().as_u16(), "request");
                 response
             }
@@ -237,8 +244,13 @@ impl MockUpstream {
         .await;
     }
 
-    /// Answers one request.
-    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+    /// Answers one request from a client whose socket's fullness is
+    /// `socket_full`.
+    pub async fn handle(
+        &self,
+        req: Request<Incoming>,
+        socket_full: SocketFull,
+    ) -> Response<ProxyBody> {
         let path = req.uri().path().to_owned();
         let framing = if path.ends_with("/chat/completions") {
             Framing::Sse
@@ -316,7 +328,8 @@ impl MockUpstream {
             Framing::Sse => "text/event-stream",
             Framing::Ndjson => "application/x-ndjson",
         };
-        let mut response = Response::new(PacedBody::new(capture.pieces(self.delay)).boxed());
+        let body = PacedBody::new(capture.pieces(self.delay), capture.cut(), Some(socket_full));
+        let mut response = Response::new(body.boxed());
         response
             .headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -338,18 +351,31 @@ impl MockUpstream {
 /// the body's start plus the pauses before it, not at its pause after the
 /// last piece went: the time a piece takes to go out (a wake-up, a write)
 /// is not added to every pause, which made a recording replay a third
-/// slower, and a piece that is late goes at once.
+/// slower, and a piece that is late goes at once. A recording that was cut
+/// ends with an error after its last piece, so the connection is cut too
+/// (no last chunk), not ended: once the pieces before it are out, as the
+/// proxy's body waits ([`FLUSH_GRACE`], longer while the client's socket is
+/// full), since hyper drops what it holds when a body fails.
 struct PacedBody {
     pieces: VecDeque<(Bytes, Duration)>,
+    cut: bool,
+    /// The client's socket was full at its connection's last write.
+    socket_full: Option<SocketFull>,
     sleep: Option<Pin<Box<Sleep>>>,
     /// When the last piece was due (the body's first poll, at first).
     due: Option<tokio::time::Instant>,
 }
 
 impl PacedBody {
-    fn new(pieces: Vec<(Bytes, Duration)>) -> PacedBody {
+    fn new(
+        pieces: Vec<(Bytes, Duration)>,
+        cut: bool,
+        socket_full: Option<SocketFull>,
+    ) -> PacedBody {
         PacedBody {
             pieces: pieces.into(),
+            cut,
+            socket_full,
             sleep: None,
             due: None,
         }
@@ -369,11 +395,25 @@ impl Body for PacedBody {
                 std::task::ready!(sleep.as_mut().poll(cx));
                 self.sleep = None;
                 let Some((piece, _)) = self.pieces.pop_front() else {
-                    return Poll::Ready(None);
+                    // The wait before a cut: the pieces are out, or the
+                    // client's socket is still full.
+                    if !self.cut {
+                        return Poll::Ready(None);
+                    }
+                    if self.socket_full.as_ref().is_some_and(SocketFull::get) {
+                        self.sleep = Some(Box::pin(tokio::time::sleep(FLUSH_GRACE)));
+                        continue;
+                    }
+                    self.cut = false;
+                    return Poll::Ready(Some(Err(RECORDED_CUT.into())));
                 };
                 return Poll::Ready(Some(Ok(Frame::data(piece))));
             }
             let Some(&(_, pause)) = self.pieces.front() else {
+                if self.cut {
+                    self.sleep = Some(Box::pin(tokio::time::sleep(FLUSH_GRACE)));
+                    continue;
+                }
                 return Poll::Ready(None);
             };
             let now = tokio::time::Instant::now();
@@ -390,9 +430,12 @@ impl Body for PacedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.pieces.is_empty()
+        self.pieces.is_empty() && !self.cut
     }
 }
+
+/// Why a replay of a cut recording stops.
+const RECORDED_CUT: &str = "the recorded response was cut here";
 
 fn json_error(status: StatusCode, message: &str) -> Response<ProxyBody> {
     service::json_error(status, "mock_error", message)
@@ -416,7 +459,7 @@ mod tests {
                 )
             })
             .collect();
-        let mut body = PacedBody::new(pieces);
+        let mut body = PacedBody::new(pieces, false, None);
         let start = tokio::time::Instant::now();
         let mut got = 0;
         while let Some(frame) = body.frame().await {

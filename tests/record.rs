@@ -164,6 +164,7 @@ async fn a_recorded_stream_replays_byte_for_byte_with_its_timing() {
         .expect("valid timing");
     let events = original.windows(2).filter(|w| w == b"\n\n").count();
     assert_eq!(timing.marks.len(), events, "{timing:?}");
+    assert!(!timing.cut, "a whole response is not marked cut");
     assert_eq!(
         timing.marks.last().map(|m| m.0),
         Some(original.len() as u64)
@@ -218,5 +219,99 @@ async fn a_recorded_stream_replays_byte_for_byte_with_its_timing() {
         took_ms * 10 >= recorded_ms * 7,
         "annotate --realtime took {took_ms} ms for {recorded_ms} ms recorded"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Posts a streamed chat request to `base` and reads the body until it
+/// ends or fails: the bytes, and whether it failed. `leave_after` drops the
+/// response after that many pieces, as a client that goes away.
+async fn fetch(base: &str, model: &str, leave_after: Option<usize>) -> (Vec<u8>, bool) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let body = format!(r#"{{"model":"{model}","stream":true}}"#);
+    let request = http::Request::post(format!("{base}/v1/chat/completions"))
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    let response = tokio::time::timeout(Duration::from_secs(20), client.request(request))
+        .await
+        .expect("in time")
+        .expect("response");
+    let mut body = response.into_body();
+    let mut bytes = Vec::new();
+    let mut pieces = 0;
+    while let Some(frame) = tokio::time::timeout(Duration::from_secs(20), body.frame())
+        .await
+        .expect("in time")
+    {
+        let Ok(frame) = frame else {
+            return (bytes, true);
+        };
+        if let Ok(data) = frame.into_data() {
+            bytes.extend_from_slice(&data);
+            pieces += 1;
+        }
+        if leave_after == Some(pieces) {
+            break;
+        }
+    }
+    (bytes, false)
+}
+
+/// The timing recorded for the one stream in `dir`.
+fn recorded_timing(dir: &Path) -> Timing {
+    let (_, timing, _) = recorded_files(dir);
+    Timing::parse(&std::fs::read_to_string(&timing).expect("timing")).expect("valid timing")
+}
+
+/// A response that did not come to its end, because its upstream cut it or
+/// its client left, is recorded with a timing that says so, and `mock`
+/// replays such a recording cut, as it came. (A recording of a cut stream
+/// was a capture like any other, and its replay ended cleanly.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_response_is_recorded_cut_and_replayed_cut() {
+    let whole = std::fs::read(common::fixtures_dir().join("openai/parallel_tool_calls.sse"))
+        .expect("fixture");
+    // Cut in the middle of an event, as a reset would leave it.
+    let head = whole[..whole.len() / 2].to_vec();
+    let mut cut = Capture::new("cut", &head);
+    cut.timing = Some(Timing {
+        marks: vec![(head.len() as u64, 0)],
+        cut: true,
+    });
+    let (mock, stop_mock) = start_mock(vec![cut], DELAY).await;
+    // The mock replays it cut: the client gets the bytes, then a failure.
+    let (got, failed) = fetch(&mock, "cut", None).await;
+    assert_eq!(got, head);
+    assert!(failed, "the replay of a cut recording ended cleanly");
+
+    // Through `serve --record`: the client's stream is cut too, and the
+    // recording holds what came and says it was cut.
+    let dir = std::env::temp_dir().join(format!("aalis-record-cut-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("record dir");
+    let (proxy, stop_proxy) = start_proxy(&mock, Some(dir.clone())).await;
+    let (_, failed) = fetch(&proxy, "cut", None).await;
+    assert!(failed, "the proxy ended a cut stream cleanly");
+    let timing = recorded_timing(&dir);
+    assert!(timing.cut, "{timing:?}");
+    let (capture_path, _, _) = recorded_files(&dir);
+    assert_eq!(std::fs::read(&capture_path).expect("capture"), head);
+    let replayed = Capture::from_file(&capture_path).expect("capture with timing");
+    assert!(replayed.cut());
+    let _ = stop_proxy.send(());
+    let _ = stop_mock.send(());
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // A client that leaves after the first piece: cut as well.
+    let dir = std::env::temp_dir().join(format!("aalis-record-left-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("record dir");
+    let (mock, stop_mock) = start_mock(Capture::bundled(), DELAY).await;
+    let (proxy, stop_proxy) = start_proxy(&mock, Some(dir.clone())).await;
+    let (got, failed) = fetch(&proxy, "parallel_tool_calls", Some(1)).await;
+    assert!(!got.is_empty() && !failed);
+    let timing = recorded_timing(&dir);
+    assert!(timing.cut, "{timing:?}");
+    let _ = stop_proxy.send(());
+    let _ = stop_mock.send(());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -53,8 +53,8 @@ const OUT_ROOM: usize = 2 * 1024;
 /// After an upstream failure, how long the connection is given to send
 /// the client what it was handed before the error ends the stream, and
 /// how often it is asked again while the client's socket is full (see
-/// [`Phase::Flushing`]).
-const FLUSH_GRACE: Duration = Duration::from_millis(100);
+/// [`Phase::Flushing`]). `mock` waits as long before it cuts a replay.
+pub const FLUSH_GRACE: Duration = Duration::from_millis(100);
 
 /// The upstream sent nothing for longer than `--idle-timeout`.
 #[derive(Debug, thiserror::Error)]
@@ -258,6 +258,9 @@ impl TapBody {
             metrics,
         );
         body.recording = recording;
+        if body.phase == Phase::Done {
+            came_to_its_end(&mut body.phase, &mut body.recording);
+        }
         body
     }
 
@@ -390,7 +393,7 @@ impl Body for TapBody {
                         // Trailers end the body: what the annotator held
                         // goes out first, then the trailers, untouched.
                         Err(frame) => {
-                            *this.phase = Phase::Done;
+                            came_to_its_end(this.phase, this.recording);
                             finish(this.annotator, this.session, this.out, this.log);
                             if this.out.is_empty() {
                                 return Poll::Ready(Some(Ok(frame)));
@@ -420,7 +423,7 @@ impl Body for TapBody {
                     // the connection will not poll again to hear so.
                     let last = this.inner.is_end_stream();
                     if last {
-                        *this.phase = Phase::Done;
+                        came_to_its_end(this.phase, this.recording);
                     }
                     let Some(annotator) = this.annotator.as_mut() else {
                         count_out(this.bytes_out, this.metrics, data.len());
@@ -483,7 +486,7 @@ impl Body for TapBody {
                     finish(this.annotator, this.session, this.out, this.log);
                 }
                 None => {
-                    *this.phase = Phase::Done;
+                    came_to_its_end(this.phase, this.recording);
                     finish(this.annotator, this.session, this.out, this.log);
                 }
             }
@@ -509,6 +512,14 @@ impl Body for TapBody {
             None => self.inner.size_hint(),
             Some(_) => SizeHint::default(),
         }
+    }
+}
+
+/// The upstream body came to its end (not cut): so says its recording too.
+fn came_to_its_end(phase: &mut Phase, recording: &mut Option<Recording>) {
+    *phase = Phase::Done;
+    if let Some(recording) = recording.as_mut() {
+        recording.ended();
     }
 }
 

@@ -129,6 +129,9 @@ struct Open {
     /// A write failed (reported once): nothing more is written, and the
     /// body is kept as `….partial`, never as a capture with a hole.
     failed: bool,
+    /// The response came to its end ([`Recording::ended`]); finished
+    /// without it, the timing says the capture was cut.
+    ended: bool,
     /// Finished: the body flushed and the sidecars handed on; nothing more
     /// is written.
     finished: bool,
@@ -195,6 +198,7 @@ impl Recorder {
             started: Instant::now(),
             bytes: 0,
             failed: false,
+            ended: false,
             finished: false,
         }));
         self.open.add(&open);
@@ -278,6 +282,13 @@ impl Recording {
             lock(&self.0).data(bytes);
         }
     }
+
+    /// The upstream body came to its end. A recording finished without
+    /// this (the upstream failed, the client left, `serve` exited) is
+    /// marked cut in its timing, and `mock` replays it cut.
+    pub fn ended(&mut self) {
+        lock(&self.0).ended = true;
+    }
 }
 
 impl Drop for Recording {
@@ -338,6 +349,7 @@ impl Open {
             return Some(Box::new(keep));
         }
         let timing_path = std::mem::take(&mut self.timing_path);
+        self.timing.cut = !self.ended;
         let timing = self.timing.render();
         let request_path = std::mem::take(&mut self.request_path);
         let request = std::mem::take(&mut *lock(&self.request.0));
