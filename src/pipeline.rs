@@ -93,6 +93,9 @@ pub enum StreamEvent {
     Cleared(ClearReason),
     /// The provider said the stream is over.
     Done,
+    /// The provider reported an error mid-stream: its `error` value as it
+    /// came, on one line (as `--format messages` writes it).
+    Error(String),
 }
 
 /// Why the in-progress tools were cleared (SPEC.md, "Progress state").
@@ -209,11 +212,13 @@ impl EventLog {
                 }
             }
             (Chunk::Done, _) => self.events.push(StreamEvent::Done),
+            (Chunk::Error { raw, .. }, _) => self.events.push(StreamEvent::Error(
+                raw.chars().filter(|&c| c != '\n' && c != '\r').collect(),
+            )),
             (
                 Chunk::ToolCallDelta(_)
                 | Chunk::Finish { .. }
                 | Chunk::Usage(_)
-                | Chunk::Error { .. }
                 | Chunk::Ignored { .. },
                 Applied::Cleared | Applied::Unchanged,
             ) => {}
@@ -634,6 +639,13 @@ impl Annotator {
     /// The stream's progress state.
     pub fn tracker(&self) -> &ToolCallTracker {
         &self.state.tracker
+    }
+
+    /// Whether, at the end of the input, some answer of the stream may stop
+    /// in the middle: the input failed, or by the rule of the done lines'
+    /// `incomplete` ([`ToolCallTracker::any_cut_short`]).
+    pub fn incomplete(&self) -> bool {
+        self.state.failed || self.state.tracker.any_cut_short(!self.state.ended)
     }
 
     /// The same, to change: its record of ended calls

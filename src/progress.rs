@@ -538,6 +538,16 @@ impl ToolCallTracker {
         }
     }
 
+    /// Whether any answer of the stream may stop in the middle
+    /// ([`cut_short`](Self::cut_short)): choice 0's, its text included, or
+    /// that of any choice that made calls.
+    pub fn any_cut_short(&self, stopped_early: bool) -> bool {
+        self.cut_short(0, stopped_early)
+            || self
+                .calls()
+                .any(|(choice, _)| self.cut_short(choice, stopped_early))
+    }
+
     fn call(&self, choice: i64, index: i64) -> Option<&ToolCall> {
         let c = self.choices.iter().find(|c| c.choice == choice)?;
         let i = c

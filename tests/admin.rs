@@ -902,3 +902,67 @@ async fn at_shutdown_a_subscriber_hears_its_stream_to_the_end() {
         .expect("serve returns once both are over")
         .expect("serve task");
 }
+
+/// A subscriber tells a whole answer from one that may stop in the middle,
+/// as `annotate --format messages` does: the `done` of a stream that was
+/// cut, failed or was stopped by its length says `incomplete`, and an
+/// error the upstream sent mid-stream is a frame of its own. (All four
+/// ended with the same `{"done":true}`, and the error was not told.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_is_told_when_an_answer_may_stop_in_the_middle() {
+    let text = |finish: &str| {
+        format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"Hello\"}},\"finish_reason\":{finish}}}]}}\n\n"
+        )
+    };
+    let whole = format!("{}{}data: [DONE]\n\n", text("null"), text("\"stop\""));
+    let length = format!("{}{}data: [DONE]\n\n", text("null"), text("\"length\""));
+    let error = format!(
+        "{}data: {{\"error\":{{\"message\":\"boom\",\"type\":\"server_error\"}}}}\n\n",
+        text("null")
+    );
+    let mut cut = Capture::new("cut", text("null").as_bytes());
+    cut.timing = Some(aalis_proxy::capture::Timing {
+        marks: vec![(text("null").len() as u64, 0)],
+        cut: true,
+    });
+    let run = start_with(
+        vec![
+            Capture::new("whole", whole.as_bytes()),
+            Capture::new("length", length.as_bytes()),
+            Capture::new("error", error.as_bytes()),
+            cut,
+        ],
+        Duration::from_millis(20),
+    )
+    .await;
+    for (model, incomplete, error) in [
+        ("whole", false, None),
+        ("length", true, None),
+        ("error", true, Some("boom")),
+        ("cut", true, None),
+    ] {
+        let session = format!("answer-{model}");
+        let mut frames = Frames::open(&run.proxy, &session).await;
+        assert_eq!(frames.next().await["type"], "stream_resume");
+        let body = chat_body(&run.proxy, &session, model).await;
+        // The cut stream's body fails: what matters here is its frames.
+        let _ = tokio::time::timeout(PATIENCE, body.collect()).await;
+        let seen = frames.until(|f| f.get("done").is_some()).await;
+        assert!(
+            seen.iter().any(|f| f["contentDelta"] == "Hello"),
+            "{model}: {seen:?}"
+        );
+        let done = seen.last().expect("a done frame");
+        assert_eq!(
+            done.get("incomplete").is_some_and(|v| v == true),
+            incomplete,
+            "{model}: {done}"
+        );
+        let told = seen
+            .iter()
+            .find_map(|f| f.get("error"))
+            .map(|e| e["message"].clone());
+        assert_eq!(told, error.map(Value::from), "{model}: {seen:?}");
+    }
+}

@@ -211,7 +211,7 @@ impl LineEncoder {
             self.line.push_str("\"done\":true");
             // One line for every choice: any answer that may stop in the
             // middle makes it so.
-            if cut_short(0) || tracker.calls().any(|(choice, _)| cut_short(choice)) {
+            if tracker.any_cut_short(stopped_early) {
                 self.line.push_str(",\"incomplete\":true");
             }
             return self.close(out);

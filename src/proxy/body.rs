@@ -706,6 +706,9 @@ fn finish(
     if let Some(annotator) = annotator.as_mut() {
         annotator.finish(Now::Clock(unix_ms), out.room_for(0));
         log_warnings(annotator, log);
+        if let Some(session) = session.as_mut() {
+            session.note_end(annotator.incomplete());
+        }
         publish(annotator, session, Instant::now());
     }
 }

@@ -298,6 +298,9 @@ pub struct StreamHandle {
     /// The stream's `done` was sent to subscribers; if not, its end (as
     /// the session's owner) sends one.
     done: bool,
+    /// At its end, the stream's answer may stop in the middle
+    /// ([`note_end`](Self::note_end)): its `done` says `incomplete`.
+    incomplete: bool,
     /// The session came back to this stream ([`before_read`](Self::before_read)):
     /// its next publish sends subscribers a fresh snapshot.
     regained: bool,
@@ -385,6 +388,7 @@ impl SessionRegistry {
             failed: false,
             ended: Vec::new(),
             done: false,
+            incomplete: false,
             regained: false,
         }
     }
@@ -731,8 +735,15 @@ impl StreamHandle {
         // the stream stops collecting increments.
         if session.listening(all) {
             for event in events {
-                self.done |= matches!(event, StreamEvent::Done);
-                send(all, session, event_frame(&self.session_id, event));
+                let frame = match event {
+                    // By the rule of `--format messages`' done line.
+                    StreamEvent::Done => {
+                        self.done = true;
+                        done_frame(&self.session_id, tracker.any_cut_short(false))
+                    }
+                    _ => event_frame(&self.session_id, event),
+                };
+                send(all, session, frame);
             }
             if missed && changed {
                 send(
@@ -765,13 +776,21 @@ impl StreamHandle {
     pub fn mark_failed(&mut self) {
         self.failed = true;
     }
+
+    /// The stream's input ended; `incomplete`: an answer of it may stop in
+    /// the middle ([`Annotator::incomplete`](crate::pipeline::Annotator::incomplete)).
+    /// The `done` its end sends says so, as a failed stream's does.
+    pub fn note_end(&mut self, incomplete: bool) {
+        self.incomplete = incomplete;
+    }
 }
 
 /// The stream ended, failed or was cancelled: its progress is cleared
 /// (SPEC.md: the end or failure of the stream clears it), and subscribers
 /// are told it is `done` if no frame of it said so (a stream that just
 /// stops, fails or is cancelled has no `[DONE]`), as `annotate --format
-/// messages` ends every stream with a `done` line.
+/// messages` ends every stream with a `done` line: `incomplete` when it
+/// failed or its answer may stop in the middle.
 impl Drop for StreamHandle {
     fn drop(&mut self) {
         let mut state = self.registry.lock();
@@ -798,7 +817,7 @@ impl Drop for StreamHandle {
             send(
                 all,
                 session,
-                event_frame(&self.session_id, &StreamEvent::Done),
+                done_frame(&self.session_id, self.failed || self.incomplete),
             );
         }
         match session.superseded.pop() {
@@ -857,8 +876,25 @@ fn event_frame(session_id: &str, event: &StreamEvent) -> Frame {
             push_string(text, &mut out);
             push_choice(*choice, &mut out);
         }
-        StreamEvent::Done => out.push_str(",\"done\":true"),
+        StreamEvent::Done => return done_frame(session_id, false),
+        StreamEvent::Error(raw) => {
+            out.push_str(",\"error\":");
+            out.push_str(raw);
+        }
         StreamEvent::Cleared(reason) => return clear_frame(session_id, *reason),
+    }
+    out.push('}');
+    Arc::from(out)
+}
+
+/// `{"sessionId":…,"done":true}`, with `"incomplete":true` when the
+/// stream's answer may stop in the middle (as `--format messages` says it).
+fn done_frame(session_id: &str, incomplete: bool) -> Frame {
+    let mut out = String::from("{\"sessionId\":");
+    push_string(session_id, &mut out);
+    out.push_str(",\"done\":true");
+    if incomplete {
+        out.push_str(",\"incomplete\":true");
     }
     out.push('}');
     Arc::from(out)
