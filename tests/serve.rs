@@ -18,6 +18,10 @@
 //! when the test failed), and every wait has a deadline.
 
 mod common;
+// The fake upstream's TLS and HTTP/2, for the one test that needs them.
+#[allow(dead_code)]
+#[path = "common/upstream.rs"]
+mod upstream;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
@@ -2605,6 +2609,60 @@ fn a_response_without_a_body_is_logged_ok() {
     assert!(line.contains("outcome=\"ok\""), "{line}");
     serve.stop();
     upstream.join().expect("the upstream thread");
+}
+
+/// A whole response from an HTTP/2 upstream whose length is known and
+/// whose end comes in a frame of its own (an empty DATA frame with
+/// END_STREAM, as Node's `res.end()` sends it) is logged `ok`. hyper stops
+/// polling a body once its length is written, and that drop was taken for
+/// a client that went away (`cancelled`), for every such response.
+#[test]
+fn a_whole_response_of_known_length_from_an_http2_upstream_is_logged_ok() {
+    let pki = upstream::test_pki();
+    let ca = upstream::write_test_ca(&pki, "aalis-serve-test-ca-length");
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    let fake = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the upstream");
+        upstream::FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
+            // The data, then a pause that flushes it without the end.
+            upstream::Reply::new(200)
+                .header("content-type", "application/json")
+                .header("content-length", "11")
+                .body(r#"{"ok":true}"#)
+                .then(upstream::Step::Yield)
+        })
+    });
+    let upstream_url = format!("https://127.0.0.1:{}", fake.addr.port());
+    let ca_path = ca.to_string_lossy().into_owned();
+    let mut serve = Running::start(
+        "serve",
+        |port| {
+            vec![
+                "serve".to_owned(),
+                "--upstream".into(),
+                upstream_url.clone(),
+                "--upstream-ca".into(),
+                ca_path.clone(),
+                "--listen".into(),
+                loopback(port).to_string(),
+            ]
+        },
+        &[],
+    );
+    let mut response = get(serve.port, "/v1/models");
+    assert_eq!(response.status, 200);
+    assert_eq!(text(&response.read_complete()), r#"{"ok":true}"#);
+    let stderr = serve.wait_for_stderr("status=200");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("status=200"))
+        .unwrap_or_default();
+    serve.stop();
+    drop(fake);
+    let _ = std::fs::remove_file(&ca);
+    assert!(line.contains("outcome=\"ok\""), "{line}");
 }
 
 /// `serve --progress=always` with stderr not a terminal: plain lines per

@@ -159,6 +159,8 @@ pin_project! {
         outcome: &'static str,
         bytes_in: u64,
         bytes_out: u64,
+        // The upstream body's length, when its head gave one.
+        length: Option<u64>,
         log: RequestLog,
         metrics: Arc<Metrics>,
     }
@@ -167,8 +169,13 @@ pin_project! {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
             // A client that leaves while an upstream failure waits to be
-            // told (`Flushing`) did not cancel it.
-            if *this.phase == Phase::Streaming {
+            // told (`Flushing`) did not cancel it. Nor did one that got
+            // all of a body of known length: hyper stops polling such a
+            // body once the length is written, so a body whose end comes
+            // in a frame of its own (HTTP/2's empty END_STREAM, as Node
+            // sends it) is dropped whole.
+            let whole = *this.length == Some(*this.bytes_in);
+            if *this.phase == Phase::Streaming && !whole {
                 *this.outcome = "cancelled";
             }
             let tool_calls = this
@@ -288,6 +295,7 @@ impl TapBody {
         // A response without a body (to a HEAD, a 204 or 304, a length of
         // 0) is over before it starts: hyper never polls it, and its drop
         // is no client going away.
+        let length = inner.size_hint().exact();
         let phase = if inner.is_end_stream() {
             Phase::Done
         } else {
@@ -312,6 +320,7 @@ impl TapBody {
             outcome: "ok",
             bytes_in: 0,
             bytes_out: 0,
+            length,
             log,
         }
     }

@@ -547,3 +547,70 @@ where
         );
     }
 }
+
+/// A self-signed CA and a server certificate for `localhost` and
+/// `127.0.0.1`, made here; the upstream serves TLS with ALPN `h2` and
+/// `http/1.1`.
+pub struct TestPki {
+    pub ca_pem: String,
+    pub server: Arc<rustls::ServerConfig>,
+}
+
+/// The test CA of `pki`, written to a temp file named after `name`, for
+/// `upstream_ca` (the caller removes it).
+pub fn write_test_ca(pki: &TestPki, name: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("{name}-{}-{}.pem", std::process::id(), now_ms()));
+    std::fs::write(&path, &pki.ca_pem).expect("write CA");
+    path
+}
+
+pub fn test_pki() -> TestPki {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+    };
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca_params = CertificateParams::new(Vec::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "aalis-proxy test CA");
+    ca_params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca_cert = ca_params.self_signed(&ca_key).expect("CA cert");
+    let issuer = Issuer::new(ca_params, ca_key);
+
+    let server_key = KeyPair::generate().expect("server key");
+    let mut server_params =
+        CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .expect("server params");
+    server_params
+        .distinguished_name
+        .push(DnType::CommonName, "localhost");
+    let server_cert = server_params
+        .signed_by(&server_key, &issuer)
+        .expect("server cert");
+
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(server_key.serialize_der().into());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut server = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![server_cert.der().clone()], key)
+        .expect("server TLS config");
+    server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    TestPki {
+        ca_pem: ca_cert.pem(),
+        server: Arc::new(server),
+    }
+}
+
+/// Milliseconds since the Unix epoch (a file name part).
+fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
