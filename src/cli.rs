@@ -310,8 +310,9 @@ impl AnnotateArgs {
 /// session's frames as SSE; GET /_aalis/sessions/{id} a session's
 /// stream_resume snapshot, and /_aalis/sessions/{id}/events that snapshot
 /// then every increment as SSE (what a UI that reconnects resumes from);
-/// POST /_aalis/tool-execute with {sessionId, toolName, args, phase} clears
-/// a session on phase "start"; GET /_aalis/metrics Prometheus text.
+/// POST /_aalis/tool-execute with {sessionId, toolName, args, phase}
+/// (Content-Type: application/json, else 415) clears a session on phase
+/// "start"; GET /_aalis/metrics Prometheus text.
 /// README.md's "Resume after reconnect" has the frames.
 #[derive(Debug, Args)]
 #[command(after_long_help = SERVE_EXAMPLES, display_name = "aalis-proxy")]
@@ -475,7 +476,9 @@ const SERVE_EXAMPLES: &str = "\
 Examples:
   Proxy OpenAI; point the client's base URL at http://127.0.0.1:8787/v1:
     aalis-proxy serve --upstream https://api.openai.com
-  A local Ollama, progress as SSE comments:
+  A local Ollama: its OpenAI-compatible /v1 routes stream SSE, progress as SSE
+  comments here; its native /api/chat streams NDJSON, which always gets field
+  injection (or none):
     aalis-proxy serve --upstream http://127.0.0.1:11434 --inject comment";
 
 impl ServeArgs {

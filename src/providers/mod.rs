@@ -92,6 +92,12 @@ impl FrameInfo<'_> {
     }
 }
 
+/// The keys of which an OpenAI-style chunk has one.
+pub const OPENAI_CHUNK_KEYS: &str = "`choices`, `usage` or `error`";
+
+/// The keys of which an Ollama line (`/api/chat`, `/api/generate`) has one.
+pub const OLLAMA_CHUNK_KEYS: &str = "`message`, `response`, `thinking`, `done` or `error`";
+
 /// Why a frame's data could not be understood. The frame is forwarded
 /// unchanged all the same.
 #[derive(Debug, thiserror::Error)]
@@ -102,10 +108,11 @@ pub enum FrameError {
     InvalidJson(serde_json::Error),
     #[error("not a JSON object")]
     NotAnObject,
-    /// An object with none of a chunk's keys: `choices`, `usage` or
-    /// `error` (each `null` or absent), as another API's stream has.
-    #[error("a JSON object without `choices`, `usage` or `error`, so no chat chunk")]
-    NotAChunk,
+    /// An object with none of a chunk's keys (each `null` or absent), as
+    /// another API's stream has: named here, [`OPENAI_CHUNK_KEYS`] or
+    /// [`OLLAMA_CHUNK_KEYS`].
+    #[error("a JSON object without {0}, so no chat chunk")]
+    NotAChunk(&'static str),
     #[error("unexpected JSON shape: {0}")]
     UnexpectedShape(serde_json::Error),
 }
@@ -120,7 +127,7 @@ impl FrameError {
             FrameError::NotUtf8 { .. }
             | FrameError::InvalidJson(_)
             | FrameError::UnexpectedShape(_) => true,
-            FrameError::NotAnObject | FrameError::NotAChunk => false,
+            FrameError::NotAnObject | FrameError::NotAChunk(_) => false,
         }
     }
 }
@@ -731,6 +738,66 @@ mod tests {
                 assert_eq!(named, ignored, "{data}");
                 assert!(got.contains(&Chunk::Usage(expected)), "{data}: {got:?}");
                 same_as_serde(provider, data, &mut state);
+            }
+        }
+    }
+
+    /// Ollama lines: `/api/generate`'s `response` and `thinking` are text
+    /// and reasoning, as `/api/chat`'s `message` fields are; a line with
+    /// none of a chunk's keys is no chunk (it was taken for an empty one,
+    /// and its text lost without a word); a line with both APIs' fields
+    /// gives the chat's first. Both paths, learned and matched.
+    #[test]
+    fn ollama_generate_lines_are_read_and_other_objects_are_no_chunks() {
+        let text = |text: &'static str| Chunk::Text {
+            choice: 0,
+            text: text.into(),
+        };
+        let reasoning = |text: &'static str| Chunk::Reasoning {
+            choice: 0,
+            text: text.into(),
+        };
+        let cases: [(&str, Option<Vec<Chunk<'static>>>); 6] = [
+            (
+                r#"{"model":"m","created_at":"t","response":"Hi","done":false}"#,
+                Some(vec![text("Hi")]),
+            ),
+            (
+                r#"{"model":"m","created_at":"t","response":"","thinking":"hmm","done":false}"#,
+                Some(vec![reasoning("hmm")]),
+            ),
+            (
+                r#"{"model":"m","message":{"content":"a"},"response":"b","done":false}"#,
+                Some(vec![text("a"), text("b")]),
+            ),
+            (r#"{"foo":1}"#, None),
+            (
+                r#"{"type":"ping","done":null,"message":null,"error":null}"#,
+                None,
+            ),
+            (r#"{"done_reason":"stop","eval_count":3}"#, None),
+        ];
+        for (data, expected) in cases {
+            let mut state = DecoderState::default();
+            for _ in 0..2 {
+                let mut got = Vec::new();
+                let info = decode(
+                    Provider::OllamaChat,
+                    data.as_bytes(),
+                    &mut state,
+                    &mut |c| got.push(c),
+                );
+                match &expected {
+                    Some(chunks) => {
+                        assert!(info.is_ok(), "{data}: {info:?}");
+                        assert_eq!(&got, chunks, "{data}");
+                    }
+                    None => assert!(
+                        matches!(info, Err(FrameError::NotAChunk(OLLAMA_CHUNK_KEYS))),
+                        "{data}: {info:?}"
+                    ),
+                }
+                same_as_serde(Provider::OllamaChat, data, &mut state);
             }
         }
     }

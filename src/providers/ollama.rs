@@ -22,8 +22,8 @@ use super::scan::{
     Bail, Cursor, Span, SpanMap, Template, first_time, from_rank, has_text, json_text,
 };
 use super::{
-    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, ProbedText, counts, expect_object,
-    is_set, raw_i64,
+    ArgumentsView, DecoderState, FrameError, FrameInfo, JsonStr, OLLAMA_CHUNK_KEYS, ProbedText,
+    counts, expect_object, is_set, raw_i64,
 };
 use crate::chunk::{ArgumentsDelta, Chunk, FinishKind, ToolCallDelta, Usage};
 
@@ -31,6 +31,13 @@ use crate::chunk::{ArgumentsDelta, Chunk, FinishKind, ToolCallDelta, Usage};
 struct LineView<'a> {
     #[serde(borrow, default)]
     message: Option<MessageView<'a>>,
+    /// `/api/generate`'s text, where `/api/chat` has `message.content`.
+    #[serde(borrow, default)]
+    response: Option<JsonStr<'a>>,
+    /// `/api/generate`'s reasoning, where `/api/chat` has
+    /// `message.thinking`.
+    #[serde(borrow, default)]
+    thinking: Option<JsonStr<'a>>,
     #[serde(default)]
     done: Option<bool>,
     #[serde(borrow, default)]
@@ -95,6 +102,15 @@ pub(super) fn decode_serde<'a>(
 ) -> Result<FrameInfo<'a>, FrameError> {
     expect_object(data)?;
     let view: LineView<'a> = serde_json::from_str(data)?;
+    // Another API's line (or a line of nothing): passed on, and said.
+    let chunk_like = view.message.is_some()
+        || view.done.is_some()
+        || is_set(view.error)
+        || view.response.is_some()
+        || view.thinking.is_some();
+    if !chunk_like {
+        return Err(FrameError::NotAChunk(OLLAMA_CHUNK_KEYS));
+    }
     let done = view.done == Some(true);
     let mut info = FrameInfo::object(view.tool_call_progress.is_some());
     let finish = view.done_reason.and_then(|r| FinishKind::of(r.get()));
@@ -105,22 +121,32 @@ pub(super) fn decode_serde<'a>(
             message: error_message(error.get()),
         });
     }
-    if let Some(message) = view.message {
-        if let Some(text) = JsonStr::non_empty(message.thinking) {
-            emit(Chunk::Reasoning {
-                choice: 0,
-                text: text.into(),
-            });
-        }
-        if let Some(text) = JsonStr::non_empty(message.content) {
-            emit(Chunk::Text {
-                choice: 0,
-                text: text.into(),
-            });
-        }
-        for call in message.tool_calls.into_iter().flatten() {
-            emit(Chunk::ToolCallDelta(whole_call(call, state)));
-        }
+    let (thinking, content, calls) = match view.message {
+        Some(message) => (message.thinking, message.content, message.tool_calls),
+        None => (None, None, None),
+    };
+    // A line has `/api/chat`'s fields or `/api/generate`'s; one with both
+    // gives the chat's first.
+    for text in [thinking, view.thinking]
+        .into_iter()
+        .filter_map(JsonStr::non_empty)
+    {
+        emit(Chunk::Reasoning {
+            choice: 0,
+            text: text.into(),
+        });
+    }
+    for text in [content, view.response]
+        .into_iter()
+        .filter_map(JsonStr::non_empty)
+    {
+        emit(Chunk::Text {
+            choice: 0,
+            text: text.into(),
+        });
+    }
+    for call in calls.into_iter().flatten() {
+        emit(Chunk::ToolCallDelta(whole_call(call, state)));
     }
     if done {
         emit(Chunk::Finish {
@@ -269,23 +295,27 @@ struct LineSpans {
 fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
     let mut line = LineSpans::default();
     let mut seen = 0;
+    // One of a chunk's keys came (`OLLAMA_CHUNK_KEYS`); without, serde
+    // says the line is none.
+    let mut chunk_like = false;
     let mut walk = c.object()?;
     while let Some(key) = c.key(&mut walk)? {
         match key {
             b"message" => {
                 first_time(&mut seen, 1)?;
                 if !c.null()? {
+                    chunk_like = true;
                     let mut seen = 0;
                     let mut message = c.object()?;
                     while let Some(key) = c.key(&mut message)? {
                         match key {
                             b"content" => {
                                 first_time(&mut seen, 1)?;
-                                line.content = c.optional_string()?;
+                                text_once(&mut line.content, c.optional_string()?)?;
                             }
                             b"thinking" => {
                                 first_time(&mut seen, 2)?;
-                                line.thinking = c.optional_string()?;
+                                text_once(&mut line.thinking, c.optional_string()?)?;
                             }
                             b"tool_calls" => {
                                 first_time(&mut seen, 4)?;
@@ -306,14 +336,32 @@ fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
                 line.done = match c.peek() {
                     Some(b't') => {
                         c.value()?;
+                        chunk_like = true;
                         true
                     }
-                    Some(b'f' | b'n') => {
+                    Some(b'f') => {
+                        c.value()?;
+                        chunk_like = true;
+                        false
+                    }
+                    Some(b'n') => {
                         c.value()?;
                         false
                     }
                     _ => return Err(Bail),
                 };
+            }
+            b"response" => {
+                first_time(&mut seen, 128)?;
+                let text = c.optional_string()?;
+                chunk_like |= text.is_some();
+                text_once(&mut line.content, text)?;
+            }
+            b"thinking" => {
+                first_time(&mut seen, 256)?;
+                let text = c.optional_string()?;
+                chunk_like |= text.is_some();
+                text_once(&mut line.thinking, text)?;
             }
             b"done_reason" => {
                 first_time(&mut seen, 4)?;
@@ -330,6 +378,7 @@ fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
             b"error" => {
                 first_time(&mut seen, 32)?;
                 line.error = c.optional()?;
+                chunk_like |= line.error.is_some();
             }
             b"toolCallProgress" => {
                 first_time(&mut seen, 64)?;
@@ -341,7 +390,22 @@ fn walk(c: &mut Cursor<'_>) -> Result<LineSpans, Bail> {
         }
     }
     c.end()?;
+    if !chunk_like {
+        return Err(Bail);
+    }
     Ok(line)
+}
+
+/// `text` into `slot`, which a line's chat and generate fields share: a
+/// line with both is left to serde.
+fn text_once(slot: &mut Option<Span>, text: Option<Span>) -> Result<(), Bail> {
+    if text.is_some() {
+        if slot.is_some() {
+            return Err(Bail);
+        }
+        *slot = text;
+    }
+    Ok(())
 }
 
 impl LineSpans {

@@ -268,7 +268,7 @@ pub(super) fn decode_serde<'a>(
             });
             return Ok(FrameInfo::object(view.tool_call_progress.is_some()));
         }
-        return Err(FrameError::NotAChunk);
+        return Err(FrameError::NotAChunk(super::OPENAI_CHUNK_KEYS));
     }
     let mut info = FrameInfo {
         id: view.id.map(RawValue::get),
@@ -1512,7 +1512,10 @@ mod tests {
             // Twice: what the fast path gave up on, it did not learn.
             for _ in 0..2 {
                 let got = decode(data, &mut state, &mut |c| panic!("{c:?}"));
-                assert!(matches!(got, Err(FrameError::NotAChunk)), "{data}: {got:?}");
+                assert!(
+                    matches!(got, Err(FrameError::NotAChunk(_))),
+                    "{data}: {got:?}"
+                );
             }
         }
         for data in [
