@@ -53,7 +53,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
-use upstream::{Event, FakeUpstream, Reply, Step, read_at_least, read_body};
+use upstream::{
+    Event, FakeUpstream, Reply, Step, read_at_least, read_body, test_pki, write_test_ca,
+};
 
 /// Bound for any single wait (a response, a body, an event).
 const PATIENCE: Duration = Duration::from_secs(10);
@@ -1746,6 +1748,66 @@ async fn request_trailers_that_may_not_be_trailers_stop_at_the_proxy() {
         .map(|line| String::from_utf8_lossy(line).into_owned())
         .collect();
     assert_eq!(trailers, ["x-checksum: 1", "x-after: 2"]);
+    assert_no_foreign_panic();
+}
+
+/// The same trailers to an HTTP/2 upstream (over TLS): only the fields a
+/// trailer may carry go on, and the request is answered at once. (Before,
+/// they went on as written: `te` or `connection` there made the upstream
+/// refuse the request, which then waited for `--response-timeout`,
+/// `content-length` was a protocol error blamed on the upstream, and
+/// `authorization` and `host` reached it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_trailers_that_may_not_be_trailers_stop_at_the_proxy_over_http2() {
+    let pki = test_pki();
+    let ca = write_test_ca(&pki, "aalis-faults-test-ca-trailers");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
+        Reply::new(200).body("ok")
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
+    config.upstream_ca = Some(ca.clone());
+    let proxy = Served::start(config).await;
+    let refused = [
+        "te: gzip\r\n",
+        "connection: close\r\n",
+        "content-length: 99\r\n",
+        "authorization: Bearer x\r\nhost: evil\r\ncookie: a=1\r\n\
+         proxy-authorization: Basic eA==\r\ntrailer: x\r\ncontent-type: text/plain\r\n",
+    ];
+    for trailers in refused {
+        let request = format!(
+            "POST /t HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+             transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
+             x-checksum: 1\r\n{trailers}x-after: 2\r\n\r\n"
+        );
+        let started = Instant::now();
+        let answer = RawResponse::parse(&raw_exchange(proxy.addr, request.as_bytes()).await);
+        assert_eq!(
+            (answer.status, &answer.body[..]),
+            (200, &b"ok"[..]),
+            "{trailers:?}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{trailers:?}: answered only after {:?}",
+            started.elapsed()
+        );
+    }
+    let requests = upstream.requests();
+    assert_eq!(requests.len(), refused.len());
+    for request in requests {
+        assert_eq!(&request.body[..], b"hello");
+        let mut names: Vec<String> = request
+            .trailers
+            .iter()
+            .flat_map(|t| t.keys().map(|k| k.as_str().to_owned()))
+            .collect();
+        names.sort();
+        assert_eq!(names, ["x-after", "x-checksum"]);
+    }
+    let _ = std::fs::remove_file(&ca);
     assert_no_foreign_panic();
 }
 

@@ -984,8 +984,8 @@ impl Sending {
         match self.framing {
             RequestFraming::Chunked => {
                 self.pending.extend_from_slice(b"0\r\n");
-                let trailers = self.trailers.iter().flatten();
-                for (name, value) in trailers.filter(|(name, _)| wire::allowed_in_trailers(name)) {
+                // Fitted by the service's request body (`fit_trailers`).
+                for (name, value) in self.trailers.iter().flatten() {
                     self.pending.extend_from_slice(name.as_str().as_bytes());
                     self.pending.extend_from_slice(b": ");
                     self.pending.extend_from_slice(value.as_bytes());

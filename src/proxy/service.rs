@@ -25,7 +25,7 @@ use super::ProxyConfig;
 use super::admin;
 use super::body::{ClientBodyFailure, ClientBodyNote, RequestLog, TapBody, log_safe};
 use super::gate::SocketFull;
-use super::h1::H1Error;
+use super::h1::{H1Error, wire};
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, OpenRecordings, Recorder};
 use super::server::Peer;
@@ -978,7 +978,12 @@ impl http_body::Body for WatchedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
-        let polled = this.inner.as_mut().poll_frame(cx);
+        let polled = match this.inner.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => {
+                Poll::Ready(Some(Ok(fit_trailers(frame))))
+            }
+            polled => polled,
+        };
         let watch = &this.watch;
         watch.polled.store(true, Ordering::Relaxed);
         watch
@@ -1004,6 +1009,28 @@ impl http_body::Body for WatchedBody {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// A request's trailer section without the fields no trailer may carry on
+/// (RFC 9110 §6.5.1; [`wire::allowed_in_trailers`]), for every upstream:
+/// an HTTP/2 upstream took `te` or `connection` there for a malformed
+/// request and never answered, `content-length` for a protocol error, and
+/// got `authorization` or `host` as the client wrote them.
+fn fit_trailers(frame: http_body::Frame<Bytes>) -> http_body::Frame<Bytes> {
+    match frame.into_trailers() {
+        Ok(mut trailers) => {
+            let refused: Vec<_> = trailers
+                .keys()
+                .filter(|name| !wire::allowed_in_trailers(name))
+                .cloned()
+                .collect();
+            for name in refused {
+                trailers.remove(name);
+            }
+            http_body::Frame::trailers(trailers)
+        }
+        Err(frame) => frame,
     }
 }
 

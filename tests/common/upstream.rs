@@ -52,6 +52,8 @@ pub struct Recorded {
     pub version: Version,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// The request's trailer section, if it had one.
+    pub trailers: Option<HeaderMap>,
 }
 
 /// One step of a scripted response.
@@ -296,17 +298,20 @@ where
 
 async fn respond(req: Request<Incoming>, shared: Arc<Shared>) -> Response<ScriptBody> {
     let (parts, body) = req.into_parts();
-    let body = body
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    let (body, trailers) = match body.collect().await {
+        Ok(collected) => {
+            let trailers = collected.trailers().cloned();
+            (collected.to_bytes(), trailers)
+        }
+        Err(_) => (Bytes::new(), None),
+    };
     let recorded = Recorded {
         method: parts.method,
         uri: parts.uri,
         version: parts.version,
         headers: parts.headers,
         body,
+        trailers,
     };
     let reply = (shared.handler)(&recorded);
     let index = {
