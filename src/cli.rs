@@ -346,6 +346,12 @@ pub struct ServeArgs {
     /// A PEM file of CA certificates to trust for the upstream, besides the
     /// bundled web PKI roots
     ///
+    /// The upstream's own certificate must not be a CA's: a self-signed one
+    /// made by `openssl req -x509` is (CA:TRUE) unless it is made with
+    /// `-addext basicConstraints=critical,CA:FALSE`, and is refused, with a
+    /// 502 that says so; or sign the server's certificate with a CA of its
+    /// own and give that CA here.
+    ///
     /// Example: --upstream-ca internal-ca.pem
     #[arg(long, value_name = "FILE")]
     pub upstream_ca: Option<PathBuf>,

@@ -2750,6 +2750,58 @@ async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
     assert_eq!(upstream.requests().len(), 1, "a request got past TLS");
 }
 
+/// An upstream whose own certificate is a self-signed CA's
+/// (`basicConstraints CA:TRUE`, as `openssl req -x509` makes by default),
+/// given as `--upstream-ca`, is refused by rustls as curl would not refuse
+/// it: the `502` says why and what to do. (It said only
+/// `invalid peer certificate: Other(OtherError(CaUsedAsEndEntity))`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_self_signed_ca_as_the_upstreams_certificate_is_a_502_that_says_how_to_mend_it() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let key = KeyPair::generate().expect("key");
+    let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let cert = params.self_signed(&key).expect("a self-signed cert");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let server = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .expect("server TLS config");
+    let ca_path = std::env::temp_dir().join(format!(
+        "aalis-proxy-test-self-signed-{}-{}.pem",
+        std::process::id(),
+        unix_ms()
+    ));
+    std::fs::write(&ca_path, cert.pem()).expect("write the certificate");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = FakeUpstream::start_on(listener, Some(Arc::new(server)), |_| {
+        Reply::new(200).body("ok")
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
+    config.upstream_ca = Some(ca_path.clone());
+    let proxy = TestProxy::start(config).await;
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full("{}"))
+        .expect("request");
+    let (status, _, value) = json_body(send(&client(), req).await).await;
+    let _ = std::fs::remove_file(&ca_path);
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
+    let message = value["error"]["message"].as_str().unwrap_or_default();
+    for said in [
+        "CA:TRUE",
+        "basicConstraints=critical,CA:FALSE",
+        "--upstream-ca",
+    ] {
+        assert!(message.contains(said), "no {said:?} in {value}");
+    }
+    assert!(upstream.requests().is_empty(), "a request got past TLS");
+}
+
 /// A request body the client framed wrong (a bad chunk size) is a `400`
 /// that says so, and one cut by the client's connection ending says that;
 /// neither names the upstream, which did nothing wrong (before, both said

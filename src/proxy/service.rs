@@ -1105,6 +1105,14 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
         )
     } else if timed_out {
         (Fault::UpstreamTimeout, "timed out before its response")
+    } else if err.is_connect() && has_cause(err, &is_ca_as_server_certificate) {
+        (
+            Fault::UpstreamUnreachable,
+            "failed the TLS handshake: its certificate is a CA's (basicConstraints \
+             CA:TRUE, as `openssl req -x509` makes by default), which a server may not \
+             use as its own; make it with `-addext basicConstraints=critical,CA:FALSE`, \
+             or sign it with a CA given to --upstream-ca",
+        )
     } else if err.is_connect() && tls {
         (Fault::UpstreamUnreachable, "failed the TLS handshake")
     } else if err.is_connect() {
@@ -1114,6 +1122,17 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
     } else {
         (Fault::UpstreamError, "failed")
     }
+}
+
+/// Whether `err` is rustls's refusal of a server certificate that is a
+/// CA's: the usual self-signed certificate, which curl takes when it is
+/// given as the CA, and rustls (webpki) never does.
+fn is_ca_as_server_certificate(err: &(dyn std::error::Error + 'static)) -> bool {
+    matches!(
+        err.downcast_ref::<rustls::Error>(),
+        Some(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other)))
+            if matches!(other.0.downcast_ref::<webpki::Error>(), Some(webpki::Error::CaUsedAsEndEntity))
+    )
 }
 
 /// Whether `err` or one of its causes passes `test`, the errors that I/O
