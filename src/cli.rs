@@ -436,6 +436,11 @@ pub struct ServeArgs {
     /// own), use the /_aalis/ routes with `Authorization: Bearer TOKEN`
     /// (without it they get 403)
     ///
+    /// A browser, which sends no such header, opens the status page once as
+    /// /_aalis/?token=TOKEN: it gets the token as a cookie (HttpOnly,
+    /// SameSite=Strict, for /_aalis only) and the page at /_aalis/, and the
+    /// cookie lets the page and its event stream in from then on.
+    ///
     /// Example: --admin-token "$(openssl rand -hex 16)"
     #[arg(long, value_name = "TOKEN", value_parser = parse_token)]
     pub admin_token: Option<String>,

@@ -34,6 +34,15 @@ async fn start(delay: Duration) -> Running {
 }
 
 async fn start_with(captures: Vec<Capture>, delay: Duration) -> Running {
+    start_configured(captures, delay, |_| {}).await
+}
+
+/// [`start_with`], with the proxy's configuration changed by `change`.
+async fn start_configured(
+    captures: Vec<Capture>,
+    delay: Duration,
+    change: impl FnOnce(&mut ProxyConfig),
+) -> Running {
     let mock_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind mock");
     let mock_addr = mock_listener.local_addr().expect("addr");
     let (stop_mock, mock_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -44,7 +53,9 @@ async fn start_with(captures: Vec<Capture>, delay: Duration) -> Running {
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
     let addr = listener.local_addr().expect("addr");
-    let config = ProxyConfig::new(Upstream::parse(&format!("http://{mock_addr}")).expect("url"));
+    let mut config =
+        ProxyConfig::new(Upstream::parse(&format!("http://{mock_addr}")).expect("url"));
+    change(&mut config);
     let sessions = SessionRegistry::new();
     let proxy = Proxy::from_config(config, sessions.clone()).expect("proxy");
     let (stop_proxy, proxy_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -965,4 +976,69 @@ async fn a_subscriber_is_told_when_an_answer_may_stop_in_the_middle() {
             .map(|e| e["message"].clone());
         assert_eq!(told, error.map(Value::from), "{model}: {seen:?}");
     }
+}
+
+/// With `--admin-token`, a browser that is no loopback client (here: a
+/// `Host` that is no loopback name) opens the status page once with the
+/// token in its address, gets the token's cookie and the page at its own
+/// address, and from then on the page and its event stream (what
+/// `EventSource` asks, with no header of its own) let it in. A wrong
+/// token, a wrong cookie, or the token in another route's address do
+/// not. (A browser could not open the page at all: it sends no Bearer
+/// header.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_opens_the_page_with_the_admin_token_once() {
+    let run = start_configured(Capture::bundled(), Duration::ZERO, |config| {
+        config.admin_token = Some("s3 cret;".to_owned());
+    })
+    .await;
+    let remote = ("host", "aalis.lan");
+    let status = |response: &http::Response<Incoming>| response.status().as_u16();
+    let page = format!("{}/_aalis/", run.proxy);
+    assert_eq!(status(&send("GET", &page, "", &[remote]).await), 403);
+    let wrong = format!("{page}?token=s3");
+    assert_eq!(status(&send("GET", &wrong, "", &[remote]).await), 403);
+    let elsewhere = format!("{}/_aalis/metrics?token=s3%20cret%3B", run.proxy);
+    assert_eq!(status(&send("GET", &elsewhere, "", &[remote]).await), 403);
+
+    let opened = send("GET", &format!("{page}?token=s3%20cret%3B"), "", &[remote]).await;
+    assert_eq!(status(&opened), 303);
+    assert_eq!(opened.headers()["location"], "/_aalis/");
+    let cookie = opened.headers()["set-cookie"]
+        .to_str()
+        .expect("a cookie")
+        .to_owned();
+    for part in ["Path=/_aalis", "HttpOnly", "SameSite=Strict"] {
+        assert!(cookie.contains(part), "{cookie}");
+    }
+    let pair = cookie.split(';').next().unwrap_or_default().to_owned();
+    assert!(pair.starts_with("aalis_admin="), "{cookie}");
+    assert!(!pair.contains("s3"), "the token as it is: {cookie}");
+
+    let with_cookie = [remote, ("cookie", pair.as_str())];
+    let response = send("GET", &page, "", &with_cookie).await;
+    assert_eq!(status(&response), 200);
+    assert!(String::from_utf8_lossy(&whole(response.into_body()).await).contains("<html"));
+    let events = send(
+        "GET",
+        &format!("{}/_aalis/events", run.proxy),
+        "",
+        &with_cookie,
+    )
+    .await;
+    assert_eq!(status(&events), 200);
+    assert_eq!(events.headers()["content-type"], "text/event-stream");
+    drop(events);
+    // Among other cookies, as a browser sends them.
+    let among = format!("theme=dark; {pair}; lang=en");
+    let response = send(
+        "GET",
+        &format!("{}/_aalis/metrics", run.proxy),
+        "",
+        &[remote, ("cookie", among.as_str())],
+    )
+    .await;
+    assert_eq!(status(&response), 200);
+    let forged = [remote, ("cookie", "aalis_admin=7333")];
+    assert_eq!(status(&send("GET", &page, "", &forged).await), 403);
 }

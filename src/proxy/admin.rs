@@ -1,7 +1,8 @@
 //! The proxy's own routes under `/_aalis/` (SPEC.md, "Commands"; issue 5).
 //! They are never forwarded upstream, and answer loopback clients only,
-//! unless the request carries `Authorization: Bearer <--admin-token>`
-//! (anything else is a `403`).
+//! unless the request carries `Authorization: Bearer <--admin-token>`,
+//! or is a browser's with the token's cookie, which `GET
+//! /_aalis/?token=<--admin-token>` sets (anything else is a `403`).
 //!
 //! | route | what |
 //! | --- | --- |
@@ -63,8 +64,15 @@ pub async fn handle(
             "forbidden",
             "aalis-proxy's own routes answer loopback clients that ask for a loopback host \
              (localhost, 127.x.y.z or [::1] in Host: a guard against DNS rebinding), or a \
-             Bearer --admin-token",
+             Bearer --admin-token (in a browser: open /_aalis/?token=<--admin-token> once)",
         );
+    }
+    // The page opened with the token: its cookie is set, and the address
+    // loses the token (it is not kept in the history, nor shown).
+    if let Some(token) = proxy.config().admin_token.as_deref()
+        && page_token(&req).is_some_and(|given| constant_time_eq(&given, token.as_bytes()))
+    {
+        return with_token_cookie(token);
     }
     let path = req.uri().path().to_owned();
     if path == "/_aalis" {
@@ -158,19 +166,82 @@ enum Route {
     Metrics,
 }
 
-/// Loopback peers always; others only with the admin token.
+/// Loopback peers always; others only with the admin token: as a Bearer
+/// token, or in a browser as its cookie, or in the page's address (which
+/// then sets the cookie).
 fn allowed(proxy: &Proxy, req: &Request<Incoming>, peer: SocketAddr) -> bool {
     let host = req
         .headers()
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
         .or_else(|| req.uri().host());
+    let token = proxy.config().admin_token.as_deref();
     admin_allowed(
         peer.ip(),
         host,
         req.headers().get(header::AUTHORIZATION),
-        proxy.config().admin_token.as_deref(),
-    )
+        token,
+    ) || token.is_some_and(|token| {
+        let cookie = cookie_value(token);
+        token_cookies(req).any(|given| constant_time_eq(given.as_bytes(), cookie.as_bytes()))
+            || page_token(req).is_some_and(|given| constant_time_eq(&given, token.as_bytes()))
+    })
+}
+
+/// The cookie that holds the admin token in a browser: sent back on the
+/// routes only (`Path=/_aalis`), to this site only (`SameSite=Strict`: a
+/// page of another site cannot act with it), and never to scripts
+/// (`HttpOnly`).
+const TOKEN_COOKIE: &str = "aalis_admin";
+
+/// The cookie's value for `token`: its bytes in hexadecimal, since a
+/// token may hold what a cookie may not (`;`, `,`, spaces).
+fn cookie_value(token: &str) -> String {
+    token.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The values of the [`TOKEN_COOKIE`]s a request carries.
+fn token_cookies(req: &Request<Incoming>) -> impl Iterator<Item = &str> {
+    req.headers()
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .filter(|(name, _)| *name == TOKEN_COOKIE)
+        .map(|(_, value)| value.trim())
+}
+
+/// The token given in the status page's address (`GET /_aalis/?token=…`),
+/// percent-decoded.
+fn page_token(req: &Request<Incoming>) -> Option<Vec<u8>> {
+    let page = matches!(req.uri().path(), "/_aalis" | "/_aalis/");
+    if !page || !matches!(*req.method(), Method::GET | Method::HEAD) {
+        return None;
+    }
+    req.uri()
+        .query()?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("token="))
+        .map(|token| decode_segment(token).into_bytes())
+}
+
+/// The answer to the page opened with the right token: the cookie, and
+/// the page again at its own address (`303 See Other`).
+fn with_token_cookie(token: &str) -> Response<ProxyBody> {
+    let mut response = text("see /_aalis/\n".to_owned());
+    *response.status_mut() = StatusCode::SEE_OTHER;
+    let headers = response.headers_mut();
+    headers.insert(header::LOCATION, HeaderValue::from_static("/_aalis/"));
+    let cookie = format!(
+        "{TOKEN_COOKIE}={}; Path=/_aalis; HttpOnly; SameSite=Strict",
+        cookie_value(token)
+    );
+    if let Ok(cookie) = HeaderValue::from_str(&cookie) {
+        headers.insert(header::SET_COOKIE, cookie);
+    }
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 /// The rule itself: `Authorization: Bearer <token>` when a token is
