@@ -2802,6 +2802,93 @@ async fn a_self_signed_ca_as_the_upstreams_certificate_is_a_502_that_says_how_to
     assert!(upstream.requests().is_empty(), "a request got past TLS");
 }
 
+/// An HTTP/2 upstream that refuses a stream without processing it
+/// (`REFUSED_STREAM`, as a server that drains or rotates its connections
+/// does; RFC 9113 §8.7) gets the request once more, its whole body
+/// included (larger than a frame, read in part by the refused stream),
+/// and the client its answer. A second refusal is the client's `502`.
+/// (The first was a `502 upstream_error` too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_upstream_refused_unprocessed_is_sent_again() {
+    let pki = test_pki();
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-refused");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server.clone());
+    // Which streams to refuse, by their number across connections; the
+    // bodies of the streams answered.
+    const REFUSE: [usize; 3] = [0, 2, 3];
+    let answered = Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
+    let streams = Arc::new(AtomicUsize::new(0));
+    let (answered_by, streams_of) = (Arc::clone(&answered), Arc::clone(&streams));
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let Ok(tls) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let (answered, streams) = (Arc::clone(&answered_by), Arc::clone(&streams_of));
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tls).await else {
+                    return;
+                };
+                while let Some(Ok((request, mut respond))) = conn.accept().await {
+                    let n = streams.fetch_add(1, Ordering::SeqCst);
+                    if REFUSE.contains(&n) {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    let answered = Arc::clone(&answered);
+                    tokio::spawn(async move {
+                        let mut body = request.into_body();
+                        let mut got = Vec::new();
+                        while let Some(Ok(data)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(data.len());
+                            got.extend_from_slice(&data);
+                        }
+                        answered.lock().expect("lock").push(got);
+                        let response = http::Response::new(());
+                        if let Ok(mut send) = respond.send_response(response, false) {
+                            let _ = send.send_data(Bytes::from_static(b"ok"), true);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{port}"));
+    config.upstream_ca = Some(ca_path.clone());
+    let proxy = TestProxy::start(config).await;
+    let sent: String = (0..20_000)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let sent = format!(r#"{{"model":"m","messages":"{sent}"}}"#);
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full(sent.clone()))
+        .expect("request");
+    let response = send(&client(), req).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+    end.expect("a whole body");
+    assert_eq!(got, b"ok");
+    assert_eq!(
+        streams.load(Ordering::SeqCst),
+        2,
+        "refused, then sent again"
+    );
+    assert_eq!(
+        answered.lock().expect("lock").as_slice(),
+        [sent.as_bytes().to_vec()]
+    );
+    // Refused twice: said to the client, not sent a third time.
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full(sent.clone()))
+        .expect("request");
+    let (status, _, value) = json_body(send(&client(), req).await).await;
+    let _ = std::fs::remove_file(&ca_path);
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
+    assert_eq!(streams.load(Ordering::SeqCst), 4);
+}
+
 /// A request body the client framed wrong (a bad chunk size) is a `400`
 /// that says so, and one cut by the client's connection ending says that;
 /// neither names the upstream, which did nothing wrong (before, both said

@@ -20,6 +20,7 @@ pub use gate::SocketFull;
 pub mod h1;
 pub mod metrics;
 pub mod record;
+pub mod replay;
 pub mod server;
 pub mod service;
 pub mod sessions;

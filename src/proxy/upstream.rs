@@ -27,6 +27,7 @@ use http::header::{self, HeaderMap, HeaderName};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
@@ -37,6 +38,7 @@ use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 
 use super::h1::{CONN_BUF_BYTES, DrivenBody, H1Error, H1Pool};
+use super::replay::{self, Replayable};
 
 /// Errors of bodies the proxy forwards, both ways.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -165,12 +167,43 @@ impl UpstreamClient {
         match self {
             UpstreamClient::Tls(clients) => {
                 let (client, open) = clients.pick();
-                let response = client.request(req).await?;
+                // Sent once more, on a stream of another connection, when
+                // the upstream refused it unprocessed (see `replay`).
+                let (parts, body) = req.into_parts();
+                let again = Request::from_parts(head_of(&parts), ());
+                let (body, replay) = Replayable::new(body);
+                let first = client
+                    .request(Request::from_parts(parts, body.boxed()))
+                    .await;
+                let response = match first {
+                    Err(err) if replay::refused_unprocessed(&err) => {
+                        let Some(body) = replay.again() else {
+                            return Err(err.into());
+                        };
+                        tracing::debug!(
+                            "the upstream refused a request unprocessed ({}); sent again",
+                            error_chain(&err)
+                        );
+                        client.request(again.map(|()| body.boxed())).await?
+                    }
+                    first => first?,
+                };
                 Ok(response.map(|body| UpstreamBody::Tls(body, open)))
             }
             UpstreamClient::Plain(pool) => Ok(pool.request(req).await?.map(UpstreamBody::Plain)),
         }
     }
+}
+
+/// A copy of a request's head, without its extensions (the proxy sets
+/// none).
+fn head_of(parts: &http::request::Parts) -> http::request::Parts {
+    let mut head = Request::new(()).into_parts().0;
+    head.method = parts.method.clone();
+    head.uri = parts.uri.clone();
+    head.version = parts.version;
+    head.headers = parts.headers.clone();
+    head
 }
 
 impl Body for UpstreamBody {
