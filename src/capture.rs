@@ -78,7 +78,7 @@ impl Timing {
         for (n, line) in text.lines().enumerate() {
             let line_no = n + 1;
             let line = line.trim();
-            cut |= line.starts_with("# cut");
+            cut |= line.starts_with("# cut:");
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }

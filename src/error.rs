@@ -26,8 +26,9 @@ pub const EXIT_INTERRUPTED: i32 = 130;
 #[derive(Debug, thiserror::Error)]
 pub enum Warning {
     #[error(
-        "{at}: {source}; {}: {excerpt}",
-        if *lines { "passed on as an unparsed line" } else { "passed on unchanged" }
+        "{at}: {source}; {}{}: {excerpt}",
+        if *lines { "passed on as an unparsed line" } else { "passed on unchanged" },
+        if source.may_be_a_chunk() { "" } else { " (so are the stream's later ones, without a warning)" }
     )]
     Undecodable {
         at: Location,

@@ -212,9 +212,12 @@ impl EventLog {
                 }
             }
             (Chunk::Done, _) => self.events.push(StreamEvent::Done),
-            (Chunk::Error { raw, .. }, _) => self.events.push(StreamEvent::Error(
-                raw.chars().filter(|&c| c != '\n' && c != '\r').collect(),
-            )),
+            // An `event: error` has no value of its own here: its data is
+            // given by `sse_block` (`error_frame_value`).
+            (Chunk::Error { raw, .. }, _) if !raw.is_empty() => self.events.push(
+                StreamEvent::Error(raw.chars().filter(|&c| c != '\n' && c != '\r').collect()),
+            ),
+            (Chunk::Error { .. }, _) => {}
             (
                 Chunk::ToolCallDelta(_)
                 | Chunk::Finish { .. }
@@ -343,8 +346,10 @@ struct StreamState {
     /// rendered with `\n` line breaks.
     deferred: String,
     warnings: Vec<Warning>,
-    /// Undecodable frames so far.
+    /// Undecodable frames so far that may have been chunks.
     undecodable: u64,
+    /// A frame that is no chunk was said (once a stream).
+    no_chunk_said: bool,
     /// `[DONE]` (or Ollama's `done: true`) was seen: later frames are only
     /// forwarded.
     ended: bool,
@@ -446,6 +451,7 @@ impl Annotator {
                 deferred: String::new(),
                 warnings: Vec::new(),
                 undecodable: 0,
+                no_chunk_said: false,
                 ended: false,
                 ended_warned: false,
                 named_warned: false,
@@ -831,6 +837,9 @@ impl StreamState {
                     let applied = self.tracker.apply(&error, now);
                     if self.collect_events {
                         self.events.record(&error, &applied);
+                        self.events
+                            .events
+                            .push(StreamEvent::Error(error_frame_value(event.data)));
                     }
                     self.warnings.push(Warning::Upstream {
                         at: Location {
@@ -1040,12 +1049,17 @@ impl StreamState {
                     self.lines.unparsed(out, data.unwrap_or_default());
                 }
                 // A frame that may have been a chunk, unread: the answers
-                // may lack what it held.
-                if source.may_be_a_chunk() {
+                // may lack what it held. One that is none (another API's
+                // object, as each line of Ollama's `/api/pull` is) held
+                // nothing of them, and is said once a stream.
+                let said = if source.may_be_a_chunk() {
                     self.tracker.frame_unread();
-                }
-                self.undecodable += 1;
-                if self.undecodable <= MAX_REPORTED {
+                    self.undecodable += 1;
+                    self.undecodable > MAX_REPORTED
+                } else {
+                    std::mem::replace(&mut self.no_chunk_said, true)
+                };
+                if !said {
                     self.warnings.push(Warning::Undecodable {
                         at: frame.at,
                         source,
@@ -1252,6 +1266,24 @@ impl StreamState {
                 let stopped_early = !self.ended;
                 self.lines.done(out, &self.tracker, stopped_early);
             }
+        }
+    }
+}
+
+/// An `event: error`'s data as the value of an `error` frame of the events
+/// routes: the data itself when it is JSON (on one line), else the data
+/// as a JSON string. Never empty, so the frame is always JSON.
+fn error_frame_value(data: &[u8]) -> String {
+    match serde_json::from_slice::<&serde_json::value::RawValue>(data) {
+        Ok(value) => value
+            .get()
+            .chars()
+            .filter(|&c| c != '\n' && c != '\r')
+            .collect(),
+        Err(_) => {
+            let mut out = String::new();
+            crate::js::push_string(&String::from_utf8_lossy(data), &mut out);
+            out
         }
     }
 }

@@ -932,6 +932,11 @@ async fn a_subscriber_is_told_when_an_answer_may_stop_in_the_middle() {
         "{}data: {{\"error\":{{\"message\":\"boom\",\"type\":\"server_error\"}}}}\n\n",
         text("null")
     );
+    let named = format!(
+        "{}event: error\ndata: {{\"type\":\"error\",\"error\":{{\"type\":\"overloaded_error\"}}}}\n\n",
+        text("null")
+    );
+    let not_json = format!("{}event: error\ndata: overloaded\n\n", text("null"));
     let mut cut = Capture::new("cut", text("null").as_bytes());
     cut.timing = Some(aalis_proxy::capture::Timing {
         marks: vec![(text("null").len() as u64, 0)],
@@ -942,15 +947,24 @@ async fn a_subscriber_is_told_when_an_answer_may_stop_in_the_middle() {
             Capture::new("whole", whole.as_bytes()),
             Capture::new("length", length.as_bytes()),
             Capture::new("error", error.as_bytes()),
+            Capture::new("named", named.as_bytes()),
+            Capture::new("not_json", not_json.as_bytes()),
             cut,
         ],
         Duration::from_millis(20),
     )
     .await;
+    // (capture, incomplete, the error frame's value)
+    let boom = serde_json::json!({"message": "boom", "type": "server_error"});
+    let overloaded = serde_json::json!({"type": "error", "error": {"type": "overloaded_error"}});
     for (model, incomplete, error) in [
         ("whole", false, None),
         ("length", true, None),
-        ("error", true, Some("boom")),
+        ("error", true, Some(boom)),
+        // An `event: error`: its data, as JSON, or as a string (the frame
+        // was `"error":}`, no JSON).
+        ("named", true, Some(overloaded)),
+        ("not_json", true, Some(Value::from("overloaded"))),
         ("cut", true, None),
     ] {
         let session = format!("answer-{model}");
@@ -970,11 +984,8 @@ async fn a_subscriber_is_told_when_an_answer_may_stop_in_the_middle() {
             incomplete,
             "{model}: {done}"
         );
-        let told = seen
-            .iter()
-            .find_map(|f| f.get("error"))
-            .map(|e| e["message"].clone());
-        assert_eq!(told, error.map(Value::from), "{model}: {seen:?}");
+        let told = seen.iter().find_map(|f| f.get("error")).cloned();
+        assert_eq!(told, error, "{model}: {seen:?}");
     }
 }
 

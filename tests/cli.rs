@@ -538,11 +538,36 @@ fn objects_that_are_no_chunks_are_reported() {
         concat!(
             "aalis-proxy: warning: SSE event 1 (byte 0): upstream error: prompt too long\n",
             "aalis-proxy: warning: SSE event 2 (byte 65): a JSON object without `choices`, ",
-            "`usage` or `error`, so no chat chunk; passed on as an unparsed line: {\"response\":\"Hi\"}\n",
+            "`usage` or `error`, so no chat chunk; passed on as an unparsed line (so are the ",
+            "stream's later ones, without a warning): {\"response\":\"Hi\"}\n",
         )
     );
     let output = annotate_ok(&[], input.as_bytes());
     assert_eq!(output.stdout, input.as_bytes());
+}
+
+/// A stream of another API's objects (Ollama's `/api/pull` progress, each
+/// line a `{"status":…}`) is said once, not once a line: through `serve`,
+/// every pull wrote ten warnings and a count. Each line is still an
+/// `unparsed` line of the line formats, and passed on as it is.
+#[test]
+fn a_stream_of_objects_that_are_no_chunks_is_said_once() {
+    let input: String = (0..17)
+        .map(|i| format!("{{\"status\":\"pulling {i}\",\"completed\":{i}}}\n"))
+        .collect();
+    let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(stdout.matches("\"unparsed\"").count(), 17, "{stdout}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("NDJSON line 1 (byte 0): a JSON object without `message`")
+            && stderr.contains("so are the stream's later ones, without a warning"),
+        "{stderr}"
+    );
+    let output = annotate_ok(&[], input.as_bytes());
+    assert_eq!(output.stdout, input.as_bytes());
+    assert_eq!(String::from_utf8_lossy(&output.stderr).lines().count(), 1);
 }
 
 /// A provider's named event (`event: error` here) reaches the line

@@ -174,7 +174,8 @@ pin_project! {
             // body once the length is written, so a body whose end comes
             // in a frame of its own (HTTP/2's empty END_STREAM, as Node
             // sends it) is dropped whole.
-            let whole = *this.length == Some(*this.bytes_in);
+            // (A stream is polled to its end: its length is not given.)
+            let whole = this.annotator.is_none() && *this.length == Some(*this.bytes_in);
             if *this.phase == Phase::Streaming && !whole {
                 *this.outcome = "cancelled";
             }
