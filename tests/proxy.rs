@@ -1416,13 +1416,7 @@ async fn cookies_from_an_http_2_client_reach_an_http_1_upstream_as_one_line() {
     let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-cookies");
     let mut server = (*pki.server).clone();
     server.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = FakeUpstream::start_on(listener, Some(Arc::new(server)), |_| {
-        Reply::new(200).body("ok")
-    });
-    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
-    config.upstream_ca = Some(ca_path.clone());
-    let proxy = TestProxy::start(config).await;
+    let (upstream, proxy) = through_to_tls_ok(server, &ca_path).await;
     let response = send(&h2, with_cookies(proxy.url("/v1/models"))).await;
     let _ = std::fs::remove_file(&ca_path);
     assert_eq!(response.status(), StatusCode::OK);
@@ -2750,6 +2744,21 @@ async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
     assert_eq!(upstream.requests().len(), 1, "a request got past TLS");
 }
 
+/// A proxy to an `https://` fake upstream that serves TLS with `server`
+/// and answers every request `200 ok`, trusting the CA in `ca_path`.
+async fn through_to_tls_ok(
+    server: rustls::ServerConfig,
+    ca_path: &std::path::Path,
+) -> (FakeUpstream, TestProxy) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = FakeUpstream::start_on(listener, Some(Arc::new(server)), |_| {
+        Reply::new(200).body("ok")
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
+    config.upstream_ca = Some(ca_path.to_path_buf());
+    (upstream, TestProxy::start(config).await)
+}
+
 /// An upstream whose own certificate is a self-signed CA's
 /// (`basicConstraints CA:TRUE`, as `openssl req -x509` makes by default),
 /// given as `--upstream-ca`, is refused by rustls as curl would not refuse
@@ -2778,13 +2787,7 @@ async fn a_self_signed_ca_as_the_upstreams_certificate_is_a_502_that_says_how_to
         unix_ms()
     ));
     std::fs::write(&ca_path, cert.pem()).expect("write the certificate");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = FakeUpstream::start_on(listener, Some(Arc::new(server)), |_| {
-        Reply::new(200).body("ok")
-    });
-    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
-    config.upstream_ca = Some(ca_path.clone());
-    let proxy = TestProxy::start(config).await;
+    let (upstream, proxy) = through_to_tls_ok(server, &ca_path).await;
     let req = Request::post(proxy.url("/v1/chat/completions"))
         .body(full("{}"))
         .expect("request");
