@@ -54,7 +54,7 @@ const OUT_ROOM: usize = 2 * 1024;
 /// the client what it was handed before the error ends the stream, and
 /// how often it is asked again while the client's socket is full (see
 /// [`Phase::Flushing`]). `mock` waits as long before it cuts a replay.
-pub const FLUSH_GRACE: Duration = Duration::from_millis(100);
+pub(crate) const FLUSH_GRACE: Duration = Duration::from_millis(100);
 
 /// The upstream sent nothing for longer than `--idle-timeout`.
 #[derive(Debug, thiserror::Error)]
