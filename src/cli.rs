@@ -47,7 +47,7 @@ Exit status:
        cannot go together
   130  annotate or demo interrupted by SIGINT (it dies of the signal, as a
        shell reports, its spinners first ended with their ✗ line); serve and
-       mock shut down gracefully on SIGINT or SIGTERM and exit 0; a second
+       mock shut down gracefully on SIGINT, SIGTERM or SIGHUP and exit 0; a second
        signal stops serve at once, its open streams cut, with 130
 
 Environment:
@@ -296,7 +296,7 @@ impl AnnotateArgs {
 /// within 30 s is closed, as is one whose HTTP/1.1 request head does not
 /// come whole within 30 s of its first bytes (or of its last response's
 /// end), or an HTTP/2 one with no request open for 30 s (a GOAWAY; dropped
-/// if still open 30 s later). SIGINT or SIGTERM stops accepting connections and lets open
+/// if still open 30 s later). SIGINT or SIGTERM (or SIGHUP) stops accepting connections and lets open
 /// streams finish for --shutdown-grace (an events subscriber, the streams it
 /// follows), then exits 0.
 ///
@@ -331,6 +331,9 @@ pub struct ServeArgs {
     pub upstream: String,
 
     /// Address to listen on; anything but loopback must be given here
+    ///
+    /// An IP address and a port (host names are not looked up); port 0
+    /// lets the system pick one, which the "listening on" line says.
     ///
     /// Example: --listen 127.0.0.1:9000
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8787", value_parser = parse_listen)]
@@ -403,7 +406,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_client_timeout)]
     pub client_timeout: Duration,
 
-    /// After SIGINT or SIGTERM, how long open streams may go on (a second
+    /// After SIGINT, SIGTERM or SIGHUP, how long open streams may go on (a second
     /// signal cuts them at once; their --record files keep what came until
     /// then)
     ///
@@ -471,7 +474,9 @@ pub struct ServeArgs {
     /// duration, bytes, tool calls, outcome (ok, cancelled, idle_timeout,
     /// upstream_error, upstream_unreachable, upstream_timeout,
     /// client_body_timeout, invalid_request_error, not_implemented,
-    /// loop_detected); and a
+    /// loop_detected; for the /_aalis/ routes, whose line is written as
+    /// their answer's head goes out, forbidden, not_found or
+    /// method_not_allowed too); and a
     /// warning that says why when the upstream could not be reached,
     /// answered too late or failed mid-stream. Header values are never
     /// logged. Lines are written by a thread of their own, so a stderr that
@@ -545,6 +550,9 @@ pub struct MockArgs {
     pub captures: Vec<PathBuf>,
 
     /// Address to listen on
+    ///
+    /// An IP address and a port (host names are not looked up); port 0
+    /// lets the system pick one, which the "listening on" line says.
     ///
     /// Example: --listen 127.0.0.1:9001
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8788", value_parser = parse_listen)]

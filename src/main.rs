@@ -609,7 +609,8 @@ async fn listen(
     let local = listener
         .local_addr()
         .with_context(|| format!("cannot read the address bound for {addr}"))?;
-    if !local.ip().is_loopback() {
+    // `[::ffff:127.0.0.1]` is loopback too.
+    if !local.ip().to_canonical().is_loopback() {
         tracing::warn!("listening on {local}, which is not loopback: other machines can reach it");
     }
     Ok((listener, local))
@@ -627,7 +628,9 @@ fn end_logging(log: Option<&StderrLog>) {
     }
 }
 
-/// SIGINT and SIGTERM, as they come. The handlers are installed by
+/// SIGINT, SIGTERM and SIGHUP (a closed terminal, an ssh session gone:
+/// taken as SIGTERM, so open streams finish and recordings are kept), as
+/// they come. The handlers are installed by
 /// [`Signals::install`], not when a future is first polled: a signal sent
 /// as soon as the "listening on" line appears then stops the process
 /// cleanly instead of killing it (a loaded CI machine once delivered
@@ -638,6 +641,8 @@ struct Signals {
     interrupt: Option<tokio::signal::unix::Signal>,
     #[cfg(unix)]
     terminate: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    hangup: Option<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
@@ -653,6 +658,7 @@ impl Signals {
             Signals {
                 interrupt: install(SignalKind::interrupt(), "SIGINT"),
                 terminate: install(SignalKind::terminate(), "SIGTERM"),
+                hangup: install(SignalKind::hangup(), "SIGHUP"),
             }
         }
         #[cfg(not(unix))]
@@ -661,7 +667,7 @@ impl Signals {
         }
     }
 
-    /// The next SIGINT or SIGTERM.
+    /// The next SIGINT, SIGTERM or SIGHUP.
     async fn next(&mut self) {
         #[cfg(unix)]
         {
@@ -677,6 +683,7 @@ impl Signals {
             tokio::select! {
                 () = one(self.interrupt.as_mut()) => {}
                 () = one(self.terminate.as_mut()) => {}
+                () = one(self.hangup.as_mut()) => {}
             }
         }
         #[cfg(not(unix))]
@@ -686,7 +693,7 @@ impl Signals {
     }
 }
 
-/// Resolves on the first SIGINT or SIGTERM (see [`Signals`]).
+/// Resolves on the first SIGINT, SIGTERM or SIGHUP (see [`Signals`]).
 fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     let mut signals = Signals::install();
     async move { signals.next().await }

@@ -538,6 +538,12 @@ impl ToolCallTracker {
         }
     }
 
+    /// Whether the upstream reported an error inside the stream (a
+    /// `{"error":…}` chunk, an `event: error`).
+    pub fn errored(&self) -> bool {
+        self.errored
+    }
+
     /// Whether any answer of the stream may stop in the middle
     /// ([`cut_short`](Self::cut_short)): choice 0's, its text included, or
     /// that of any choice that made calls.

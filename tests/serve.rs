@@ -59,19 +59,21 @@ mod sig {
         fn kill(pid: c_int, sig: c_int) -> c_int;
     }
 
+    pub const SIGHUP: c_int = 1;
     pub const SIGINT: c_int = 2;
     pub const SIGTERM: c_int = 15;
     const SIG_DFL: usize = 0;
     const SIG_IGN: usize = 1;
 
     /// In a child between fork and exec: the default disposition for
-    /// SIGINT and SIGTERM. A test run started in the background by a shell
+    /// SIGINT, SIGTERM and SIGHUP. A test run started in the background by a shell
     /// without job control inherits SIGINT ignored, and so would the child.
     pub fn reset_to_default() {
         // SAFETY: signal() is async-signal-safe and touches no Rust state.
         unsafe {
             signal(SIGINT, SIG_DFL);
             signal(SIGTERM, SIG_DFL);
+            signal(SIGHUP, SIG_DFL);
         }
     }
 
@@ -1599,6 +1601,124 @@ fn sigint_lets_an_open_stream_finish_then_exits_0() {
     open_stream_finishes_after(sig::SIGINT);
 }
 
+/// What `serve --listen ADDR` says before it is ready: its stderr up to
+/// the "listening on" line (or all of it, when it could not listen).
+fn said_when_listening_on(addr: &str) -> String {
+    let mut child = aalis_proxy()
+        .args([
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--listen",
+            addr,
+        ])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn serve");
+    let stderr = child.stderr.take().expect("stderr");
+    let reader = thread::spawn(move || {
+        let mut said = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            said.push_str(&line);
+            said.push('\n');
+            if line.contains("listening on http") {
+                break;
+            }
+        }
+        said
+    });
+    let deadline = Instant::now() + DEADLINE;
+    while !reader.is_finished() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    reader.join().expect("the stderr reader")
+}
+
+/// Only an address off loopback is warned of: `[::ffff:127.0.0.1]` (an
+/// IPv4 loopback address on an IPv6 socket) was said to be reachable by
+/// other machines.
+#[test]
+fn only_an_address_off_loopback_is_warned_of() {
+    let warned = |said: &str| said.contains("which is not loopback");
+    let said = said_when_listening_on("127.0.0.1:0");
+    assert!(
+        said.contains("listening on http") && !warned(&said),
+        "{said}"
+    );
+    let said = said_when_listening_on("0.0.0.0:0");
+    assert!(
+        said.contains("listening on http") && warned(&said),
+        "{said}"
+    );
+    // Where IPv6 cannot be bound (some containers), there is nothing to say.
+    let said = said_when_listening_on("[::ffff:127.0.0.1]:0");
+    if said.contains("listening on http") {
+        assert!(!warned(&said), "{said}");
+    }
+}
+
+/// The `/_aalis/` routes get their log line too, a refused request
+/// included (a page that rebound its name to 127.0.0.1 left no trace), and
+/// the line's path leaves the query out (the status page's address may
+/// hold the admin token).
+#[test]
+fn the_proxys_own_routes_are_logged_without_their_query() {
+    let mut serve = start_serve(9, &["--admin-token", "s3cret"], &[]);
+    let mut page = get(serve.port, "/_aalis/?token=s3cret");
+    assert_eq!(page.status, 303);
+    page.read_complete();
+    let mut missing = get(serve.port, "/_aalis/nothing-here");
+    assert_eq!(missing.status, 404);
+    missing.read_complete();
+    let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
+    client
+        .write_all(
+            b"GET /_aalis/sessions HTTP/1.1\r\nhost: evil.example\r\nconnection: close\r\n\r\n",
+        )
+        .expect("request");
+    let mut answer = Vec::new();
+    let _ = client.read_to_end(&mut answer);
+    assert!(answer.starts_with(b"HTTP/1.1 403"), "{}", text(&answer));
+    serve.wait_for_stderr("status=403");
+    let stderr = serve.stop();
+    let line = |status: &str| {
+        stderr
+            .lines()
+            .find(|l| l.contains(" request ") && l.contains(&format!("status={status} ")))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let opened = line("303");
+    assert!(
+        opened.contains("path=/_aalis/ ") && opened.contains("outcome=\"ok\""),
+        "{opened}"
+    );
+    let missing = line("404");
+    assert!(
+        missing.contains("path=/_aalis/nothing-here ") && missing.contains("outcome=\"not_found\""),
+        "{missing}"
+    );
+    let refused = line("403");
+    assert!(
+        refused.contains("path=/_aalis/sessions ") && refused.contains("outcome=\"forbidden\""),
+        "{refused}"
+    );
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+}
+
+/// SIGHUP (a closed terminal, an ssh session gone) is taken as SIGTERM:
+/// it killed `serve` at once, its open streams cut and a recording left
+/// empty, without its sidecars.
+#[test]
+fn sighup_lets_an_open_stream_finish_then_exits_0() {
+    open_stream_finishes_after(sig::SIGHUP);
+}
+
 /// A stream longer than `--shutdown-grace` is cut when the grace period is
 /// over: the client holds a prefix of the stream, no invented end, and
 /// serve exits 0.
@@ -2204,6 +2324,8 @@ fn a_client_gone_inside_its_body_is_logged_499() {
         serve.wait_for_stderr(&format!("session={session} "));
         drop(client);
     }
+    let mut metrics = get(serve.port, "/_aalis/metrics");
+    let metrics = text(&metrics.read_complete());
     let stderr = serve.stop();
     let line = |session: &str| {
         stderr
@@ -2221,6 +2343,21 @@ fn a_client_gone_inside_its_body_is_logged_499() {
     assert!(
         bad.contains("status=400") && bad.contains("outcome=\"invalid_request_error\""),
         "{bad}"
+    );
+    // The client that left got none of its answer's bytes; the other got
+    // its 400's, counted as the metric counts any answer's (it counted
+    // none of an error's, and the log counted the gone client's).
+    assert!(cut.contains("bytes_out=0 "), "{cut}");
+    let sent = bad
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("bytes_out="))
+        .unwrap_or_default();
+    assert!(sent.parse::<u64>().is_ok_and(|n| n > 0), "{bad}");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == format!("aalis_bytes_out_total {sent}")),
+        "{metrics}"
     );
     drop(silent);
 }
@@ -2663,6 +2800,45 @@ fn a_whole_response_of_known_length_from_an_http2_upstream_is_logged_ok() {
     drop(fake);
     let _ = std::fs::remove_file(&ca);
     assert!(line.contains("outcome=\"ok\""), "{line}");
+}
+
+/// A stream in which the upstream reports an error after its `200` (a
+/// `{"error":…}` chunk) is logged `outcome="upstream_error"` and counted
+/// in `aalis_upstream_errors_total{kind="in_stream"}`; a whole stream
+/// stays `ok`, counted nowhere. (The failed one was `ok` too, and counted
+/// nowhere, though its spinner and its subscribers were told it failed.)
+#[test]
+fn an_error_inside_a_stream_is_logged_and_counted_as_the_upstreams() {
+    let capture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/openai/error_mid_stream.sse")
+        .to_string_lossy()
+        .into_owned();
+    let mock = start_mock(&["--delay-ms", "0", &capture], &[]);
+    let mut serve = start_serve(mock.port, &[], &[]);
+    let mut response = post(
+        serve.port,
+        CHAT_PATH,
+        r#"{"model":"error_mid_stream","stream":true}"#,
+        &[("X-Aalis-Session", "failing")],
+    );
+    assert_eq!(response.status, 200);
+    response.read_complete();
+    let stderr = serve.wait_for_stderr("status=200");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("status=200") && l.contains("session=failing"))
+        .unwrap_or_default();
+    assert!(line.contains("status=200"), "{line}");
+    assert!(line.contains("outcome=\"upstream_error\""), "{line}");
+    let mut metrics = get(serve.port, "/_aalis/metrics");
+    let metrics = text(&metrics.read_complete());
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "aalis_upstream_errors_total{kind=\"in_stream\"} 1"),
+        "{metrics}"
+    );
+    serve.stop();
 }
 
 /// `serve --progress=always` with stderr not a terminal: plain lines per

@@ -179,6 +179,16 @@ pin_project! {
             if *this.phase == Phase::Streaming && !whole {
                 *this.outcome = "cancelled";
             }
+            // An error the upstream sent inside its stream: the answer
+            // failed, though its status was 200.
+            let in_stream = *this.outcome == "ok"
+                && this
+                    .annotator
+                    .as_ref()
+                    .is_some_and(|a| a.tracker().errored());
+            if in_stream {
+                *this.outcome = "upstream_error";
+            }
             let tool_calls = this
                 .annotator
                 .as_ref()
@@ -187,6 +197,7 @@ pin_project! {
             let metrics = &**this.metrics;
             match *this.outcome {
                 "idle_timeout" => metrics.upstream_error(UpstreamErrorKind::IdleTimeout),
+                "upstream_error" if in_stream => metrics.upstream_error(UpstreamErrorKind::InStream),
                 "upstream_error" => metrics.upstream_error(UpstreamErrorKind::Reset),
                 _ => {}
             }

@@ -21,15 +21,19 @@ pub enum UpstreamErrorKind {
     Error,
     IdleTimeout,
     Reset,
+    /// The upstream reported an error inside its stream (a `{"error":…}`
+    /// chunk, an `event: error`), after a `200`.
+    InStream,
 }
 
 impl UpstreamErrorKind {
-    const ALL: [UpstreamErrorKind; 5] = [
+    const ALL: [UpstreamErrorKind; 6] = [
         UpstreamErrorKind::Unreachable,
         UpstreamErrorKind::Timeout,
         UpstreamErrorKind::Error,
         UpstreamErrorKind::IdleTimeout,
         UpstreamErrorKind::Reset,
+        UpstreamErrorKind::InStream,
     ];
 
     fn label(self) -> &'static str {
@@ -39,6 +43,7 @@ impl UpstreamErrorKind {
             UpstreamErrorKind::Error => "error",
             UpstreamErrorKind::IdleTimeout => "idle_timeout",
             UpstreamErrorKind::Reset => "reset",
+            UpstreamErrorKind::InStream => "in_stream",
         }
     }
 
@@ -49,6 +54,7 @@ impl UpstreamErrorKind {
             UpstreamErrorKind::Error => 2,
             UpstreamErrorKind::IdleTimeout => 3,
             UpstreamErrorKind::Reset => 4,
+            UpstreamErrorKind::InStream => 5,
         }
     }
 }
@@ -110,7 +116,7 @@ pub struct Metrics {
     /// taken yet, over every subscriber (bounded by
     /// `admin::ALL_SUBSCRIBERS_BACKLOG_BYTES`).
     pub subscriber_backlog_bytes: AtomicUsize,
-    upstream_errors: [AtomicU64; 5],
+    upstream_errors: [AtomicU64; 6],
     /// From the request to the first byte of the upstream's body.
     pub time_to_first_byte: Histogram,
     /// From taking the first upstream frame of a write to passing the write

@@ -262,10 +262,35 @@ impl Proxy {
         // Phase 0: our own routes are never forwarded upstream; they take
         // the request head's rules too.
         if req.uri().path().starts_with(ADMIN_PREFIX) || req.uri().path() == "/_aalis" {
-            if let Some(problem) = host_problem(req.version(), req.headers()) {
-                return error_response(Fault::BadRequest, &problem);
-            }
-            return admin::handle(self, req, peer.addr).await;
+            let log = RequestLog {
+                method: req.method().clone(),
+                // The path alone: a query may hold the admin token.
+                path: log_safe(req.uri().path()),
+                status: StatusCode::OK,
+                session_id: "-".to_owned(),
+                started: Instant::now(),
+            };
+            let response = match host_problem(req.version(), req.headers()) {
+                Some(problem) => error_response(Fault::BadRequest, &problem),
+                None => admin::handle(self, req, peer.addr).await,
+            };
+            // One line, as every request has (a refused one included),
+            // written as the answer's head goes out: an events stream's
+            // bytes are not counted.
+            let log = RequestLog {
+                status: response.status(),
+                ..log
+            };
+            let outcome = match response.status() {
+                StatusCode::FORBIDDEN => "forbidden",
+                StatusCode::NOT_FOUND => "not_found",
+                StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+                status if status.is_client_error() => "invalid_request_error",
+                _ => "ok",
+            };
+            let bytes_out = response.body().size_hint().exact().unwrap_or(0);
+            log.write(0, bytes_out, 0, outcome);
+            return response;
         }
         let started = Instant::now();
         // The path is taken by `forward` for the stream's log line once a
@@ -311,7 +336,15 @@ impl Proxy {
                     session_id: session_id.clone().unwrap_or_else(|| "-".to_owned()),
                     started,
                 };
-                let bytes_out = response.body().size_hint().exact().unwrap_or(0);
+                // Counted as any answer's bytes are; a client that left
+                // gets none of them.
+                let bytes_out = match fault {
+                    Fault::ClientAborted => 0,
+                    _ => response.body().size_hint().exact().unwrap_or(0),
+                };
+                self.metrics()
+                    .bytes_out_total
+                    .fetch_add(bytes_out, Ordering::Relaxed);
                 log.write(0, bytes_out, 0, fault.outcome());
                 match fault {
                     // Why the upstream failed is for whoever runs the
