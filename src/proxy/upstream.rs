@@ -165,33 +165,42 @@ impl UpstreamClient {
         req: Request<ProxyBody>,
     ) -> Result<Response<UpstreamBody>, SendError> {
         match self {
-            UpstreamClient::Tls(clients) => {
-                let (client, open) = clients.pick();
-                // Sent once more, on a stream of another connection, when
-                // the upstream refused it unprocessed (see `replay`).
-                let (parts, body) = req.into_parts();
-                let again = Request::from_parts(head_of(&parts), ());
-                let (body, replay) = Replayable::new(body);
-                let first = client
-                    .request(Request::from_parts(parts, body.boxed()))
-                    .await;
-                let response = match first {
-                    Err(err) if replay::refused_unprocessed(&err) => {
-                        let Some(body) = replay.again() else {
-                            return Err(err.into());
-                        };
-                        tracing::debug!(
-                            "the upstream refused a request unprocessed ({}); sent again",
-                            error_chain(&err)
-                        );
-                        client.request(again.map(|()| body.boxed())).await?
-                    }
-                    first => first?,
-                };
-                Ok(response.map(|body| UpstreamBody::Tls(body, open)))
-            }
+            // Boxed: its state (a request head kept to send again, and
+            // two sends) would otherwise grow every request's future, the
+            // `http://` ones' too, and so every open stream's memory.
+            UpstreamClient::Tls(clients) => Box::pin(Self::tls_request(clients, req)).await,
             UpstreamClient::Plain(pool) => Ok(pool.request(req).await?.map(UpstreamBody::Plain)),
         }
+    }
+
+    /// [`request`](Self::request) to an `https://` upstream.
+    async fn tls_request(
+        clients: &TlsClients,
+        req: Request<ProxyBody>,
+    ) -> Result<Response<UpstreamBody>, SendError> {
+        let (client, open) = clients.pick();
+        // Sent once more, on a stream of another connection, when
+        // the upstream refused it unprocessed (see `replay`).
+        let (parts, body) = req.into_parts();
+        let again = Request::from_parts(head_of(&parts), ());
+        let (body, replay) = Replayable::new(body);
+        let first = client
+            .request(Request::from_parts(parts, body.boxed()))
+            .await;
+        let response = match first {
+            Err(err) if replay::refused_unprocessed(&err) => {
+                let Some(body) = replay.again() else {
+                    return Err(err.into());
+                };
+                tracing::debug!(
+                    "the upstream refused a request unprocessed ({}); sent again",
+                    error_chain(&err)
+                );
+                client.request(again.map(|()| body.boxed())).await?
+            }
+            first => first?,
+        };
+        Ok(response.map(|body| UpstreamBody::Tls(body, open)))
     }
 }
 
