@@ -262,35 +262,8 @@ impl Proxy {
         // Phase 0: our own routes are never forwarded upstream; they take
         // the request head's rules too.
         if req.uri().path().starts_with(ADMIN_PREFIX) || req.uri().path() == "/_aalis" {
-            let log = RequestLog {
-                method: req.method().clone(),
-                // The path alone: a query may hold the admin token.
-                path: log_safe(req.uri().path()),
-                status: StatusCode::OK,
-                session_id: "-".to_owned(),
-                started: Instant::now(),
-            };
-            let response = match host_problem(req.version(), req.headers()) {
-                Some(problem) => error_response(Fault::BadRequest, &problem),
-                None => admin::handle(self, req, peer.addr).await,
-            };
-            // One line, as every request has (a refused one included),
-            // written as the answer's head goes out: an events stream's
-            // bytes are not counted.
-            let log = RequestLog {
-                status: response.status(),
-                ..log
-            };
-            let outcome = match response.status() {
-                StatusCode::FORBIDDEN => "forbidden",
-                StatusCode::NOT_FOUND => "not_found",
-                StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
-                status if status.is_client_error() => "invalid_request_error",
-                _ => "ok",
-            };
-            let bytes_out = response.body().size_hint().exact().unwrap_or(0);
-            log.write(0, bytes_out, 0, outcome);
-            return response;
+            // Boxed: its state stays out of every proxied request's future.
+            return Box::pin(self.handle_own(req, peer)).await;
         }
         let started = Instant::now();
         // The path is taken by `forward` for the stream's log line once a
@@ -370,6 +343,40 @@ impl Proxy {
                 response
             }
         }
+    }
+
+    /// [`handle`](Self::handle) for our own routes (`/_aalis/`): their
+    /// answer, and its log line.
+    async fn handle_own(&self, req: Request<Incoming>, peer: Peer) -> Response<ProxyBody> {
+        let log = RequestLog {
+            method: req.method().clone(),
+            // The path alone: a query may hold the admin token.
+            path: log_safe(req.uri().path()),
+            status: StatusCode::OK,
+            session_id: "-".to_owned(),
+            started: Instant::now(),
+        };
+        let response = match host_problem(req.version(), req.headers()) {
+            Some(problem) => error_response(Fault::BadRequest, &problem),
+            None => admin::handle(self, req, peer.addr).await,
+        };
+        // One line, as every request has (a refused one included),
+        // written as the answer's head goes out: an events stream's
+        // bytes are not counted.
+        let log = RequestLog {
+            status: response.status(),
+            ..log
+        };
+        let outcome = match response.status() {
+            StatusCode::FORBIDDEN => "forbidden",
+            StatusCode::NOT_FOUND => "not_found",
+            StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+            status if status.is_client_error() => "invalid_request_error",
+            _ => "ok",
+        };
+        let bytes_out = response.body().size_hint().exact().unwrap_or(0);
+        log.write(0, bytes_out, 0, outcome);
+        response
     }
 
     /// Forwards a request and shapes its response.
