@@ -393,6 +393,13 @@ fn canonical_number(raw: &[u8]) -> bool {
     significant <= 15
 }
 
+/// A JSON text as it came, on one line: its raw line breaks can only lie
+/// between tokens (inside a string they are escaped), so dropping them
+/// keeps the same value, and a line format (or an SSE `data:` line) whole.
+pub fn one_line(json: &str) -> impl Iterator<Item = char> + '_ {
+    json.chars().filter(|&c| c != '\n' && c != '\r')
+}
+
 /// Appends `s` as a JSON string literal, escaped as `JSON.stringify` does
 /// (`"`, `\`, and control characters; nothing else, not even `/`).
 pub fn push_string(s: &str, out: &mut String) {

@@ -213,10 +213,10 @@ impl EventLog {
             }
             (Chunk::Done, _) => self.events.push(StreamEvent::Done),
             // An `event: error` has no value of its own here: its data is
-            // given by `sse_block` (`error_frame_value`).
-            (Chunk::Error { raw, .. }, _) if !raw.is_empty() => self.events.push(
-                StreamEvent::Error(raw.chars().filter(|&c| c != '\n' && c != '\r').collect()),
-            ),
+            // given by `sse_block` (`named_error`).
+            (Chunk::Error { raw, .. }, _) if !raw.is_empty() => self
+                .events
+                .push(StreamEvent::Error(crate::js::one_line(raw).collect())),
             (Chunk::Error { .. }, _) => {}
             (
                 Chunk::ToolCallDelta(_)
@@ -226,6 +226,13 @@ impl EventLog {
                 Applied::Cleared | Applied::Unchanged,
             ) => {}
         }
+    }
+
+    /// What subscribers hear of an `event: error`, after its chunk's
+    /// [`record`](Self::record): its data ([`error_frame_value`]).
+    fn named_error(&mut self, data: &[u8]) {
+        self.events
+            .push(StreamEvent::Error(error_frame_value(data)));
     }
 
     /// A text event's text, in a string a published one left if any; a
@@ -837,9 +844,7 @@ impl StreamState {
                     let applied = self.tracker.apply(&error, now);
                     if self.collect_events {
                         self.events.record(&error, &applied);
-                        self.events
-                            .events
-                            .push(StreamEvent::Error(error_frame_value(event.data)));
+                        self.events.named_error(event.data);
                     }
                     self.warnings.push(Warning::Upstream {
                         at: Location {
@@ -1275,11 +1280,7 @@ impl StreamState {
 /// as a JSON string. Never empty, so the frame is always JSON.
 fn error_frame_value(data: &[u8]) -> String {
     match serde_json::from_slice::<&serde_json::value::RawValue>(data) {
-        Ok(value) => value
-            .get()
-            .chars()
-            .filter(|&c| c != '\n' && c != '\r')
-            .collect(),
+        Ok(value) => crate::js::one_line(value.get()).collect(),
         Err(_) => {
             let mut out = String::new();
             crate::js::push_string(&String::from_utf8_lossy(data), &mut out);

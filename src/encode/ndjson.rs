@@ -173,8 +173,7 @@ impl LineEncoder {
         self.write_carries(out, |_, _| true);
         self.open();
         self.line.push_str("\"error\":");
-        self.line
-            .extend(raw.chars().filter(|&c| c != '\n' && c != '\r'));
+        self.line.extend(crate::js::one_line(raw));
         self.close(out);
     }
 

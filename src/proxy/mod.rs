@@ -10,6 +10,8 @@
 //! - [`body`]: [`body::TapBody`], which runs the annotate pipeline on
 //!   streamed responses as the client reads them
 //! - [`sessions`]: per-session progress shared by all connections
+//! - [`record`]: `--record`'s captures; [`replay`]: a request sent again
+//!   when an HTTP/2 upstream refused it unprocessed
 //!
 //! Read [`run`] first.
 
@@ -36,6 +38,14 @@ use tokio::net::TcpListener;
 use crate::encode::InjectMode;
 use service::Proxy;
 use upstream::{Upstream, UpstreamConfigError};
+
+/// Locks `mutex`, whether or not a thread panicked while holding it: what
+/// it guards is never left half changed, and a request path must not panic.
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// The validated configuration of `serve`.
 #[derive(Debug, Clone)]

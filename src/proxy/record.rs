@@ -26,7 +26,7 @@ use std::io::{BufWriter, ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
@@ -37,6 +37,8 @@ use pin_project_lite::pin_project;
 
 use crate::capture::{Timing, safe_file_part};
 use crate::filter::unix_ms;
+
+use super::lock;
 use crate::framing::Framing;
 
 /// Where recordings go; shared by every stream of the proxy.
@@ -233,12 +235,6 @@ impl OpenRecordings {
         }
         finished
     }
-}
-
-/// A lock that a panic elsewhere did not spoil (what it guards stays
-/// consistent between statements).
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Whether files can be made in `dir`: a probe file is made and removed,

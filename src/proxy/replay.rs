@@ -16,14 +16,15 @@
 //! sends its head at once, before it generates anything.
 
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
-use super::upstream::{BoxError, ProxyBody};
+use super::lock;
+use super::upstream::{BoxError, ProxyBody, has_cause};
 
 /// The most of a request body kept to be sent again: a larger one is sent
 /// once, as before. Chat requests are a few KiB.
@@ -33,19 +34,16 @@ pub const MAX_KEPT_BYTES: usize = 1024 * 1024;
 /// a stream it did not process: a `REFUSED_STREAM` reset, or a graceful
 /// `GOAWAY`, from the upstream.
 pub fn refused_unprocessed(err: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cause = Some(err);
-    while let Some(err) = cause {
-        if let Some(h2) = err.downcast_ref::<h2::Error>() {
-            return h2.is_remote()
+    has_cause(err, &|err| {
+        err.downcast_ref::<h2::Error>().is_some_and(|h2| {
+            h2.is_remote()
                 && match h2.reason() {
                     Some(h2::Reason::REFUSED_STREAM) => h2.is_reset(),
                     Some(h2::Reason::NO_ERROR) => h2.is_go_away(),
                     _ => false,
-                };
-        }
-        cause = err.source();
-    }
-    false
+                }
+        })
+    })
 }
 
 /// What a replayable body passed on so far, and the rest of it.
@@ -124,10 +122,6 @@ impl Replay {
             number: kept.current,
         })
     }
-}
-
-fn lock(kept: &Mutex<Kept>) -> MutexGuard<'_, Kept> {
-    kept.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Body for Replayable {

@@ -32,7 +32,7 @@ use super::server::Peer;
 use super::sessions::SessionRegistry;
 use super::upstream::{
     BoxError, ProxyBody, SendError, UpstreamClient, UpstreamConfigError, build_client, error_chain,
-    mark_credentials_sensitive, strip_hop_by_hop,
+    has_cause, mark_credentials_sensitive, strip_hop_by_hop,
 };
 use crate::encode::{InjectMode, OutputFormat};
 use crate::framing::Framing;
@@ -1173,27 +1173,6 @@ fn is_ca_as_server_certificate(err: &(dyn std::error::Error + 'static)) -> bool 
         Some(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other)))
             if matches!(other.0.downcast_ref::<webpki::Error>(), Some(webpki::Error::CaUsedAsEndEntity))
     )
-}
-
-/// Whether `err` or one of its causes passes `test`, the errors that I/O
-/// errors carry included: an I/O error's `source` skips the error inside
-/// it (hyper-rustls's, inside hyper-util's connect error, is an I/O
-/// error that holds rustls's).
-fn has_cause(
-    err: &(dyn std::error::Error + 'static),
-    test: &dyn Fn(&(dyn std::error::Error + 'static)) -> bool,
-) -> bool {
-    if test(err) {
-        return true;
-    }
-    if let Some(inner) = err
-        .downcast_ref::<std::io::Error>()
-        .and_then(std::io::Error::get_ref)
-        && has_cause(inner, test)
-    {
-        return true;
-    }
-    err.source().is_some_and(|source| has_cause(source, test))
 }
 
 /// An OpenAI-style error response.

@@ -264,6 +264,27 @@ pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
+/// Whether `err` or one of its causes passes `test`, the errors that I/O
+/// errors carry included: an I/O error's `source` skips the error inside
+/// it (hyper-rustls's, inside hyper-util's connect error, is an I/O
+/// error that holds rustls's).
+pub(crate) fn has_cause(
+    err: &(dyn std::error::Error + 'static),
+    test: &dyn Fn(&(dyn std::error::Error + 'static)) -> bool,
+) -> bool {
+    if test(err) {
+        return true;
+    }
+    if let Some(inner) = err
+        .downcast_ref::<std::io::Error>()
+        .and_then(std::io::Error::get_ref)
+        && has_cause(inner, test)
+    {
+        return true;
+    }
+    err.source().is_some_and(|source| has_cause(source, test))
+}
+
 /// An error of an `https://` upstream's response body, its causes in its
 /// message: hyper's own says "error reading a body from connection", and
 /// not why.
