@@ -1781,18 +1781,14 @@ async fn request_trailers_that_may_not_be_trailers_stop_at_the_proxy_over_http2(
              transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
              x-checksum: 1\r\n{trailers}x-after: 2\r\n\r\n"
         );
-        let started = Instant::now();
+        // Answered, not the 504 of a request the upstream refused and
+        // never answered (the proxy's response timeout here is 5 s).
         let answer = RawResponse::parse(&raw_exchange(proxy.addr, request.as_bytes()).await);
         assert_eq!(
             (answer.status, &answer.body[..]),
             (200, &b"ok"[..]),
             "{trailers:?}: {}",
             String::from_utf8_lossy(&answer.body)
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(4),
-            "{trailers:?}: answered only after {:?}",
-            started.elapsed()
         );
     }
     let requests = upstream.requests();
