@@ -333,7 +333,8 @@ pub struct ServeArgs {
     /// Address to listen on; anything but loopback must be given here
     ///
     /// An IP address and a port (host names are not looked up); port 0
-    /// lets the system pick one, which the "listening on" line says.
+    /// lets the system pick one, which the "listening on" line says and
+    /// stdout gets as one line, `http://ADDR`, whatever RUST_LOG is.
     ///
     /// Example: --listen 127.0.0.1:9000
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8787", value_parser = parse_listen)]
@@ -552,7 +553,8 @@ pub struct MockArgs {
     /// Address to listen on
     ///
     /// An IP address and a port (host names are not looked up); port 0
-    /// lets the system pick one, which the "listening on" line says.
+    /// lets the system pick one, which the "listening on" line says and
+    /// stdout gets as one line, `http://ADDR`, whatever RUST_LOG is.
     ///
     /// Example: --listen 127.0.0.1:9001
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8788", value_parser = parse_listen)]

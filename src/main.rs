@@ -412,6 +412,7 @@ fn serve_logged(
             "listening on http://{local}, forwarding to {} (threads: {threads})",
             args.upstream
         );
+        say_chosen_address(args.listen, local);
         // Lines dropped while stderr was not read are told of when it is
         // again (stderr_log).
         if let Some(log) = log {
@@ -495,6 +496,7 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
             let stop = shutdown_signal();
             let names: Vec<&str> = captures.iter().map(|c| c.name.as_str()).collect();
             tracing::info!("mock upstream on http://{local}: {}", names.join(", "));
+            say_chosen_address(args.listen, local);
             MockUpstream::new(captures, Duration::from_millis(args.delay_ms))
                 .run(listener, stop)
                 .await;
@@ -614,6 +616,18 @@ async fn listen(
         tracing::warn!("listening on {local}, which is not loopback: other machines can reach it");
     }
     Ok((listener, local))
+}
+
+/// With port 0 the system picks the port, and a script must learn it
+/// whatever `RUST_LOG` lets through: the address also goes to stdout, one
+/// line `http://ADDR`, flushed (`serve` and `mock` write nothing else
+/// there). Said once the signal handlers are in, as the log's line is.
+fn say_chosen_address(asked: std::net::SocketAddr, local: std::net::SocketAddr) {
+    if asked.port() == 0 {
+        let mut stdout = io::stdout().lock();
+        // A closed stdout (nobody wanted the line) stops nothing.
+        let _ = writeln!(stdout, "http://{local}").and_then(|()| stdout.flush());
+    }
 }
 
 /// Waits (at most `FLUSH_TIMEOUT` in all) for the queued log lines to

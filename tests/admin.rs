@@ -582,6 +582,9 @@ async fn the_page_and_the_metrics() {
     let text = whole(metrics.into_body()).await;
     let text = String::from_utf8_lossy(&text);
     for line in [
+        // The stream's request; the proxy's own routes are not counted.
+        "aalis_requests_total{code=\"2xx\"} 1",
+        "aalis_requests_total{code=\"5xx\"} 0",
         "aalis_streams_total 1",
         "aalis_streams_open 0",
         "aalis_tool_calls_total 2",

@@ -1524,6 +1524,10 @@ async fn every_response_framing_of_an_http_1_upstream_reaches_the_client() {
     assert_eq!(bad.body, b"hello", "what came before the bad size line");
     assert!(!bad.complete, "a bad chunk size ended the body cleanly");
     assert_resets_counted(&proxy, 1.0).await;
+    // Every request above, by the class its log line gives: the four
+    // 502s, the rest 200 (the last cut, but its status went out).
+    assert_eq!(proxy.metric("aalis_requests_total{code=\"5xx\"}"), 4.0);
+    assert_eq!(proxy.metric("aalis_requests_total{code=\"2xx\"}"), 7.0);
     assert_no_foreign_panic();
 }
 

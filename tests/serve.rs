@@ -2145,6 +2145,50 @@ fn listening_on_port_zero_logs_the_real_port() {
     assert_ne!(addr.port(), 0, "{stderr}");
 }
 
+/// With port 0 and a log that hides INFO lines, a script still learns
+/// the port: `serve` and `mock` print `http://ADDR` on stdout, and it is
+/// the address that answers. Before, nothing said it at all.
+#[test]
+fn port_zero_is_said_on_stdout_whatever_the_log_says() {
+    for args in [
+        vec!["serve", "--upstream", "http://127.0.0.1:9"],
+        vec!["mock"],
+    ] {
+        let mut cmd = aalis_proxy();
+        cmd.args(&args)
+            .args(["--listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = cmd.spawn().expect("spawn aalis-proxy");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(DEADLINE).unwrap_or_default();
+        let addr: Option<SocketAddr> = line
+            .trim_end()
+            .strip_prefix("http://")
+            .and_then(|a| a.parse().ok());
+        let answered = addr.map(|addr| get(addr.port(), "/_aalis/metrics").status);
+        let _ = child.kill();
+        let _ = child.wait();
+        let addr = addr.unwrap_or_else(|| panic!("{}: stdout said {line:?}", args[0]));
+        assert_eq!(addr.ip(), Ipv4Addr::LOCALHOST, "{}: {line:?}", args[0]);
+        assert_ne!(addr.port(), 0, "{}: {line:?}", args[0]);
+        // `serve` has its metrics route; the mock answers any path.
+        assert!(
+            answered.is_some_and(|status| status < 500),
+            "{}: {answered:?}",
+            args[0]
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 5. Loopback by default
 
@@ -2292,6 +2336,19 @@ fn a_request_whose_client_leaves_before_the_answer_is_logged() {
     ] {
         assert!(line.contains(field), "no {field} in {line}");
     }
+    // Counted as its line says, and alone (the metrics' own request is not).
+    let mut metrics = get(serve.port, "/_aalis/metrics");
+    let metrics = text(&metrics.read_complete());
+    for class in ["1xx", "2xx", "3xx", "4xx", "5xx", "other"] {
+        let want = format!(
+            "aalis_requests_total{{code=\"{class}\"}} {}",
+            u8::from(class == "4xx")
+        );
+        assert!(
+            metrics.lines().any(|l| l == want),
+            "no {want} in\n{metrics}"
+        );
+    }
     serve.stop();
     drop(silent);
 }
@@ -2357,6 +2414,12 @@ fn a_client_gone_inside_its_body_is_logged_499() {
         metrics
             .lines()
             .any(|l| l == format!("aalis_bytes_out_total {sent}")),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "aalis_requests_total{code=\"4xx\"} 2"),
         "{metrics}"
     );
     drop(silent);

@@ -193,8 +193,10 @@ pin_project! {
                 .annotator
                 .as_ref()
                 .map_or(0, |a| a.tracker().calls().map(|(_, calls)| calls.len()).sum::<usize>());
-            this.log.write(*this.bytes_in, *this.bytes_out, tool_calls, this.outcome);
+            // Counted before the line is out, so that whoever reads the
+            // line finds them counted.
             let metrics = &**this.metrics;
+            metrics.request_over(this.log.status);
             match *this.outcome {
                 "idle_timeout" => metrics.upstream_error(UpstreamErrorKind::IdleTimeout),
                 "upstream_error" if in_stream => metrics.upstream_error(UpstreamErrorKind::InStream),
@@ -206,6 +208,7 @@ pin_project! {
                 metrics.tool_calls_total.fetch_add(tool_calls as u64, Ordering::Relaxed);
                 metrics.frames_total.fetch_add(annotator.frames(), Ordering::Relaxed);
             }
+            this.log.write(*this.bytes_in, *this.bytes_out, tool_calls, this.outcome);
             // Ends the session's stream: its progress is cleared.
             if let Some(mut session) = this.session.take()
                 && *this.outcome != "ok"

@@ -103,9 +103,16 @@ impl Histogram {
     }
 }
 
+/// The `code` label of `aalis_requests_total`: a status's class, so that
+/// the labels are few whatever an upstream answers.
+const STATUS_CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "other"];
+
 /// Every metric of one proxy.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// Requests for the upstream that got their log line, by the class of
+    /// their status ([`STATUS_CLASSES`]).
+    requests: [AtomicU64; STATUS_CLASSES.len()],
     pub streams_open: AtomicI64,
     pub streams_total: AtomicU64,
     pub frames_total: AtomicU64,
@@ -129,6 +136,16 @@ impl Metrics {
         self.upstream_errors[kind.slot()].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A request for the upstream is over (its log line is written), with
+    /// the status its line says (499 for a client gone before the answer).
+    pub fn request_over(&self, status: http::StatusCode) {
+        let class = match status.as_u16() / 100 {
+            class @ 1..=5 => usize::from(class) - 1,
+            _ => STATUS_CLASSES.len() - 1,
+        };
+        self.requests[class].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -144,6 +161,20 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
             );
         };
+        let name = "aalis_requests_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Requests for the upstream, when over, by the class of their status \
+             (499: the client left first; the proxy's own routes are not counted).\n\
+             # TYPE {name} counter"
+        );
+        for (class, count) in STATUS_CLASSES.iter().zip(&self.requests) {
+            let _ = writeln!(
+                out,
+                "{name}{{code=\"{class}\"}} {}",
+                count.load(Ordering::Relaxed)
+            );
+        }
         gauge(
             &mut out,
             "aalis_streams_open",
@@ -165,7 +196,7 @@ impl Metrics {
         counter(
             &mut out,
             "aalis_tool_calls_total",
-            "Tool calls seen in streams.",
+            "Tool calls seen in streams, counted when their stream ends.",
             self.tool_calls_total.load(Ordering::Relaxed),
         );
         counter(
@@ -221,8 +252,16 @@ mod tests {
         metrics.added_latency.observe(Duration::from_millis(2));
         metrics.upstream_error(UpstreamErrorKind::Timeout);
         metrics.streams_total.fetch_add(3, Ordering::Relaxed);
+        for status in [200, 201, 499, 502, 999] {
+            metrics.request_over(http::StatusCode::from_u16(status).expect("a status"));
+        }
         let text = metrics.render();
         for line in [
+            "aalis_requests_total{code=\"1xx\"} 0",
+            "aalis_requests_total{code=\"2xx\"} 2",
+            "aalis_requests_total{code=\"4xx\"} 1",
+            "aalis_requests_total{code=\"5xx\"} 1",
+            "aalis_requests_total{code=\"other\"} 1",
             "aalis_streams_total 3",
             "aalis_upstream_errors_total{kind=\"timeout\"} 1",
             "aalis_upstream_errors_total{kind=\"reset\"} 0",

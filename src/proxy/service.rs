@@ -271,6 +271,7 @@ impl Proxy {
         // drops this future first (the client left before the response
         // head), the guard writes it.
         let mut unanswered = Unanswered {
+            metrics: self.metrics(),
             method: req.method().clone(),
             path: log_safe(req.uri().path()),
             // Shared, not copied: read only if the guard writes.
@@ -318,6 +319,9 @@ impl Proxy {
                 self.metrics()
                     .bytes_out_total
                     .fetch_add(bytes_out, Ordering::Relaxed);
+                // Counted before its line is out: whoever reads the line
+                // then finds it counted.
+                self.metrics().request_over(log.status);
                 log.write(0, bytes_out, 0, fault.outcome());
                 match fault {
                     // Why the upstream failed is for whoever runs the
@@ -742,7 +746,8 @@ impl Proxy {
 /// or the shutdown's grace runs out), it still gets its one log line,
 /// `outcome="cancelled"` with nginx's status for a client that closed
 /// the request, 499. A generated session id is not known here: `-`.
-struct Unanswered {
+struct Unanswered<'a> {
+    metrics: &'a Metrics,
     method: http::Method,
     path: String,
     session_id: Option<HeaderValue>,
@@ -753,7 +758,7 @@ struct Unanswered {
 /// nginx's status for a request its client closed before the answer.
 const CLIENT_CLOSED_REQUEST: u16 = 499;
 
-impl Drop for Unanswered {
+impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if self.answered {
             return;
@@ -769,6 +774,7 @@ impl Drop for Unanswered {
                 .unwrap_or_else(|| "-".to_owned()),
             started: self.started,
         };
+        self.metrics.request_over(log.status);
         log.write(0, 0, 0, "cancelled");
     }
 }
