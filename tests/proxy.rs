@@ -2892,6 +2892,114 @@ async fn a_stream_the_upstream_refused_unprocessed_is_sent_again() {
     assert_eq!(streams.load(Ordering::SeqCst), 4);
 }
 
+/// An HTTP/2 upstream that closes its connection with a graceful `GOAWAY`
+/// whose last stream is below the request's (a server that drains) did
+/// not process the request (RFC 9113 §8.7): it is sent again on a new
+/// connection, body and all, and the client gets the answer, not a
+/// `502`. The first connection is spoken by hand, as an `h2` server
+/// counts any stream it has seen as processed; the next ones by `h2`.
+#[tokio::test]
+async fn a_stream_above_a_graceful_goaways_last_is_sent_again() {
+    use tokio::io::AsyncReadExt;
+    let pki = test_pki();
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-goaway");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server.clone());
+    let answered = Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
+    let connections = Arc::new(AtomicUsize::new(0));
+    let (answered_by, connections_of) = (Arc::clone(&answered), Arc::clone(&connections));
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let Ok(mut tls) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let answered = Arc::clone(&answered_by);
+            if connections_of.fetch_add(1, Ordering::SeqCst) == 0 {
+                // The client's preface, then frames: SETTINGS are
+                // acknowledged; at the first HEADERS, a GOAWAY with last
+                // stream 0 and NO_ERROR, and the connection closes.
+                tokio::spawn(async move {
+                    let _ = tls.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+                    let mut got = Vec::new();
+                    let mut at = 24;
+                    let mut buf = [0u8; 16 * 1024];
+                    loop {
+                        let Ok(n @ 1..) = tls.read(&mut buf).await else {
+                            return;
+                        };
+                        got.extend_from_slice(&buf[..n]);
+                        while got.len() >= at + 9 {
+                            let length = usize::from(got[at]) << 16
+                                | usize::from(got[at + 1]) << 8
+                                | usize::from(got[at + 2]);
+                            let (kind, flags) = (got[at + 3], got[at + 4]);
+                            at += 9 + length;
+                            match kind {
+                                4 if flags & 1 == 0 => {
+                                    let _ = tls.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await;
+                                }
+                                1 => {
+                                    let goaway =
+                                        [0, 0, 8, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+                                    let _ = tls.write_all(&goaway).await;
+                                    let _ = tls.shutdown().await;
+                                    return;
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                });
+                continue;
+            }
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tls).await else {
+                    return;
+                };
+                while let Some(Ok((request, mut respond))) = conn.accept().await {
+                    let answered = Arc::clone(&answered);
+                    tokio::spawn(async move {
+                        let mut body = request.into_body();
+                        let mut got = Vec::new();
+                        while let Some(Ok(data)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(data.len());
+                            got.extend_from_slice(&data);
+                        }
+                        answered.lock().expect("lock").push(got);
+                        if let Ok(mut send) = respond.send_response(http::Response::new(()), false)
+                        {
+                            let _ = send.send_data(Bytes::from_static(b"ok"), true);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{port}"));
+    config.upstream_ca = Some(ca_path.clone());
+    let proxy = TestProxy::start(config).await;
+    let sent = r#"{"model":"m","stream":true}"#;
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full(sent))
+        .expect("request");
+    let response = send(&client(), req).await;
+    let _ = std::fs::remove_file(&ca_path);
+    assert_eq!(response.status(), StatusCode::OK);
+    let (got, end) = read_body(&mut response.into_body(), PATIENCE).await;
+    end.expect("a whole body");
+    assert_eq!(got, b"ok");
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        2,
+        "sent again on a new connection"
+    );
+    assert_eq!(
+        answered.lock().expect("lock").as_slice(),
+        [sent.as_bytes().to_vec()]
+    );
+}
+
 /// A request body the client framed wrong (a bad chunk size) is a `400`
 /// that says so, and one cut by the client's connection ending says that;
 /// neither names the upstream, which did nothing wrong (before, both said
