@@ -1685,6 +1685,21 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
     let _ = client.read_to_end(&mut answer);
     assert!(answer.starts_with(b"HTTP/1.1 403"), "{}", text(&answer));
     serve.wait_for_stderr("status=403");
+    // An events stream's line is written when it ends (here, its
+    // subscriber leaves), with what it sent: it was written at its start,
+    // `bytes_out=0` and `ok`.
+    let mut events = request(
+        serve.port,
+        "GET",
+        "/_aalis/sessions/watched/events",
+        &[("authorization", "Bearer s3cret")],
+        "",
+    );
+    assert_eq!(events.status, 200);
+    events.read_piece();
+    assert!(!events.body.is_empty(), "the stream_resume frame");
+    drop(events);
+    serve.wait_for_stderr("path=/_aalis/sessions/watched/events ");
     let stderr = serve.stop();
     let line = |status: &str| {
         stderr
@@ -1707,6 +1722,18 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
     assert!(
         refused.contains("path=/_aalis/sessions ") && refused.contains("outcome=\"forbidden\""),
         "{refused}"
+    );
+    let subscribed = stderr
+        .lines()
+        .find(|l| l.contains("path=/_aalis/sessions/watched/events "))
+        .unwrap_or_default();
+    let sent = subscribed
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("bytes_out="))
+        .and_then(|n| n.parse::<u64>().ok());
+    assert!(
+        sent.is_some_and(|n| n > 0) && subscribed.contains("outcome=\"cancelled\""),
+        "{subscribed}"
     );
     assert!(!stderr.contains("s3cret"), "{stderr}");
 }

@@ -364,9 +364,9 @@ impl Proxy {
             Some(problem) => error_response(Fault::BadRequest, &problem),
             None => admin::handle(self, req, peer.addr).await,
         };
-        // One line, as every request has (a refused one included),
-        // written as the answer's head goes out: an events stream's
-        // bytes are not counted.
+        // One line, as every request has (a refused one included):
+        // written as the answer's head goes out, or for an events stream
+        // when it ends, with the bytes it sent.
         let log = RequestLog {
             status: response.status(),
             ..log
@@ -378,9 +378,20 @@ impl Proxy {
             status if status.is_client_error() => "invalid_request_error",
             _ => "ok",
         };
-        let bytes_out = response.body().size_hint().exact().unwrap_or(0);
-        log.write(0, bytes_out, 0, outcome);
-        response
+        match response.body().size_hint().exact() {
+            Some(bytes_out) => {
+                log.write(0, bytes_out, 0, outcome);
+                response
+            }
+            None => response.map(|inner| {
+                BodyExt::boxed(LoggedAtEnd {
+                    inner,
+                    log,
+                    bytes_out: 0,
+                    ended: false,
+                })
+            }),
+        }
     }
 
     /// Forwards a request and shapes its response.
@@ -738,6 +749,56 @@ impl Proxy {
     fn generate_session_id(&self) -> String {
         let n = self.shared.session_counter.fetch_add(1, Ordering::Relaxed);
         session_id(&self.shared.session_prefix, n)
+    }
+}
+
+/// An own route's answer of no known length (an events stream), whose
+/// log line is written when it ends: `ok` at its end (the proxy shut
+/// down), `cancelled` when the subscriber left first; with the bytes it
+/// sent and how long it ran.
+struct LoggedAtEnd {
+    inner: ProxyBody,
+    log: RequestLog,
+    bytes_out: u64,
+    ended: bool,
+}
+
+impl http_body::Body for LoggedAtEnd {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                let bytes = frame.data_ref().map_or(0, |data| data.len() as u64);
+                self.bytes_out += bytes;
+            }
+            Poll::Ready(None) => self.ended = true,
+            Poll::Ready(Some(Err(_))) | Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for LoggedAtEnd {
+    fn drop(&mut self) {
+        let outcome = match self.ended {
+            true => "ok",
+            false => "cancelled",
+        };
+        self.log.write(0, self.bytes_out, 0, outcome);
     }
 }
 
