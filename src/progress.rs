@@ -525,9 +525,10 @@ impl ToolCallTracker {
     /// choice that reported none before `[DONE]` is whole: some providers
     /// never send one. An error counts whatever came after it (a stream
     /// that goes on after an error is still one that failed). And any
-    /// choice may lack a piece when a frame could not be read.
+    /// choice may lack a piece when a frame could not be read, or a call
+    /// when calls past [`MAX_CALLS`] were refused.
     pub fn cut_short(&self, choice: i64, stopped_early: bool) -> bool {
-        if self.unread {
+        if self.unread || self.refused_calls > 0 {
             return true;
         }
         let calls = self.choices.iter().find(|c| c.choice == choice);
@@ -545,13 +546,15 @@ impl ToolCallTracker {
     }
 
     /// Whether any answer of the stream may stop in the middle
-    /// ([`cut_short`](Self::cut_short)): choice 0's, its text included, or
-    /// that of any choice that made calls.
+    /// ([`cut_short`](Self::cut_short)): choice 0's, or that of any choice
+    /// the tracker knows (one that made calls or gave a `finish_reason`),
+    /// text answers included.
     pub fn any_cut_short(&self, stopped_early: bool) -> bool {
         self.cut_short(0, stopped_early)
             || self
-                .calls()
-                .any(|(choice, _)| self.cut_short(choice, stopped_early))
+                .choices
+                .iter()
+                .any(|c| self.cut_short(c.choice, stopped_early))
     }
 
     fn call(&self, choice: i64, index: i64) -> Option<&ToolCall> {

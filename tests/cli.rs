@@ -406,6 +406,88 @@ fn incomplete_marks_answers_that_may_stop_in_the_middle() {
     }
 }
 
+/// A choice other than 0 cut short makes the stream's one `done` line
+/// `incomplete` in `messages`, and in `ndjson` when no choice made calls
+/// (its one line speaks for every choice); so do calls refused past the
+/// stream's limit of 1,024, which the `done` line's `toolCalls` lack.
+/// Before, only choice 0's text and the choices with calls were read, and
+/// refused calls went unsaid.
+#[test]
+fn any_choice_cut_short_or_calls_refused_make_the_done_line_incomplete() {
+    let choices = |a: &str, b: &str| format!("data: {{\"choices\":[{a},{b}]}}\n\n");
+    let text = |k: u8| format!(r#"{{"index":{k},"delta":{{"content":"hi"}}}}"#);
+    let finish =
+        |k: u8, reason: &str| format!(r#"{{"index":{k},"delta":{{}},"finish_reason":"{reason}"}}"#);
+    let call = r#"{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":"{}"}}]}}"#;
+    let done = "data: [DONE]\n\n";
+    let two_texts = |reason: &str| {
+        format!(
+            "{}{}{done}",
+            choices(&text(0), &text(1)),
+            choices(&finish(0, "stop"), &finish(1, reason))
+        )
+    };
+    let calls_and_text = |reason: &str| {
+        format!(
+            "{}{}{done}",
+            choices(call, &text(1)),
+            choices(&finish(0, "tool_calls"), &finish(1, reason))
+        )
+    };
+    for (input, cut) in [
+        (two_texts("stop"), false),
+        (two_texts("length"), true),
+        (two_texts("content_filter"), true),
+        (calls_and_text("stop"), false),
+        (calls_and_text("length"), true),
+    ] {
+        let output = annotate_ok(
+            &["--format", "messages", "--session", "s"],
+            input.as_bytes(),
+        );
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let last = stdout.lines().last().unwrap_or_default();
+        assert_eq!(
+            last.contains("\"incomplete\":true"),
+            cut,
+            "{input:?}: {stdout}"
+        );
+    }
+    for (input, cut) in [(two_texts("stop"), false), (two_texts("length"), true)] {
+        let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let last = stdout.lines().last().unwrap_or_default();
+        assert_eq!(
+            last.contains("\"incomplete\":true"),
+            cut,
+            "{input:?}: {stdout}"
+        );
+    }
+    // 1,030 calls, each whole: the last six are refused.
+    let mut many = String::new();
+    for i in 0..1030 {
+        many.push_str(&format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":{i},\"id\":\"c{i}\",\"function\":{{\"name\":\"f\",\"arguments\":\"x\"}}}}]}}}}]}}\n\n"
+        ));
+    }
+    many.push_str(&finish_all(done));
+    for format in [
+        &["--format", "ndjson"][..],
+        &["--format", "messages", "--session", "s"],
+    ] {
+        let output = annotate_ok(format, many.as_bytes());
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let last = stdout.lines().last().unwrap_or_default();
+        let tail = &last[last.len().saturating_sub(80)..];
+        assert!(last.contains("\"incomplete\":true"), "{format:?}: …{tail}");
+    }
+    fn finish_all(done: &str) -> String {
+        format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"tool_calls\"}}]}}\n\n{done}"
+        )
+    }
+}
+
 /// `"finish_reason":""` on every chunk (Ollama's old `/v1`) is no finish:
 /// `--inject chunk` adds its progress chunk after such an event, as after
 /// any other. (It added none: every chunk looked like the finish chunk.)

@@ -36,12 +36,15 @@
 //!   carried an error (anywhere, whatever came after it) or ended with
 //!   neither `[DONE]` nor Ollama's `done`; or a frame of the stream could
 //!   not be read (not JSON or not UTF-8, of an unexpected shape, or over
-//!   `--max-event-bytes`), which may have held a piece of it. Its calls'
+//!   `--max-event-bytes`), which may have held a piece of it; or calls
+//!   past the stream's limit of 1,024 were refused, and are missing from
+//!   `toolCalls`. Its calls'
 //!   arguments may then be cut short, so do not run them blindly. Without
-//!   tool calls, the one `done` line has it by choice 0's answer, its
-//!   text. A choice
+//!   tool calls, the one `done` line speaks for every choice: it has it
+//!   when any choice's text may stop in the middle. A choice
 //!   without tool calls has no `done` line of its own when another choice
-//!   has some, so its text's end is not told.
+//!   has some, so its text's end is not told there (the `messages` line
+//!   tells it).
 //! - `usage` is `{"promptTokens":…,"completionTokens":…,"totalTokens":…}`,
 //!   the last usage of the stream, on the last `done` line only, so it is
 //!   counted once. Progress lines never carry text or usage: concatenating
@@ -54,7 +57,7 @@
 //! `{"sessionId":"s1","toolCallProgress":{…}}`, `{"sessionId":"s1","error":{…}}`,
 //! `{"sessionId":"s1","unparsed":"…"}`, and a single
 //! `{"sessionId":"s1","done":true}` at the end, with `"incomplete":true`
-//! when any choice's answer may stop in the middle (choice 0's text
+//! when any choice's answer may stop in the middle (a text answer
 //! included, which has no `done` line of its own in `ndjson` when another
 //! choice made tool calls).
 
@@ -220,8 +223,9 @@ impl LineEncoder {
         if choices == 0 {
             self.open();
             self.line.push_str("\"done\":true");
-            if cut_short(0) {
-                // A text answer cut short would end as a whole one does.
+            // The stream's one `done` line speaks for every choice: a text
+            // answer cut short would end as a whole one does.
+            if tracker.any_cut_short(stopped_early) {
                 self.line.push_str(",\"incomplete\":true");
             }
             self.usage(usage);
