@@ -1554,6 +1554,107 @@ fn a_paused_terminal_stops_no_stream() {
     serve.stop();
 }
 
+/// `serve --inject comment` in front of Ollama, as `--help` suggests:
+/// its native NDJSON streams get `field` injection, said once for the
+/// process, not once a stream (three streams made three warnings).
+#[test]
+fn an_inject_mode_for_sse_is_said_once_for_ndjson_streams() {
+    let mock = start_mock(&["--delay-ms", "0"], &[]);
+    let mut serve = start_serve(mock.port, &["--inject", "comment"], &[]);
+    let expected = text(&annotated(
+        "ollama/thinking_two_tools.ndjson",
+        Framing::Ndjson,
+    ));
+    for _ in 0..3 {
+        let mut ollama = post(
+            serve.port,
+            "/api/chat",
+            r#"{"model":"thinking_two_tools","stream":true}"#,
+            &[],
+        );
+        assert_eq!(ollama.status, 200);
+        assert_eq!(text(&ollama.read_complete()), expected, "field injection");
+    }
+    let stderr = serve.stop();
+    let said = stderr
+        .lines()
+        .filter(|l| l.contains("--inject comment applies to SSE streams"))
+        .count();
+    assert_eq!(said, 1, "{stderr}");
+}
+
+/// A `HEAD` to a streaming route gets the head its `GET` would: no
+/// `Content-Length`, `Cache-Control: no-cache`, `X-Accel-Buffering: no`
+/// (RFC 9110 §9.3.2). It had the upstream's length and no such headers.
+#[test]
+fn a_head_to_a_stream_gets_the_streams_head() {
+    let upstream = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = upstream.local_addr().expect("local_addr").port();
+    let answering = thread::spawn(move || {
+        let (mut conn, _) = upstream.accept().expect("accept");
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).is_ok_and(|n| n == 1) {
+            head.push(byte[0]);
+        }
+        let _ = conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 1256\r\n\r\n",
+        );
+        head
+    });
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    let head = request(serve.port, "HEAD", CHAT_PATH, &[], "");
+    let asked = answering.join().expect("the upstream thread");
+    serve.stop();
+    assert!(asked.starts_with(b"HEAD "), "{}", text(&asked));
+    assert_eq!(head.status, 200);
+    assert_eq!(head.header("content-length"), None, "{:?}", head.headers);
+    assert_eq!(
+        head.header("cache-control"),
+        Some("no-cache"),
+        "{:?}",
+        head.headers
+    );
+    assert_eq!(
+        head.header("x-accel-buffering"),
+        Some("no"),
+        "{:?}",
+        head.headers
+    );
+}
+
+/// The spinners' colour follows NO_COLOR's rule (set and not empty), as
+/// the log's does: an empty NO_COLOR leaves it on. indicatif's terminal
+/// layer read an empty one as "no colour".
+#[test]
+fn spinners_are_coloured_unless_no_color_is_set_and_not_empty() {
+    let capture = common::fixtures_dir().join(PARALLEL_FIXTURE);
+    let capture = capture.to_str().expect("a UTF-8 path");
+    for (no_color, coloured) in [(None, true), (Some(""), true), (Some("1"), false)] {
+        let mut cmd = aalis_proxy();
+        cmd.args(["annotate", "--progress", "--pace", "100", capture])
+            .env("TERM", "xterm")
+            .env_remove("NO_COLOR");
+        if let Some(value) = no_color {
+            cmd.env("NO_COLOR", value);
+        }
+        let mut annotate = Running::spawn("annotate", cmd, 0, StderrTo::Terminal);
+        let status = annotate.wait_exit(DEADLINE);
+        let stderr = annotate.stderr();
+        assert!(status.success(), "{no_color:?}: {status:?}\n{stderr}");
+        assert!(
+            stderr.contains("get_weather"),
+            "{no_color:?}: drawn:\n{stderr}"
+        );
+        let start: String = stderr.chars().take(200).collect();
+        assert_eq!(
+            stderr.contains("\x1b[36m"),
+            coloured,
+            "NO_COLOR={no_color:?}:\n{start:?}…"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 3. Shutdown
 

@@ -65,6 +65,19 @@ pub enum InjectMode {
     None,
 }
 
+impl InjectMode {
+    /// The mode as `--inject` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            InjectMode::Field => "field",
+            InjectMode::Comment => "comment",
+            InjectMode::Event => "event",
+            InjectMode::Chunk => "chunk",
+            InjectMode::None => "none",
+        }
+    }
+}
+
 /// What `annotate` writes on stdout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum OutputFormat {
@@ -205,6 +218,15 @@ fn write_tail(p: &Progress<'_>, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_inject_modes_name_is_its_flag_value() {
+        use clap::ValueEnum;
+        for mode in InjectMode::value_variants() {
+            let value = mode.to_possible_value().expect("every mode is a value");
+            assert_eq!(mode.name(), value.get_name());
+        }
+    }
 
     fn progress(choice: i64, index: i64, name: &Arc<str>, chars: usize) -> Progress<'_> {
         Progress {

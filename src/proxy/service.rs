@@ -76,6 +76,11 @@ struct Shared {
     /// the protocol the request came by (RFC 9110 §7.6.3): HTTP/1.1,
     /// HTTP/2, HTTP/1.0.
     via: [HeaderValue; 3],
+    /// An inject mode that does not apply to NDJSON (`comment`, `event`,
+    /// `chunk`) has been said once: such streams get `field`, and a
+    /// warning for each of them (as Ollama's native routes behind
+    /// `--inject comment` made) said nothing new.
+    ndjson_inject_said: AtomicBool,
 }
 
 impl Shared {
@@ -219,6 +224,7 @@ impl Proxy {
                 sessions,
                 session_prefix: session_prefix(session_seed),
                 session_counter: AtomicU64::new(0),
+                ndjson_inject_said: AtomicBool::new(false),
                 via_name,
                 via,
             }),
@@ -639,50 +645,38 @@ impl Proxy {
         };
         // A response without a body (to a HEAD, a 204 or 304) is no
         // stream, whatever its type says: it must not take the session
-        // over from the stream that runs.
-        let framing = if body.is_end_stream() {
-            None
-        } else {
-            stream_framing(&parts.headers)
+        // over from the stream that runs. A HEAD's answer gets the head
+        // its GET's would (RFC 9110 §9.3.2).
+        let framing = match stream_framing(&parts.headers) {
+            Some(_) if body.is_end_stream() => {
+                if log.method == http::Method::HEAD {
+                    shape_stream_head(&mut parts.headers);
+                }
+                None
+            }
+            framing => framing,
         };
         let client_body = watch.as_ref().map(|watch| Arc::clone(&watch.failed));
         let body = match framing {
             Some(framing) => {
-                // A transformed body has a new length, and must not be
-                // buffered by anything between us and the client.
-                parts.headers.remove(header::CONTENT_LENGTH);
-                // An upstream's `no-store` says more than `no-cache`: kept.
-                // Its `private` (no shared cache may store the answer of
-                // one user) stays beside `no-cache`.
-                let says = |directive: &str| {
-                    parts
-                        .headers
-                        .get_all(header::CACHE_CONTROL)
-                        .iter()
-                        .any(|v| {
-                            v.to_str().is_ok_and(|v| {
-                                v.split(',').any(|d| {
-                                    d.split('=').next().is_some_and(|name| {
-                                        name.trim().eq_ignore_ascii_case(directive)
-                                    })
-                                })
-                            })
-                        })
+                shape_stream_head(&mut parts.headers);
+                let inject = match (framing, inject) {
+                    (
+                        Framing::Ndjson,
+                        InjectMode::Comment | InjectMode::Event | InjectMode::Chunk,
+                    ) => {
+                        if !self.shared.ndjson_inject_said.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(
+                                path = %log.path,
+                                "--inject {} applies to SSE streams; NDJSON streams get `field` \
+                                 injection (said once)",
+                                inject.name()
+                            );
+                        }
+                        InjectMode::Field
+                    }
+                    (_, inject) => inject,
                 };
-                if !says("no-store") {
-                    let value = if says("private") {
-                        "private, no-cache"
-                    } else {
-                        "no-cache"
-                    };
-                    parts
-                        .headers
-                        .insert(header::CACHE_CONTROL, HeaderValue::from_static(value));
-                }
-                parts.headers.insert(
-                    HeaderName::from_static("x-accel-buffering"),
-                    HeaderValue::from_static("no"),
-                );
                 let stream = self.shared.sessions.begin_stream(&log.session_id);
                 // Increments are collected while someone listens to the
                 // session; the body looks again before each read.
@@ -800,6 +794,38 @@ impl Drop for LoggedAtEnd {
         };
         self.log.write(0, self.bytes_out, 0, outcome);
     }
+}
+
+/// The head of a streamed response, whatever `--inject` says: a
+/// transformed body has a new length, and nothing between the proxy and
+/// the client may hold it. An upstream's `no-store` says more than
+/// `no-cache`: kept. Its `private` (no shared cache may store the answer
+/// of one user) stays beside `no-cache`.
+fn shape_stream_head(headers: &mut http::HeaderMap) {
+    headers.remove(header::CONTENT_LENGTH);
+    let says = |directive: &str| {
+        headers.get_all(header::CACHE_CONTROL).iter().any(|v| {
+            v.to_str().is_ok_and(|v| {
+                v.split(',').any(|d| {
+                    d.split('=')
+                        .next()
+                        .is_some_and(|name| name.trim().eq_ignore_ascii_case(directive))
+                })
+            })
+        })
+    };
+    if !says("no-store") {
+        let value = if says("private") {
+            "private, no-cache"
+        } else {
+            "no-cache"
+        };
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static(value));
+    }
+    headers.insert(
+        HeaderName::from_static("x-accel-buffering"),
+        HeaderValue::from_static("no"),
+    );
 }
 
 /// A request that has no response yet: if it is dropped so (hyper drops
