@@ -286,13 +286,15 @@ impl AnnotateArgs {
 ///
 /// Errors are OpenAI-style JSON: 400 for a bad or repeated X-Aalis-Session
 /// or X-Aalis-Inject, for two Host headers or an HTTP/1.1 request without
-/// one, or for a request body framed wrong or cut by the client, 501 for a protocol upgrade (WebSocket, not tunnelled)
+/// one (or an HTTP/2 Host that names another target than :authority), for
+/// Transfer-Encoding chunked twice, or for a request body framed wrong or cut by the client, 501 for a protocol upgrade (WebSocket, not tunnelled)
 /// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
 /// headers in time, 408 when the client stops sending its request body,
 /// 508 when a request comes back to this proxy (its own entry in the Via
 /// header it adds: --upstream leads here); a
-/// request head over 64 KiB or 100 header fields gets 431 (with an empty
-/// body). A client connection that sends nothing
+/// request head over 64 KiB or 100 header fields gets 431 (over HTTP/1.1
+/// with an empty body). A client that half-closes its connection after
+/// its request is taken for gone, as nginx takes it (499). A client connection that sends nothing
 /// within 30 s is closed, as is one whose HTTP/1.1 request head does not
 /// come whole within 30 s of its first bytes (or of its last response's
 /// end), or an HTTP/2 one with no request open for 30 s (a GOAWAY; dropped

@@ -1280,6 +1280,58 @@ async fn a_large_request_head_passes_over_http_2_as_over_http_1() {
     }
 }
 
+/// Over HTTP/2 a request head holds HTTP/1.1's rules too: more than 100
+/// header fields is a `431` (hyper refuses them over HTTP/1.1 only), and a
+/// `Host` that names another target than `:authority` a `400` (RFC 9113
+/// §8.3.1); neither reaches the upstream. Both went through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_2_request_head_keeps_http_1s_rules() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let proxy = TestProxy::start(proxy_config(&upstream.url(""))).await;
+    let h2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let mut many = Request::get(proxy.url("/v1/models"));
+    for i in 0..101 {
+        many = many.header(format!("x-field-{i}"), "1");
+    }
+    let (status, _, value) = json_body(send(&h2, many.body(empty()).expect("request")).await).await;
+    assert_eq!(
+        status,
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        "{value}"
+    );
+    // Our routes read `Host` for their loopback rule: the same rule.
+    for path in ["/v1/models", "/_aalis/sessions"] {
+        let other = Request::get(proxy.url(path))
+            .header("host", "evil.example")
+            .body(empty())
+            .expect("request");
+        let response = send(&h2, other).await;
+        assert_eq!(response.version(), Version::HTTP_2);
+        let (status, _, value) = json_body(response).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {value}");
+        assert!(
+            value["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(":authority")),
+            "{path}: {value}"
+        );
+    }
+    // 100 fields, and a Host that names :authority, pass.
+    let mut fine = Request::get(proxy.url("/v1/models")).header("host", proxy.addr.to_string());
+    for i in 0..99 {
+        fine = fine.header(format!("x-field-{i}"), "1");
+    }
+    let response = send(&h2, fine.body(empty()).expect("request")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        upstream.requests().len(),
+        1,
+        "only the last reached the upstream"
+    );
+}
+
 /// Many streams at once over one HTTP/2 connection (h2c, prior
 /// knowledge): 300 of them, more than the 200 a connection may have open
 /// (the rest wait for a slot), each of a paced parallel-calls stream that

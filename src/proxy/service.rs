@@ -133,6 +133,9 @@ enum Fault {
     /// The request came back to the proxy that forwarded it (its `Via`):
     /// `--upstream` leads to this proxy.
     Loop,
+    /// The request head has more header fields than the proxy takes
+    /// ([`MAX_REQUEST_FIELDS`]; hyper's own limit over HTTP/1.1).
+    HeadTooLarge,
 }
 
 impl Fault {
@@ -144,14 +147,16 @@ impl Fault {
             Fault::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Fault::NotImplemented => StatusCode::NOT_IMPLEMENTED,
             Fault::Loop => StatusCode::LOOP_DETECTED,
+            Fault::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
         }
     }
 
     fn kind(self) -> &'static str {
         match self {
-            Fault::BadRequest | Fault::ClientAborted | Fault::ClientTimeout => {
-                "invalid_request_error"
-            }
+            Fault::BadRequest
+            | Fault::ClientAborted
+            | Fault::ClientTimeout
+            | Fault::HeadTooLarge => "invalid_request_error",
             Fault::UpstreamUnreachable => "upstream_unreachable",
             Fault::UpstreamTimeout => "upstream_timeout",
             Fault::UpstreamError => "upstream_error",
@@ -182,6 +187,7 @@ impl Fault {
             // that stops reading (logged as `cancelled`).
             Fault::ClientTimeout => "client_body_timeout",
             Fault::BadRequest
+            | Fault::HeadTooLarge
             | Fault::NotImplemented
             | Fault::Loop
             | Fault::UpstreamUnreachable
@@ -303,6 +309,7 @@ impl Proxy {
                     }
                     Fault::UpstreamError => self.metrics().upstream_error(UpstreamErrorKind::Error),
                     Fault::BadRequest
+                    | Fault::HeadTooLarge
                     | Fault::ClientAborted
                     | Fault::ClientTimeout
                     | Fault::NotImplemented
@@ -341,6 +348,7 @@ impl Proxy {
                         tracing::warn!(session = %log.session_id, path = %log.path, "{message}");
                     }
                     Fault::BadRequest
+                    | Fault::HeadTooLarge
                     | Fault::ClientAborted
                     | Fault::ClientTimeout
                     | Fault::NotImplemented => {
@@ -366,8 +374,8 @@ impl Proxy {
             session_id: "-".to_owned(),
             started: Instant::now(),
         };
-        let response = match host_problem(req.version(), req.headers()) {
-            Some(problem) => error_response(Fault::BadRequest, &problem),
+        let response = match head_problem(&req) {
+            Some((fault, problem)) => error_response(fault, &problem),
             None => admin::handle(self, req, peer.addr).await,
         };
         // One line, as every request has (a refused one included):
@@ -412,10 +420,11 @@ impl Proxy {
     ) -> Result<Response<ProxyBody>, (Fault, String, Option<String>)> {
         let config = &self.shared.config;
         // Phase 1: the request's head, then our headers.
-        if let Some(problem) = host_problem(req.version(), req.headers())
-            .or_else(|| repeated(req.headers(), &SESSION_HEADER, "X-Aalis-Session"))
-        {
-            return Err((Fault::BadRequest, problem, None));
+        if let Some((fault, problem)) = head_problem(&req).or_else(|| {
+            repeated(req.headers(), &SESSION_HEADER, "X-Aalis-Session")
+                .map(|problem| (Fault::BadRequest, problem))
+        }) {
+            return Err((fault, problem, None));
         }
         let session_id = match req.headers().get(&SESSION_HEADER) {
             Some(value) => valid_session_id(value).map_err(|m| (Fault::BadRequest, m, None))?,
@@ -966,15 +975,74 @@ fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
 /// request with more than one (which of two names the target is a guess a
 /// proxy must not make). HTTP/1.0 may go without; HTTP/2 names its target
 /// in `:authority`, and its `Host`, if any, follows the same rule.
-fn host_problem(version: http::Version, headers: &http::HeaderMap) -> Option<String> {
+///
+/// Over HTTP/2, a `Host` that names another target than `:authority` is
+/// refused too (RFC 9113 §8.3.1: the request is malformed): the routes'
+/// loopback rule reads one, the upstream may read the other.
+fn host_problem(
+    version: http::Version,
+    authority: Option<&http::uri::Authority>,
+    headers: &http::HeaderMap,
+) -> Option<String> {
     let mut hosts = headers.get_all(header::HOST).iter();
     match (hosts.next(), hosts.next()) {
         (None, _) if version == http::Version::HTTP_11 => {
             Some("an HTTP/1.1 request must carry a Host header (RFC 9112 §3.2)".to_owned())
         }
         (Some(_), Some(_)) => Some("a request must carry one Host header, not several".to_owned()),
+        (Some(host), None)
+            if version == http::Version::HTTP_2
+                && authority.is_some_and(|a| {
+                    !a.as_str().as_bytes().eq_ignore_ascii_case(host.as_bytes())
+                }) =>
+        {
+            Some(
+                "an HTTP/2 request's Host header must name the target its :authority names \
+                 (RFC 9113 §8.3.1)"
+                    .to_owned(),
+            )
+        }
         _ => None,
     }
+}
+
+/// The most header fields a request head may have: hyper's limit over
+/// HTTP/1.1 (where a request over it gets hyper's `431`), kept over
+/// HTTP/2 by [`head_problem`].
+const MAX_REQUEST_FIELDS: usize = 100;
+
+/// What is wrong with a request's head before anything of ours is read:
+/// [`host_problem`]'s rules, more than [`MAX_REQUEST_FIELDS`] header
+/// fields (`431`), or a `Transfer-Encoding` that names `chunked` twice
+/// (RFC 9112 §6.1: a sender must not apply it more than once; hyper
+/// decodes it once).
+fn head_problem<B>(req: &Request<B>) -> Option<(Fault, String)> {
+    if req.headers().len() > MAX_REQUEST_FIELDS {
+        return Some((
+            Fault::HeadTooLarge,
+            format!(
+                "a request head may have at most {MAX_REQUEST_FIELDS} header fields; this one \
+                 has {}",
+                req.headers().len()
+            ),
+        ));
+    }
+    let chunked = req
+        .headers()
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .filter_map(|codings| codings.to_str().ok())
+        .flat_map(|codings| codings.split(','))
+        .filter(|named| named.trim().eq_ignore_ascii_case("chunked"))
+        .count();
+    if chunked > 1 {
+        return Some((
+            Fault::BadRequest,
+            "Transfer-Encoding names chunked more than once (RFC 9112 §6.1)".to_owned(),
+        ));
+    }
+    host_problem(req.version(), req.uri().authority(), req.headers())
+        .map(|problem| (Fault::BadRequest, problem))
 }
 
 /// A header of ours sent more than once: which one the client meant is a
@@ -1467,18 +1535,71 @@ mod tests {
     fn a_request_names_one_host() {
         use http::Version;
         let mut headers = http::HeaderMap::new();
-        let missing = host_problem(Version::HTTP_11, &headers).expect("HTTP/1.1 needs a Host");
+        let missing =
+            host_problem(Version::HTTP_11, None, &headers).expect("HTTP/1.1 needs a Host");
         assert!(missing.contains("must carry a Host"), "{missing}");
-        assert_eq!(host_problem(Version::HTTP_10, &headers), None);
-        assert_eq!(host_problem(Version::HTTP_2, &headers), None);
+        assert_eq!(host_problem(Version::HTTP_10, None, &headers), None);
+        assert_eq!(host_problem(Version::HTTP_2, None, &headers), None);
         headers.append(header::HOST, HeaderValue::from_static("127.0.0.1:8787"));
         for version in [Version::HTTP_10, Version::HTTP_11, Version::HTTP_2] {
-            assert_eq!(host_problem(version, &headers), None, "{version:?}");
+            assert_eq!(host_problem(version, None, &headers), None, "{version:?}");
         }
         headers.append(header::HOST, HeaderValue::from_static("example.com"));
         for version in [Version::HTTP_10, Version::HTTP_11, Version::HTTP_2] {
-            let twice = host_problem(version, &headers).expect("two Hosts");
+            let twice = host_problem(version, None, &headers).expect("two Hosts");
             assert!(twice.contains("one Host header"), "{twice}");
+        }
+    }
+
+    /// Over HTTP/2 `Host` and `:authority` must name one target (in any
+    /// case); over HTTP/1.1 an absolute-form target's authority wins, as
+    /// RFC 9112 §3.2.2 says, and is not compared.
+    #[test]
+    fn an_http2_host_names_its_authority() {
+        use http::Version;
+        let authority = http::uri::Authority::from_static("127.0.0.1:8787");
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(
+            host_problem(Version::HTTP_2, Some(&authority), &headers),
+            None
+        );
+        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8787"));
+        assert_eq!(
+            host_problem(Version::HTTP_2, Some(&authority), &headers),
+            None
+        );
+        headers.insert(header::HOST, HeaderValue::from_static("evil.example"));
+        let other =
+            host_problem(Version::HTTP_2, Some(&authority), &headers).expect("another target");
+        assert!(other.contains(":authority"), "{other}");
+        assert_eq!(
+            host_problem(Version::HTTP_11, Some(&authority), &headers),
+            None
+        );
+        let upper = http::uri::Authority::from_static("EVIL.example");
+        assert_eq!(host_problem(Version::HTTP_2, Some(&upper), &headers), None);
+    }
+
+    #[test]
+    fn a_head_of_too_many_fields_or_chunked_twice_is_refused() {
+        let request = |fields: usize, codings: &'static str| {
+            let mut builder = Request::post("/v1/chat/completions").header(header::HOST, "x");
+            for i in 1..fields {
+                builder = builder.header(format!("x-field-{i}"), "1");
+            }
+            if !codings.is_empty() {
+                builder = builder.header(header::TRANSFER_ENCODING, codings);
+            }
+            builder.body(()).expect("a request")
+        };
+        assert!(head_problem(&request(100, "")).is_none());
+        let many = head_problem(&request(101, "")).expect("101 fields");
+        assert!(matches!(many.0, Fault::HeadTooLarge), "{many:?}");
+        assert!(head_problem(&request(10, "chunked")).is_none());
+        for twice in ["chunked, chunked", "Chunked,chunked"] {
+            let (fault, problem) = head_problem(&request(10, twice)).expect("chunked twice");
+            assert!(matches!(fault, Fault::BadRequest), "{twice}");
+            assert!(problem.contains("more than once"), "{problem}");
         }
     }
 
