@@ -61,6 +61,8 @@ Environment:
                      plain lines instead)
   _RJEM_MALLOC_CONF  settings of the allocator (jemalloc), over those it
                      was built with
+  AALIS_ADMIN_TOKEN  serve's --admin-token, out of the process list (the
+                     flag wins)
   HTTP_PROXY, HTTPS_PROXY and the system's CA store are not read: serve
   connects to --upstream directly, trusting the bundled web PKI roots and
   those of --upstream-ca.";
@@ -321,9 +323,11 @@ impl AnnotateArgs {
 pub struct ServeArgs {
     /// The upstream API: http:// or https://, with an optional path prefix
     ///
-    /// The URL's path is a prefix of the request path: with
-    /// https://api.example.com/v1, both /v1/chat/completions and
-    /// /chat/completions go to https://api.example.com/v1/chat/completions.
+    /// The URL's path is a prefix of the request path: a request path that
+    /// already starts with it (at a segment boundary) is kept, any other
+    /// gets it put in front. With https://api.example.com/v1, both
+    /// /v1/chat/completions and /chat/completions go to
+    /// https://api.example.com/v1/chat/completions.
     /// Under such a prefix, a request path with a `.` or `..` segment (also
     /// written %2e, or with parameters: `..;x`) gets 400: the upstream could
     /// resolve it outside the prefix.
@@ -447,8 +451,18 @@ pub struct ServeArgs {
     /// SameSite=Strict, for /_aalis only) and the page at /_aalis/, and the
     /// cookie lets the page and its event stream in from then on.
     ///
+    /// On the command line, the token is in the process list for any user
+    /// of the machine to read: the environment variable AALIS_ADMIN_TOKEN
+    /// keeps it out (the flag, if given, wins; its value is never shown).
+    ///
     /// Example: --admin-token "$(openssl rand -hex 16)"
-    #[arg(long, value_name = "TOKEN", value_parser = parse_token)]
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        value_parser = parse_token,
+        env = "AALIS_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
     pub admin_token: Option<String>,
 
     /// Save every streamed upstream response in DIR as a replayable capture

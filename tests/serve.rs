@@ -1623,6 +1623,48 @@ fn a_head_to_a_stream_gets_the_streams_head() {
     );
 }
 
+/// A stream the upstream compressed though asked for `identity` passes
+/// as it came, unread: said once for the process (it was said nowhere,
+/// and logged `tool_calls=0`, `ok`, as if it had had no calls).
+#[test]
+fn a_compressed_stream_is_said_once() {
+    let upstream = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = upstream.local_addr().expect("local_addr").port();
+    let body = b"\x1f\x8b\x08\x00compressed bytes";
+    let answering = thread::spawn(move || {
+        for _ in 0..2 {
+            let (mut conn, _) = upstream.accept().expect("accept");
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let _ = conn.write_all(
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                )
+                .as_bytes(),
+            );
+            let _ = conn.write_all(body);
+        }
+    });
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    for _ in 0..2 {
+        let mut stream = get(serve.port, CHAT_PATH);
+        assert_eq!(stream.status, 200);
+        assert_eq!(stream.read_complete(), body, "passed on as it came");
+    }
+    answering.join().expect("the upstream thread");
+    let stderr = serve.stop();
+    let said = stderr
+        .lines()
+        .filter(|l| l.contains("Content-Encoding gzip though asked for identity"))
+        .count();
+    assert_eq!(said, 1, "{stderr}");
+}
+
 /// The spinners' colour follows NO_COLOR's rule (set and not empty), as
 /// the log's does: an empty NO_COLOR leaves it on. indicatif's terminal
 /// layer read an empty one as "no colour".
@@ -1837,6 +1879,45 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
         "{subscribed}"
     );
     assert!(!stderr.contains("s3cret"), "{stderr}");
+}
+
+/// The admin token from the environment (`AALIS_ADMIN_TOKEN`), which the
+/// process list does not show: it lets a request for another Host in as
+/// `--admin-token` does, and `--help` never prints its value.
+#[test]
+fn the_admin_token_may_come_from_the_environment() {
+    let env = [("AALIS_ADMIN_TOKEN", "s3cret-from-env")];
+    let mut serve = start_serve(9, &[], &env);
+    let ask = |authorization: Option<&str>| {
+        let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
+        let auth = authorization.map_or(String::new(), |a| format!("authorization: {a}\r\n"));
+        client
+            .write_all(
+                format!("GET /_aalis/sessions HTTP/1.1\r\nhost: proxy.example\r\n{auth}connection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .expect("request");
+        let mut answer = Vec::new();
+        let _ = client.read_to_end(&mut answer);
+        text(&answer)
+    };
+    let refused = ask(None);
+    let wrong = ask(Some("Bearer nope"));
+    let allowed = ask(Some("Bearer s3cret-from-env"));
+    let stderr = serve.stop();
+    assert!(refused.starts_with("HTTP/1.1 403"), "{refused}");
+    assert!(wrong.starts_with("HTTP/1.1 403"), "{wrong}");
+    assert!(allowed.starts_with("HTTP/1.1 200"), "{allowed}");
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+    let mut help = aalis_proxy();
+    help.args(["serve", "--help"]).envs(env);
+    let help = assert_cmd::Command::from_std(help)
+        .timeout(DEADLINE)
+        .output()
+        .expect("run aalis-proxy");
+    let shown = text(&help.stdout);
+    assert!(shown.contains("AALIS_ADMIN_TOKEN"), "{shown}");
+    assert!(!shown.contains("s3cret"), "{shown}");
 }
 
 /// SIGHUP (a closed terminal, an ssh session gone) is taken as SIGTERM:

@@ -81,6 +81,8 @@ struct Shared {
     /// warning for each of them (as Ollama's native routes behind
     /// `--inject comment` made) said nothing new.
     ndjson_inject_said: AtomicBool,
+    /// A stream that came compressed (so unread) has been said once.
+    encoded_stream_said: AtomicBool,
 }
 
 impl Shared {
@@ -231,6 +233,7 @@ impl Proxy {
                 session_prefix: session_prefix(session_seed),
                 session_counter: AtomicU64::new(0),
                 ndjson_inject_said: AtomicBool::new(false),
+                encoded_stream_said: AtomicBool::new(false),
                 via_name,
                 via,
             }),
@@ -663,6 +666,30 @@ impl Proxy {
                 }
                 None
             }
+            None => {
+                // A stream the upstream compressed though it was asked not
+                // to: passed on as it came, and without progress, which
+                // whoever runs the proxy must hear of (once).
+                if stream_type(&parts.headers).is_some()
+                    && encoded(&parts.headers)
+                    && !self
+                        .shared
+                        .encoded_stream_said
+                        .swap(true, Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        path = %log.path,
+                        "the upstream sent a stream in Content-Encoding {} though asked for \
+                         identity: passed on as it came, without progress (said once)",
+                        parts
+                            .headers
+                            .get(header::CONTENT_ENCODING)
+                            .and_then(|v| v.to_str().ok())
+                            .map_or_else(|| "(not text)".to_owned(), log_safe)
+                    );
+                }
+                None
+            }
             framing => framing,
         };
         let client_body = watch.as_ref().map(|watch| Arc::clone(&watch.failed));
@@ -948,16 +975,25 @@ fn stream_framing(headers: &http::HeaderMap) -> Option<Framing> {
     if cfg!(aalis_forward_only) {
         return None;
     }
-    // Any coding but `identity`, in any of the header's fields (a second
-    // field was not read: `identity` then `gzip` was annotated), or a
-    // value that is not text: not ours to read.
-    let encoded = headers
-        .get_all(header::CONTENT_ENCODING)
-        .iter()
-        .any(|codings| !names_only(codings, "identity"));
-    if encoded {
+    if encoded(headers) {
         return None;
     }
+    stream_type(headers)
+}
+
+/// Whether a response's body is in a coding but `identity`, in any of
+/// its `Content-Encoding` fields (a second field was not read: `identity`
+/// then `gzip` was annotated), or one whose value is not text: not ours
+/// to read.
+fn encoded(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .any(|codings| !names_only(codings, "identity"))
+}
+
+/// The framing a response's `Content-Type` names, if it names a stream.
+fn stream_type(headers: &http::HeaderMap) -> Option<Framing> {
     let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
     let essence = content_type.split(';').next()?.trim();
     let is = |name: &str| essence.eq_ignore_ascii_case(name);
