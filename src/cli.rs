@@ -405,8 +405,12 @@ pub struct ServeArgs {
     /// (a remote client cut off from the network). Over HTTP/2, also a
     /// connection whose every open response waits behind the client's shut
     /// flow-control windows (HTTP/2 clients open a window once half of it
-    /// is read: about 32 KiB). A client that reads, however slowly, opens
-    /// its TCP window (on loopback by 64 KiB at a time) and is left alone.
+    /// is read: about 32 KiB). A client that reads is left alone as long
+    /// as its kernel reopens its window within the timeout: Linux reopens a
+    /// shut window only once a sixteenth of the client's receive buffer is
+    /// free (the buffer grows up to net.ipv4.tcp_rmem's maximum, 6 MiB by
+    /// default: up to 384 KiB), so a client that reads less than that in
+    /// --client-timeout is taken for one that stopped.
     /// At most 2147483647ms (about 24.8 days: the kernel's bound).
     ///
     /// Example: --client-timeout 1m

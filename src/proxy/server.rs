@@ -137,10 +137,13 @@ pub async fn serve<H, F>(
     // request and its session were held until it read again. With
     // TCP_USER_TIMEOUT the kernel closes a connection whose bytes have
     // waited this long, unacknowledged or behind a shut window, and the
-    // connection's next write fails. A client that reads, however slowly,
-    // opens its window and is left alone (a timer of our own on writes
-    // that found the socket full also cut those: Linux takes a third of a
-    // full send buffer, 1.3 MB on loopback, before it reports room). Set
+    // connection's next write fails. A client that reads opens its window
+    // and is left alone, if it frees room fast enough: Linux reopens a
+    // shut window once a sixteenth of the receive buffer is free, so a
+    // client reading less than that within the timeout is cut. (A timer
+    // of our own on writes that found the socket full would cut more:
+    // Linux takes a third of a full send buffer, 1.3 MB on loopback,
+    // before it reports room.) Set
     // on the listening socket, whose options an accepted connection takes
     // (checked on the first, as for TCP_NODELAY). Linux only.
     #[cfg(any(target_os = "linux", target_os = "android"))]
