@@ -331,7 +331,33 @@ struct RawFrame<'a> {
     /// The framer found it with the decoder's probe, which holds its holes
     /// ([`DecoderState::probed`]).
     probed: bool,
+    /// An NDJSON line, which may start a JSON value spread over several
+    /// lines ([`Spread`]).
+    may_spread: bool,
     at: Location,
+}
+
+/// The most bytes and lines a [`Spread`] gathers: an API's pretty-printed
+/// error body is well under both.
+const MAX_SPREAD_BYTES: usize = 64 * 1024;
+/// See [`MAX_SPREAD_BYTES`].
+const MAX_SPREAD_LINES: usize = 256;
+
+/// The lines of one JSON value spread over several NDJSON lines, gathered
+/// until they parse as one: a pretty-printed body (an API's error, as
+/// `curl` gets it for a bad key and pipes it to `annotate`) is then one
+/// frame, `{"error":…}` said as the upstream's error, not a dozen lines
+/// that are no JSON. A line whose value ends early (EOF) starts one; a
+/// line that cannot continue it, or the end of the input, or more than
+/// [`MAX_SPREAD_BYTES`] or [`MAX_SPREAD_LINES`], ends it, and its lines
+/// are then handled one by one as they would have been. Only the line formats are held back; the
+/// lines themselves are forwarded as they come.
+#[derive(Debug)]
+struct Spread {
+    /// The lines' payloads, joined by `\n`.
+    text: Vec<u8>,
+    /// Where each line starts in `text`, and where it was in the input.
+    lines: Vec<(usize, Location)>,
 }
 
 /// The state of one stream after framing.
@@ -393,8 +419,26 @@ struct StreamState {
     /// recognizes them. Kept rather than derived from `output`, `inject`
     /// and `collect_events` on each frame: one test instead of several on
     /// every probed frame (BENCHMARKS.md, thirty-fourth round). Made again
-    /// whenever one of them changes.
+    /// whenever one of them changes. [`Unread::Nothing`] while a
+    /// [`Spread`] is gathered, so that every line comes to it.
     unread: Unread,
+    /// A JSON value spread over several NDJSON lines, being gathered.
+    spread: Option<Box<Spread>>,
+    /// A spread's lines are handled one by one again (it could not be
+    /// read whole): none of them starts another.
+    unspreading: bool,
+}
+
+/// Whether an NDJSON line that failed to decode is the start of a JSON
+/// value spread over lines ([`Spread`]): an object or array that ends
+/// early, as the first line of a pretty-printed body (`{`) does.
+fn starts_a_spread(data: Option<&[u8]>) -> bool {
+    let Some(data) = data else {
+        return false;
+    };
+    let first = data.iter().find(|b| !b.is_ascii_whitespace());
+    matches!(first, Some(b'{' | b'['))
+        && serde_json::from_slice::<serde::de::IgnoredAny>(data).is_err_and(|e| e.is_eof())
 }
 
 /// [`StreamState::render_progress`]: a line format writes progress, and
@@ -472,6 +516,8 @@ impl Annotator {
                 events: EventLog::default(),
                 collect_events: config.collect_events,
                 unread: Unread::of(config.output, config.inject, config.collect_events),
+                spread: None,
+                unspreading: false,
             },
         };
         if let Some(framing) = config.framing {
@@ -549,6 +595,9 @@ impl Annotator {
         }
         self.feed(&[], now, out);
         let state = &mut self.state;
+        // A value still spread at the end never came whole: its lines,
+        // one by one.
+        state.unspread(now, out);
         if !state.deferred.is_empty() {
             state.line_end_tail(b"", out);
         }
@@ -614,7 +663,9 @@ impl Annotator {
             state.events.carries.clear();
         }
         state.collect_events = on;
-        state.unread = Unread::of(state.output, state.inject, on);
+        if state.spread.is_none() {
+            state.unread = Unread::of(state.output, state.inject, on);
+        }
     }
 
     /// Some input since the increments were last taken or emptied was
@@ -902,6 +953,7 @@ impl StreamState {
                     },
                     line_ending_open: event.line_ending_open,
                     probed: event.probed,
+                    may_spread: false,
                     at: Location {
                         unit: "SSE event",
                         number: event.number,
@@ -942,6 +994,7 @@ impl StreamState {
             return;
         }
         if let Some(piece) = line.oversized {
+            self.unspread(now, out);
             let at = Location {
                 unit: "NDJSON line",
                 number: line.number,
@@ -949,6 +1002,15 @@ impl StreamState {
             };
             self.oversized(at, piece.first, line.raw, out);
             return;
+        }
+        let mut probed = line.probed;
+        if self.spread.is_some() {
+            if self.spread_line(&line, now, out) {
+                return;
+            }
+            // The spread's lines were decoded since the framer's probe
+            // found this one: the decoder's holes are theirs now.
+            probed = false;
         }
         let frame = RawFrame {
             raw: line.raw,
@@ -964,7 +1026,8 @@ impl StreamState {
             },
             line_ending: b"\n",
             line_ending_open: false,
-            probed: line.probed,
+            probed,
+            may_spread: true,
             at: Location {
                 unit: "NDJSON line",
                 number: line.number,
@@ -972,6 +1035,106 @@ impl StreamState {
             },
         };
         self.handle(Provider::OllamaChat, &frame, now, out);
+    }
+
+    /// A line while a [`Spread`] is gathered: it joins it, and the value
+    /// is handled once whole; or it cannot continue it, which is then
+    /// handled line by line, and this line is left to the caller (false).
+    fn spread_line(&mut self, line: &NdjsonLine<'_>, now: Now, out: &mut impl Sink) -> bool {
+        let Some(spread) = self.spread.as_mut() else {
+            return false;
+        };
+        let start = spread.text.len() + 1;
+        spread.text.push(b'\n');
+        spread.text.extend_from_slice(line.content);
+        // Each line parses the lines before it again: bounded, so that a
+        // stream of many short lines costs little.
+        let too_much = spread.text.len() > MAX_SPREAD_BYTES.min(self.max_event_bytes)
+            || spread.lines.len() >= MAX_SPREAD_LINES;
+        let whole = match too_much {
+            true => None,
+            false => match serde_json::from_slice::<serde::de::IgnoredAny>(&spread.text) {
+                Ok(_) => Some(true),
+                Err(err) if err.is_eof() => Some(false),
+                Err(_) => None,
+            },
+        };
+        let Some(whole) = whole else {
+            // Too large, or this line cannot continue the value.
+            spread.text.truncate(start - 1);
+            self.unspread(now, out);
+            return false;
+        };
+        spread.lines.push((
+            start,
+            Location {
+                unit: "NDJSON line",
+                number: line.number,
+                offset: line.offset,
+            },
+        ));
+        self.forward(line.raw, out);
+        if whole && let Some(spread) = self.spread.take() {
+            self.unread = Unread::of(self.output, self.inject, self.collect_events);
+            let Spread { text, lines } = *spread;
+            let at = lines.first().map_or(
+                Location {
+                    unit: "NDJSON line",
+                    number: line.number,
+                    offset: line.offset,
+                },
+                |(_, at)| *at,
+            );
+            // Counted as one frame: its first line was.
+            self.frames -= 1;
+            let frame = RawFrame {
+                // Its lines were forwarded as they came.
+                raw: b"",
+                data: Some(&text),
+                text: None,
+                closing_brace: None,
+                line_ending: b"\n",
+                line_ending_open: false,
+                probed: false,
+                may_spread: false,
+                at,
+            };
+            self.handle(Provider::OllamaChat, &frame, now, out);
+        }
+        true
+    }
+
+    /// Ends a [`Spread`] that could not be read whole, if one is gathered:
+    /// its lines are handled one by one, as without it (their bytes went
+    /// out already).
+    fn unspread(&mut self, now: Now, out: &mut impl Sink) {
+        let Some(spread) = self.spread.take() else {
+            return;
+        };
+        self.unread = Unread::of(self.output, self.inject, self.collect_events);
+        self.unspreading = true;
+        let Spread { text, lines } = *spread;
+        for (i, &(start, at)) in lines.iter().enumerate() {
+            let end = lines.get(i + 1).map_or(text.len(), |&(next, _)| next - 1);
+            let data = text.get(start..end).unwrap_or_default();
+            // The first was counted when it came; the others joined it.
+            if i == 0 {
+                self.frames -= 1;
+            }
+            let frame = RawFrame {
+                raw: b"",
+                data: (!data.iter().all(u8::is_ascii_whitespace)).then_some(data),
+                text: None,
+                closing_brace: None,
+                line_ending: b"\n",
+                line_ending_open: false,
+                probed: false,
+                may_spread: false,
+                at,
+            };
+            self.handle(Provider::OllamaChat, &frame, now, out);
+        }
+        self.unspreading = false;
     }
 
     /// A run of `count` frames that [`pass`](Self::pass) took as the
@@ -1049,6 +1212,16 @@ impl StreamState {
         };
         let info = match decoded {
             Ok(info) => Some(info),
+            // The start of a value spread over lines: held until it is
+            // whole, or cannot be ([`Spread`]).
+            Err(_) if frame.may_spread && !self.unspreading && starts_a_spread(data) => {
+                self.spread = Some(Box::new(Spread {
+                    text: data.unwrap_or_default().to_vec(),
+                    lines: vec![(0, frame.at)],
+                }));
+                self.unread = Unread::Nothing;
+                None
+            }
             Err(source) => {
                 if self.output != OutputFormat::Sse {
                     self.lines.unparsed(out, data.unwrap_or_default());

@@ -488,6 +488,50 @@ fn any_choice_cut_short_or_calls_refused_make_the_done_line_incomplete() {
     }
 }
 
+/// A JSON value spread over lines (a pretty-printed error body, as
+/// `curl` gets one for a bad key) is read as one value: the upstream's
+/// error, said once, and its one `error` line (it was eight `unparsed`
+/// lines and two warnings about JSON that ends early and lines that are
+/// no object). Lines that cannot join it are read one by one, as before:
+/// a line cut inside a string, then whole lines; or a value that never
+/// ends.
+#[test]
+fn a_value_spread_over_lines_is_read_whole() {
+    let body =
+        std::fs::read(common::fixtures_dir().join("malformed/pretty_printed_error_body.ndjson"))
+            .expect("the fixture");
+    let output = annotate_ok(&["--format", "ndjson"], &body);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    let error: serde_json::Value = serde_json::from_str(lines[0]).expect("a JSON line");
+    assert_eq!(error["error"]["code"], "invalid_api_key", "{stdout}");
+    assert_eq!(lines[1], r#"{"done":true,"incomplete":true}"#);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("upstream error: Incorrect API key provided"),
+        "{stderr}"
+    );
+    // The bytes themselves pass unchanged.
+    assert_eq!(annotate_ok(&[], &body).stdout, body);
+
+    let cut_then_whole =
+        b"{\"message\":{\"content\":\"hel\n{\"message\":{\"content\":\"lo\"},\"done\":false}\n{\"done\":true}\n";
+    let output = annotate_ok(&["--format", "ndjson"], cut_then_whole);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "{\"unparsed\":\"{\\\"message\\\":{\\\"content\\\":\\\"hel\"}\n\
+         {\"contentDelta\":\"lo\"}\n{\"done\":true,\"incomplete\":true}\n"
+    );
+    let never_ends = b"{\n  \"a\": 1,\n";
+    let output = annotate_ok(&["--format", "ndjson"], never_ends);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "{\"unparsed\":\"{\"}\n{\"unparsed\":\"  \\\"a\\\": 1,\"}\n{\"done\":true,\"incomplete\":true}\n"
+    );
+}
+
 /// `"finish_reason":""` on every chunk (Ollama's old `/v1`) is no finish:
 /// `--inject chunk` adds its progress chunk after such an event, as after
 /// any other. (It added none: every chunk looked like the finish chunk.)
