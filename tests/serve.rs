@@ -1700,56 +1700,6 @@ fn spinners_are_coloured_unless_no_color_is_set_and_not_empty() {
 // ---------------------------------------------------------------------------
 // 3. Shutdown
 
-/// An HTTP/2 connection left idle in a client's pool, its socket unread,
-/// does not hold the shutdown: hyper's GOAWAY waits for the answer to its
-/// PING, which such a client never sends, and `serve` waited for all of
-/// `--shutdown-grace` (here a minute) before it exited.
-#[test]
-fn an_idle_http2_connection_does_not_hold_the_shutdown() {
-    let mut serve = start_serve(9, &["--shutdown-grace", "60s"], &[]);
-    let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
-    client
-        .set_read_timeout(Some(DEADLINE))
-        .expect("read timeout");
-    // The preface, empty SETTINGS, and one GET (HPACK: :method GET,
-    // :scheme http, :path /, :authority "x"), its stream ended.
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
-    hello.extend_from_slice(&[
-        0, 0, 6, 1, 0x05, 0, 0, 0, 1, 0x82, 0x86, 0x84, 0x41, 0x01, b'x',
-    ]);
-    client.write_all(&hello).expect("the request");
-    // Frames until the answer's stream ends (its 502: the upstream is
-    // closed), then nothing is read any more.
-    let mut got = Vec::new();
-    let mut at = 0;
-    'answer: loop {
-        let mut buf = [0u8; 4096];
-        let n = client.read(&mut buf).expect("the answer");
-        assert!(n > 0, "closed before the answer");
-        got.extend_from_slice(&buf[..n]);
-        while got.len() >= at + 9 {
-            let length = (usize::from(got[at]) << 16)
-                | (usize::from(got[at + 1]) << 8)
-                | usize::from(got[at + 2]);
-            let (kind, flags, stream) = (got[at + 3], got[at + 4], got[at + 8]);
-            if got.len() < at + 9 + length {
-                break;
-            }
-            at += 9 + length;
-            // DATA or HEADERS of stream 1 with END_STREAM.
-            if (kind == 0 || kind == 1) && stream == 1 && flags & 1 == 1 {
-                break 'answer;
-            }
-        }
-    }
-    serve.signal(sig::SIGTERM);
-    // Within the test's deadline, far below the grace (it panics past it).
-    let status = serve.wait_exit(DEADLINE);
-    assert_eq!(status.code(), Some(0), "{status:?}\n{}", serve.stderr());
-    drop(client);
-}
-
 /// With a slow stream open, `signum` makes serve refuse new connections at
 /// once, let the stream finish in full, and exit 0 once it has (well before
 /// `--shutdown-grace` is over).

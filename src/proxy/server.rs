@@ -494,11 +494,6 @@ async fn accept_loop<H, F>(
     }
 }
 
-/// How long an HTTP/2 connection with no request open may take to close
-/// once the shutdown has begun (its client's answer to the GOAWAY's PING)
-/// before it is dropped.
-const DRAIN_QUIET: Duration = Duration::from_secs(1);
-
 /// The HTTP/2 client preface (RFC 9113, section 3.4): a connection that
 /// starts with it speaks HTTP/2 without TLS ("prior knowledge", h2c).
 pub(super) const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -577,24 +572,8 @@ where
             }
         });
         let conn = shared.http2.serve_connection(TokioIo::new(io), service);
-        // Dropped with the connection, so it holds the drain no longer.
-        let mut drain = watcher.rx.clone();
-        let draining = Arc::clone(&watcher.started);
-        let drained_quiet = open_now.clone();
         tokio::select! {
             done = watcher.watch(conn, quiet_for(quiet, limit)) => done?,
-            // Draining, nothing open: the GOAWAY is out, and hyper closes
-            // once its PING is answered. A client that does not read its
-            // socket (an idle connection in a client's pool) never
-            // answers, and held the shutdown for all of --shutdown-grace.
-            () = async {
-                // A drain begun before this connection's receiver was
-                // made is not a change it sees: the flag says so.
-                if !draining.load(Ordering::Acquire) {
-                    let _ = drain.changed().await;
-                }
-                quiet_for(drained_quiet, DRAIN_QUIET).await;
-            } => {}
             () = quiet_for(dead, 2 * limit) => {
                 return Err(format!(
                     "no request on the HTTP/2 connection within {:?}, nor its close after a GOAWAY",
