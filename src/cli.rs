@@ -61,8 +61,8 @@ Environment:
                      plain lines instead)
   _RJEM_MALLOC_CONF  settings of the allocator (jemalloc), over those it
                      was built with
-  AALIS_ADMIN_TOKEN  serve's --admin-token, out of the process list (the
-                     flag wins)
+  AALIS_ADMIN_TOKEN  set and not empty: serve's --admin-token, out of the
+                     process list (the flag wins)
   HTTP_PROXY, HTTPS_PROXY and the system's CA store are not read: serve
   connects to --upstream directly, trusting the bundled web PKI roots and
   those of --upstream-ca.";
@@ -456,17 +456,11 @@ pub struct ServeArgs {
     /// cookie lets the page and its event stream in from then on.
     ///
     /// On the command line, the token is in the process list for any user
-    /// of the machine to read: the environment variable AALIS_ADMIN_TOKEN
-    /// keeps it out (the flag, if given, wins; its value is never shown).
+    /// of the machine to read: the environment variable AALIS_ADMIN_TOKEN,
+    /// set and not empty, keeps it out (the flag, if given, wins).
     ///
     /// Example: --admin-token "$(openssl rand -hex 16)"
-    #[arg(
-        long,
-        value_name = "TOKEN",
-        value_parser = parse_token,
-        env = "AALIS_ADMIN_TOKEN",
-        hide_env_values = true
-    )]
+    #[arg(long, value_name = "TOKEN", value_parser = parse_token)]
     pub admin_token: Option<String>,
 
     /// Save every streamed upstream response in DIR as a replayable capture
@@ -537,7 +531,13 @@ impl ServeArgs {
             max_event_bytes: self.stream.max_event_bytes,
             record_dir: self.record.clone(),
             session_ttl: self.session_ttl,
-            admin_token: self.admin_token.clone(),
+            // The environment's, set and not empty (an empty one is unset,
+            // as NO_COLOR's is), unless the flag gives one.
+            admin_token: self.admin_token.clone().or_else(|| {
+                std::env::var(ADMIN_TOKEN_ENV)
+                    .ok()
+                    .filter(|token| !token.is_empty())
+            }),
         })
     }
 }
@@ -753,6 +753,10 @@ fn parse_listen(text: &str) -> Result<SocketAddr, String> {
         )
     })
 }
+
+/// The environment variable that gives `--admin-token` out of the process
+/// list.
+pub const ADMIN_TOKEN_ENV: &str = "AALIS_ADMIN_TOKEN";
 
 /// Parses `--admin-token`: not empty (no request could send it, so the
 /// routes would be closed to every client off loopback, silently).

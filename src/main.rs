@@ -511,6 +511,16 @@ fn mock(args: &MockArgs) -> anyhow::Result<()> {
 /// lines go through `log`'s queue when there is one (`serve`).
 fn display(mode: ProgressMode, log: Option<&StderrLog>) -> ProgressDisplay {
     let color = !stderr_log::no_color();
+    // The spinners' colour is drawn only if indicatif's terminal layer
+    // allows it, and it takes an empty NO_COLOR for "no colour"; ours is
+    // no-color.org's rule, set and not empty. With it empty, the layer's
+    // colour is what it would be without it (CLICOLOR and CLICOLOR_FORCE
+    // still count).
+    if std::env::var_os("NO_COLOR").is_some_and(|value| value.is_empty()) {
+        let clicolor = std::env::var_os("CLICOLOR").is_none_or(|value| value != "0");
+        let forced = std::env::var_os("CLICOLOR_FORCE").is_some_and(|value| value != "0");
+        console::set_colors_enabled_stderr(clicolor || forced);
+    }
     let terminal = spinner::stderr_draws();
     match log {
         Some(log) => {

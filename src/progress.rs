@@ -548,7 +548,9 @@ impl ToolCallTracker {
     /// Whether any answer of the stream may stop in the middle
     /// ([`cut_short`](Self::cut_short)): choice 0's, or that of any choice
     /// the tracker knows (one that made calls or gave a `finish_reason`),
-    /// text answers included.
+    /// text answers included. A choice other than 0 that gave only text,
+    /// and no `finish_reason`, is not known: the tracker keeps no state
+    /// for text.
     pub fn any_cut_short(&self, stopped_early: bool) -> bool {
         self.cut_short(0, stopped_early)
             || self

@@ -1578,7 +1578,9 @@ fn an_inject_mode_for_sse_is_said_once_for_ndjson_streams() {
     let stderr = serve.stop();
     let said = stderr
         .lines()
-        .filter(|l| l.contains("--inject comment applies to SSE streams"))
+        .filter(|l| {
+            l.contains("inject mode comment (--inject or X-Aalis-Inject) applies to SSE streams")
+        })
         .count();
     assert_eq!(said, 1, "{stderr}");
 }
@@ -1672,13 +1674,22 @@ fn a_compressed_stream_is_said_once() {
 fn spinners_are_coloured_unless_no_color_is_set_and_not_empty() {
     let capture = common::fixtures_dir().join(PARALLEL_FIXTURE);
     let capture = capture.to_str().expect("a UTF-8 path");
-    for (no_color, coloured) in [(None, true), (Some(""), true), (Some("1"), false)] {
+    for (no_color, clicolor, coloured) in [
+        (None, None, true),
+        (Some(""), None, true),
+        (Some("1"), None, false),
+        // CLICOLOR=0 still turns it off, an empty NO_COLOR beside it or not.
+        (Some(""), Some("0"), false),
+        (None, Some("0"), false),
+    ] {
         let mut cmd = aalis_proxy();
         cmd.args(["annotate", "--progress", "--pace", "100", capture])
-            .env("TERM", "xterm")
-            .env_remove("NO_COLOR");
+            .env("TERM", "xterm");
         if let Some(value) = no_color {
             cmd.env("NO_COLOR", value);
+        }
+        if let Some(value) = clicolor {
+            cmd.env("CLICOLOR", value);
         }
         let mut annotate = Running::spawn("annotate", cmd, 0, StderrTo::Terminal);
         let status = annotate.wait_exit(DEADLINE);
@@ -1692,7 +1703,7 @@ fn spinners_are_coloured_unless_no_color_is_set_and_not_empty() {
         assert_eq!(
             stderr.contains("\x1b[36m"),
             coloured,
-            "NO_COLOR={no_color:?}:\n{start:?}…"
+            "NO_COLOR={no_color:?} CLICOLOR={clicolor:?}:\n{start:?}…"
         );
     }
 }
@@ -1843,6 +1854,16 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
     assert!(!events.body.is_empty(), "the stream_resume frame");
     drop(events);
     serve.wait_for_stderr("path=/_aalis/sessions/watched/events ");
+    // A HEAD's body is never read: its line is written at once, `ok`.
+    let head = request(
+        serve.port,
+        "HEAD",
+        "/_aalis/sessions/headed/events",
+        &[("authorization", "Bearer s3cret")],
+        "",
+    );
+    assert_eq!(head.status, 200);
+    serve.wait_for_stderr("path=/_aalis/sessions/headed/events ");
     let stderr = serve.stop();
     let line = |status: &str| {
         stderr
@@ -1877,6 +1898,14 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
     assert!(
         sent.is_some_and(|n| n > 0) && subscribed.contains("outcome=\"cancelled\""),
         "{subscribed}"
+    );
+    let headed = stderr
+        .lines()
+        .find(|l| l.contains("path=/_aalis/sessions/headed/events "))
+        .unwrap_or_default();
+    assert!(
+        headed.contains("method=HEAD") && headed.contains("outcome=\"ok\""),
+        "{headed}"
     );
     assert!(!stderr.contains("s3cret"), "{stderr}");
 }
@@ -1918,6 +1947,22 @@ fn the_admin_token_may_come_from_the_environment() {
     let shown = text(&help.stdout);
     assert!(shown.contains("AALIS_ADMIN_TOKEN"), "{shown}");
     assert!(!shown.contains("s3cret"), "{shown}");
+    // Set but empty, it is unset: serve starts, and no token lets anyone in.
+    let mut serve = start_serve(9, &[], &[("AALIS_ADMIN_TOKEN", "")]);
+    let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
+    client
+        .write_all(
+            b"GET /_aalis/sessions HTTP/1.1\r\nhost: proxy.example\r\nconnection: close\r\n\r\n",
+        )
+        .expect("request");
+    let mut answer = Vec::new();
+    let _ = client.read_to_end(&mut answer);
+    serve.stop();
+    assert!(
+        text(&answer).starts_with("HTTP/1.1 403"),
+        "{}",
+        text(&answer)
+    );
 }
 
 /// SIGHUP (a closed terminal, an ssh session gone) is taken as SIGTERM:

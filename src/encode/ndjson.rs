@@ -40,8 +40,9 @@
 //!   past the stream's limit of 1,024 were refused, and are missing from
 //!   `toolCalls`. Its calls'
 //!   arguments may then be cut short, so do not run them blindly. Without
-//!   tool calls, the one `done` line speaks for every choice: it has it
-//!   when any choice's text may stop in the middle. A choice
+//!   tool calls, the one `done` line speaks for every choice the stream
+//!   tracks (choice 0, and any that gave a `finish_reason`): it has it
+//!   when any of their texts may stop in the middle. A choice
 //!   without tool calls has no `done` line of its own when another choice
 //!   has some, so its text's end is not told there (the `messages` line
 //!   tells it).

@@ -395,7 +395,12 @@ impl Proxy {
             status if status.is_client_error() => "invalid_request_error",
             _ => "ok",
         };
-        match response.body().size_hint().exact() {
+        // A HEAD's body is never read: its line goes out now.
+        let exact = match log.method == http::Method::HEAD {
+            true => Some(0),
+            false => response.body().size_hint().exact(),
+        };
+        match exact {
             Some(bytes_out) => {
                 log.write(0, bytes_out, 0, outcome);
                 response
@@ -670,7 +675,8 @@ impl Proxy {
                 // A stream the upstream compressed though it was asked not
                 // to: passed on as it came, and without progress, which
                 // whoever runs the proxy must hear of (once).
-                if stream_type(&parts.headers).is_some()
+                if !body.is_end_stream()
+                    && stream_type(&parts.headers).is_some()
                     && encoded(&parts.headers)
                     && !self
                         .shared
@@ -704,14 +710,16 @@ impl Proxy {
                         if !self.shared.ndjson_inject_said.swap(true, Ordering::Relaxed) {
                             tracing::warn!(
                                 path = %log.path,
-                                "--inject {} applies to SSE streams; NDJSON streams get `field` \
-                                 injection (said once)",
+                                "inject mode {} (--inject or X-Aalis-Inject) applies to SSE \
+                                 streams; NDJSON streams get `field` injection (said once)",
                                 inject.name()
                             );
                         }
                         InjectMode::Field
                     }
-                    (_, inject) => inject,
+                    (Framing::Sse, _) | (Framing::Ndjson, InjectMode::Field | InjectMode::None) => {
+                        inject
+                    }
                 };
                 let stream = self.shared.sessions.begin_stream(&log.session_id);
                 // Increments are collected while someone listens to the
@@ -1013,11 +1021,12 @@ fn stream_type(headers: &http::HeaderMap) -> Option<Framing> {
 /// in `:authority`, and its `Host`, if any, follows the same rule.
 ///
 /// Over HTTP/2, a `Host` that names another target than `:authority` is
-/// refused too (RFC 9113 §8.3.1: the request is malformed): the routes'
-/// loopback rule reads one, the upstream may read the other.
+/// refused too (RFC 9113 §8.3.1: the request is malformed), compared as
+/// RFC 3986 §6.2 normalizes them (case, a port that is the scheme's
+/// default, a trailing dot): the routes' loopback rule reads `Host`.
 fn host_problem(
     version: http::Version,
-    authority: Option<&http::uri::Authority>,
+    uri: &http::Uri,
     headers: &http::HeaderMap,
 ) -> Option<String> {
     let mut hosts = headers.get_all(header::HOST).iter();
@@ -1028,8 +1037,8 @@ fn host_problem(
         (Some(_), Some(_)) => Some("a request must carry one Host header, not several".to_owned()),
         (Some(host), None)
             if version == http::Version::HTTP_2
-                && authority.is_some_and(|a| {
-                    !a.as_str().as_bytes().eq_ignore_ascii_case(host.as_bytes())
+                && uri.authority().is_some_and(|authority| {
+                    !same_target(uri.scheme(), authority, host.as_bytes())
                 }) =>
         {
             Some(
@@ -1040,6 +1049,26 @@ fn host_problem(
         }
         _ => None,
     }
+}
+
+/// Whether `host` (a `Host` value) names the target `authority` names,
+/// under `scheme`: the same host in any case and without a trailing dot,
+/// and the same port, a missing one being the scheme's default.
+fn same_target(
+    scheme: Option<&http::uri::Scheme>,
+    authority: &http::uri::Authority,
+    host: &[u8],
+) -> bool {
+    let Ok(host) = http::uri::Authority::try_from(host) else {
+        return false;
+    };
+    let default_port = match scheme.map(http::uri::Scheme::as_str) {
+        Some("https") => 443,
+        _ => 80,
+    };
+    let name = |a: &http::uri::Authority| a.host().trim_end_matches('.').to_ascii_lowercase();
+    let port = |a: &http::uri::Authority| a.port_u16().unwrap_or(default_port);
+    name(authority) == name(&host) && port(authority) == port(&host)
 }
 
 /// The most header fields a request head may have: hyper's limit over
@@ -1053,13 +1082,16 @@ const MAX_REQUEST_FIELDS: usize = 100;
 /// (RFC 9112 §6.1: a sender must not apply it more than once; hyper
 /// decodes it once).
 fn head_problem<B>(req: &Request<B>) -> Option<(Fault, String)> {
-    if req.headers().len() > MAX_REQUEST_FIELDS {
+    // An HTTP/2 client may send each cookie as a field of its own (RFC
+    // 9113 §8.2.3): they count as the one field they are joined into.
+    let cookies = req.headers().get_all(header::COOKIE).iter().count();
+    let fields = req.headers().len() - cookies.saturating_sub(1);
+    if fields > MAX_REQUEST_FIELDS {
         return Some((
             Fault::HeadTooLarge,
             format!(
                 "a request head may have at most {MAX_REQUEST_FIELDS} header fields; this one \
-                 has {}",
-                req.headers().len()
+                 has {fields}"
             ),
         ));
     }
@@ -1077,7 +1109,7 @@ fn head_problem<B>(req: &Request<B>) -> Option<(Fault, String)> {
             "Transfer-Encoding names chunked more than once (RFC 9112 §6.1)".to_owned(),
         ));
     }
-    host_problem(req.version(), req.uri().authority(), req.headers())
+    host_problem(req.version(), req.uri(), req.headers())
         .map(|problem| (Fault::BadRequest, problem))
 }
 
@@ -1570,50 +1602,62 @@ mod tests {
     #[test]
     fn a_request_names_one_host() {
         use http::Version;
+        let origin = http::Uri::from_static("/v1/models");
         let mut headers = http::HeaderMap::new();
         let missing =
-            host_problem(Version::HTTP_11, None, &headers).expect("HTTP/1.1 needs a Host");
+            host_problem(Version::HTTP_11, &origin, &headers).expect("HTTP/1.1 needs a Host");
         assert!(missing.contains("must carry a Host"), "{missing}");
-        assert_eq!(host_problem(Version::HTTP_10, None, &headers), None);
-        assert_eq!(host_problem(Version::HTTP_2, None, &headers), None);
+        assert_eq!(host_problem(Version::HTTP_10, &origin, &headers), None);
+        assert_eq!(host_problem(Version::HTTP_2, &origin, &headers), None);
         headers.append(header::HOST, HeaderValue::from_static("127.0.0.1:8787"));
         for version in [Version::HTTP_10, Version::HTTP_11, Version::HTTP_2] {
-            assert_eq!(host_problem(version, None, &headers), None, "{version:?}");
+            assert_eq!(
+                host_problem(version, &origin, &headers),
+                None,
+                "{version:?}"
+            );
         }
         headers.append(header::HOST, HeaderValue::from_static("example.com"));
         for version in [Version::HTTP_10, Version::HTTP_11, Version::HTTP_2] {
-            let twice = host_problem(version, None, &headers).expect("two Hosts");
+            let twice = host_problem(version, &origin, &headers).expect("two Hosts");
             assert!(twice.contains("one Host header"), "{twice}");
         }
     }
 
-    /// Over HTTP/2 `Host` and `:authority` must name one target (in any
-    /// case); over HTTP/1.1 an absolute-form target's authority wins, as
-    /// RFC 9112 §3.2.2 says, and is not compared.
+    /// Over HTTP/2 `Host` and `:authority` must name one target, as RFC
+    /// 3986 §6.2 compares them; over HTTP/1.1 an absolute-form target is
+    /// not compared with `Host` (the check is HTTP/2's).
     #[test]
     fn an_http2_host_names_its_authority() {
         use http::Version;
-        let authority = http::uri::Authority::from_static("127.0.0.1:8787");
+        let uri = http::Uri::from_static("http://127.0.0.1:8787/v1/models");
         let mut headers = http::HeaderMap::new();
-        assert_eq!(
-            host_problem(Version::HTTP_2, Some(&authority), &headers),
-            None
-        );
-        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8787"));
-        assert_eq!(
-            host_problem(Version::HTTP_2, Some(&authority), &headers),
-            None
-        );
-        headers.insert(header::HOST, HeaderValue::from_static("evil.example"));
-        let other =
-            host_problem(Version::HTTP_2, Some(&authority), &headers).expect("another target");
+        assert_eq!(host_problem(Version::HTTP_2, &uri, &headers), None);
+        let problem = |uri: &http::Uri, host: &'static str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(header::HOST, HeaderValue::from_static(host));
+            host_problem(Version::HTTP_2, uri, &headers)
+        };
+        assert_eq!(problem(&uri, "127.0.0.1:8787"), None);
+        let other = problem(&uri, "evil.example").expect("another target");
         assert!(other.contains(":authority"), "{other}");
-        assert_eq!(
-            host_problem(Version::HTTP_11, Some(&authority), &headers),
-            None
-        );
-        let upper = http::uri::Authority::from_static("EVIL.example");
-        assert_eq!(host_problem(Version::HTTP_2, Some(&upper), &headers), None);
+        assert!(problem(&uri, "127.0.0.1:8788").is_some());
+        assert!(problem(&uri, "127.0.0.1").is_some(), "port 80 is not 8787");
+        // RFC 3986 §6.2: case, the scheme's default port, a trailing dot.
+        let http = http::Uri::from_static("http://Example.com/");
+        let https = http::Uri::from_static("https://example.com/");
+        for (uri, host) in [
+            (&http, "example.COM"),
+            (&http, "example.com:80"),
+            (&http, "example.com."),
+            (&https, "example.com:443"),
+        ] {
+            assert_eq!(problem(uri, host), None, "{uri} {host}");
+        }
+        assert!(problem(&https, "example.com:80").is_some());
+        // Over HTTP/1.1 an absolute-form target is not compared with Host.
+        headers.insert(header::HOST, HeaderValue::from_static("evil.example"));
+        assert_eq!(host_problem(Version::HTTP_11, &uri, &headers), None);
     }
 
     #[test]
@@ -1629,6 +1673,12 @@ mod tests {
             builder.body(()).expect("a request")
         };
         assert!(head_problem(&request(100, "")).is_none());
+        // 101 cookies, each a field of its own (HTTP/2), are one field.
+        let mut crumbs = Request::get("/").header(header::HOST, "x");
+        for i in 0..101 {
+            crumbs = crumbs.header(header::COOKIE, format!("c{i}=1"));
+        }
+        assert!(head_problem(&crumbs.body(()).expect("a request")).is_none());
         let many = head_problem(&request(101, "")).expect("101 fields");
         assert!(matches!(many.0, Fault::HeadTooLarge), "{many:?}");
         assert!(head_problem(&request(10, "chunked")).is_none());

@@ -312,17 +312,10 @@ impl ProgressDisplay {
         plain: impl FnOnce() -> Box<dyn Write + Send>,
     ) -> ProgressDisplay {
         let target = match (mode, stderr_is_terminal) {
-            _ if mode.draws_on_a_terminal(stderr_is_terminal) => {
-                // The style's colour is drawn only if the terminal layer
-                // allows it, and it reads an empty NO_COLOR as "no
-                // colour": ours is the rule (no-color.org: set and not
-                // empty), for the spinners as for the log.
-                console::set_colors_enabled_stderr(color);
-                Target::Terminal {
-                    multi: MultiProgress::with_draw_target(ProgressDrawTarget::stderr()),
-                    color,
-                }
-            }
+            _ if mode.draws_on_a_terminal(stderr_is_terminal) => Target::Terminal {
+                multi: MultiProgress::with_draw_target(ProgressDrawTarget::stderr()),
+                color,
+            },
             (ProgressMode::Always, false) => Target::Plain(plain()),
             _ => Target::Off,
         };

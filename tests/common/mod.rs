@@ -16,6 +16,7 @@ use aalis_proxy::progress::StreamPhase;
 /// wrapping (`COLUMNS`, `LINES`: clap's `wrap_help` reads them), terminal,
 /// logging, proxies.
 pub const SCRUBBED_ENV: &[&str] = &[
+    "AALIS_ADMIN_TOKEN",
     "NO_COLOR",
     "CLICOLOR",
     "CLICOLOR_FORCE",
