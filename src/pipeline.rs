@@ -1097,21 +1097,32 @@ impl StreamState {
             let at = lines.first().map_or(at, |(_, first)| *first);
             // Counted as one frame: its first line was.
             self.frames -= 1;
-            let frame = RawFrame {
-                // Its lines were forwarded as they came.
-                raw: b"",
-                data: Some(&text),
-                text: None,
-                closing_brace: None,
-                line_ending: b"\n",
-                line_ending_open: false,
-                probed: false,
-                may_spread: false,
-                at,
-            };
-            self.handle(Provider::OllamaChat, &frame, now, out);
+            self.handle_spread_part(Some(&text), at, now, out);
         }
         true
+    }
+
+    /// Handles what a [`Spread`] gathered, whole or a line of it: its bytes
+    /// were forwarded as they came, and it is decoded without the probe.
+    fn handle_spread_part(
+        &mut self,
+        data: Option<&[u8]>,
+        at: Location,
+        now: Now,
+        out: &mut impl Sink,
+    ) {
+        let frame = RawFrame {
+            raw: b"",
+            data,
+            text: None,
+            closing_brace: None,
+            line_ending: b"\n",
+            line_ending_open: false,
+            probed: false,
+            may_spread: false,
+            at,
+        };
+        self.handle(Provider::OllamaChat, &frame, now, out);
     }
 
     /// Ends a [`Spread`] that could not be read whole, if one is gathered:
@@ -1141,18 +1152,8 @@ impl StreamState {
             if i == 0 {
                 self.frames -= 1;
             }
-            let frame = RawFrame {
-                raw: b"",
-                data: (!data.iter().all(u8::is_ascii_whitespace)).then_some(data),
-                text: None,
-                closing_brace: None,
-                line_ending: b"\n",
-                line_ending_open: false,
-                probed: false,
-                may_spread: false,
-                at,
-            };
-            self.handle(Provider::OllamaChat, &frame, now, out);
+            let data = (!data.iter().all(u8::is_ascii_whitespace)).then_some(data);
+            self.handle_spread_part(data, at, now, out);
         }
         self.unspreading = false;
     }

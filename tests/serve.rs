@@ -675,6 +675,23 @@ fn request(
     }
 }
 
+/// A `GET` of `path` that asks for `host`, with `authorization` if given,
+/// on a connection of its own: the whole answer, as text (a refusal
+/// included, which [`request`] would read as any answer).
+fn get_as_host(port: u16, path: &str, host: &str, authorization: Option<&str>) -> String {
+    let mut client = TcpStream::connect(loopback(port)).expect("connect");
+    let auth = authorization.map_or(String::new(), |a| format!("authorization: {a}\r\n"));
+    client
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: {host}\r\n{auth}connection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .expect("request");
+    let mut answer = Vec::new();
+    let _ = client.read_to_end(&mut answer);
+    text(&answer)
+}
+
 fn post(port: u16, path: &str, body: &str, headers: &[(&str, &str)]) -> HttpResponse {
     request(port, "POST", path, headers, body)
 }
@@ -1829,15 +1846,8 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
     let mut missing = get(serve.port, "/_aalis/nothing-here");
     assert_eq!(missing.status, 404);
     missing.read_complete();
-    let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
-    client
-        .write_all(
-            b"GET /_aalis/sessions HTTP/1.1\r\nhost: evil.example\r\nconnection: close\r\n\r\n",
-        )
-        .expect("request");
-    let mut answer = Vec::new();
-    let _ = client.read_to_end(&mut answer);
-    assert!(answer.starts_with(b"HTTP/1.1 403"), "{}", text(&answer));
+    let answer = get_as_host(serve.port, "/_aalis/sessions", "evil.example", None);
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
     serve.wait_for_stderr("status=403");
     // An events stream's line is written when it ends (here, its
     // subscriber leaves), with what it sent: it was written at its start,
@@ -1917,18 +1927,13 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
 fn the_admin_token_may_come_from_the_environment() {
     let env = [("AALIS_ADMIN_TOKEN", "s3cret-from-env")];
     let mut serve = start_serve(9, &[], &env);
-    let ask = |authorization: Option<&str>| {
-        let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
-        let auth = authorization.map_or(String::new(), |a| format!("authorization: {a}\r\n"));
-        client
-            .write_all(
-                format!("GET /_aalis/sessions HTTP/1.1\r\nhost: proxy.example\r\n{auth}connection: close\r\n\r\n")
-                    .as_bytes(),
-            )
-            .expect("request");
-        let mut answer = Vec::new();
-        let _ = client.read_to_end(&mut answer);
-        text(&answer)
+    let ask = |authorization| {
+        get_as_host(
+            serve.port,
+            "/_aalis/sessions",
+            "proxy.example",
+            authorization,
+        )
     };
     let refused = ask(None);
     let wrong = ask(Some("Bearer nope"));
@@ -1949,20 +1954,9 @@ fn the_admin_token_may_come_from_the_environment() {
     assert!(!shown.contains("s3cret"), "{shown}");
     // Set but empty, it is unset: serve starts, and no token lets anyone in.
     let mut serve = start_serve(9, &[], &[("AALIS_ADMIN_TOKEN", "")]);
-    let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
-    client
-        .write_all(
-            b"GET /_aalis/sessions HTTP/1.1\r\nhost: proxy.example\r\nconnection: close\r\n\r\n",
-        )
-        .expect("request");
-    let mut answer = Vec::new();
-    let _ = client.read_to_end(&mut answer);
+    let answer = get_as_host(serve.port, "/_aalis/sessions", "proxy.example", None);
     serve.stop();
-    assert!(
-        text(&answer).starts_with("HTTP/1.1 403"),
-        "{}",
-        text(&answer)
-    );
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
 }
 
 /// SIGHUP (a closed terminal, an ssh session gone) is taken as SIGTERM:
