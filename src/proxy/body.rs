@@ -440,8 +440,14 @@ impl Body for TapBody {
                     this.metrics
                         .bytes_in_total
                         .fetch_add(data.len() as u64, Ordering::Relaxed);
-                    if let Some(recording) = this.recording.as_mut() {
-                        recording.data(&data);
+                    if let Some(recording) = this.recording.as_mut()
+                        && !recording.data(&data)
+                    {
+                        // Its recording was finished for an exit at once
+                        // (a second signal): what it holds is all the
+                        // client may get, so this piece stays here, and
+                        // the stream waits for the exit.
+                        return Poll::Pending;
                     }
                     // A body with a known length ends with its last frame:
                     // the connection will not poll again to hear so.
