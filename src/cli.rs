@@ -490,8 +490,8 @@ pub struct ServeArgs {
     /// upstream_error, upstream_unreachable, upstream_timeout,
     /// client_body_timeout, invalid_request_error, not_implemented,
     /// loop_detected; for the /_aalis/ routes, whose line is written as
-    /// their answer's head goes out, forbidden, not_found or
-    /// method_not_allowed too); and a
+    /// their answer's head goes out (an events stream's when it ends, with
+    /// its bytes), forbidden, not_found or method_not_allowed too); and a
     /// warning that says why when the upstream could not be reached,
     /// answered too late or failed mid-stream. Header values are never
     /// logged. Lines are written by a thread of their own, so a stderr that
@@ -547,7 +547,8 @@ impl ServeArgs {
 /// For demos, tests and benchmarks without an API key: POST
 /// /v1/chat/completions replays an SSE capture as text/event-stream, POST
 /// /api/chat an NDJSON capture as application/x-ndjson (Ollama), each event
-/// byte for byte, --delay-ms apart; GET /v1/models lists the captures. A
+/// byte for byte, --delay-ms apart (or with its recorded .timing); GET
+/// /v1/models lists the captures. A
 /// request whose "model" is a capture's file name (without extension) gets
 /// that capture, any other the first of its kind; a request body over 64
 /// MiB gets 413, and one that sets "stream": false 400 (it replays
@@ -580,7 +581,9 @@ pub struct MockArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8788", value_parser = parse_listen)]
     pub listen: SocketAddr,
 
-    /// Pause between two events of a replay, in milliseconds
+    /// Pause between two events of a replay, in milliseconds, for a
+    /// capture without a .timing file (one recorded by serve --record is
+    /// replayed with its own timing)
     ///
     /// Example: --delay-ms 200
     #[arg(long, value_name = "MS", default_value_t = 50, allow_negative_numbers = true, value_parser = parse_millis)]

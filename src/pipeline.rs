@@ -347,17 +347,25 @@ const MAX_SPREAD_LINES: usize = 256;
 /// until they parse as one: a pretty-printed body (an API's error, as
 /// `curl` gets it for a bad key and pipes it to `annotate`) is then one
 /// frame, `{"error":…}` said as the upstream's error, not a dozen lines
-/// that are no JSON. A line whose value ends early (EOF) starts one; a
-/// line that cannot continue it, or the end of the input, or more than
-/// [`MAX_SPREAD_BYTES`] or [`MAX_SPREAD_LINES`], ends it, and its lines
-/// are then handled one by one as they would have been. Only the line formats are held back; the
-/// lines themselves are forwarded as they come.
+/// that are no JSON. A line that starts an object or array and ends
+/// early (EOF) starts one. Each line after it is scanned once for the
+/// brackets it opens and closes ([`depth_after`]), and the whole is
+/// parsed once, when they are all closed: the cost stays linear in the
+/// bytes. A line that cannot continue it (a string open at its end, a
+/// bracket closed that was not open, or a whole value of its own, as the
+/// good lines after one cut after `:` are), the end of the input, or more
+/// than [`MAX_SPREAD_BYTES`] or [`MAX_SPREAD_LINES`], ends it, and its
+/// lines are then handled one by one as they would have been. Only the
+/// line formats are held back; the lines themselves are forwarded as they
+/// come.
 #[derive(Debug)]
 struct Spread {
     /// The lines' payloads, joined by `\n`.
     text: Vec<u8>,
     /// Where each line starts in `text`, and where it was in the input.
     lines: Vec<(usize, Location)>,
+    /// The objects and arrays the lines leave open ([`depth_after`]).
+    depth: usize,
 }
 
 /// The state of one stream after framing.
@@ -431,15 +439,52 @@ struct StreamState {
 
 /// Whether an NDJSON line that failed to decode is the start of a JSON
 /// value spread over lines ([`Spread`]): an object or array that ends
-/// early, as the first line of a pretty-printed body (`{`) does.
+/// early, as the first line of a pretty-printed body (`{`) does; the
+/// brackets it leaves open, if so.
 #[cold]
-fn starts_a_spread(data: Option<&[u8]>) -> bool {
-    let Some(data) = data else {
-        return false;
-    };
+fn spread_depth(data: Option<&[u8]>) -> Option<usize> {
+    let data = data?;
     let first = data.iter().find(|b| !b.is_ascii_whitespace());
+    if !matches!(first, Some(b'{' | b'['))
+        || !serde_json::from_slice::<serde::de::IgnoredAny>(data).is_err_and(|e| e.is_eof())
+    {
+        return None;
+    }
+    depth_after(0, data).filter(|&depth| depth > 0)
+}
+
+/// Whether `line` is a JSON object or array whole by itself.
+fn is_a_whole_value(line: &[u8]) -> bool {
+    let first = line.iter().find(|b| !b.is_ascii_whitespace());
     matches!(first, Some(b'{' | b'['))
-        && serde_json::from_slice::<serde::de::IgnoredAny>(data).is_err_and(|e| e.is_eof())
+        && serde_json::from_slice::<serde::de::IgnoredAny>(line).is_ok()
+}
+
+/// The objects and arrays open after `line`, `depth` of them open before
+/// it, counted outside strings; `None` when the line cannot continue a
+/// JSON value: a string still open at its end (JSON strings hold no raw
+/// line break), or a bracket closed that was not open.
+fn depth_after(mut depth: usize, line: &[u8]) -> Option<usize> {
+    let mut in_string = false;
+    let mut escaped = false;
+    for &byte in line {
+        if in_string {
+            match (escaped, byte) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                (false, _) => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' => depth = depth.checked_sub(1)?,
+            _ => {}
+        }
+    }
+    (!in_string).then_some(depth)
 }
 
 /// [`StreamState::render_progress`]: a line format writes progress, and
@@ -1068,32 +1113,42 @@ impl StreamState {
         let Some(spread) = self.spread.as_mut() else {
             return false;
         };
-        let start = spread.text.len() + 1;
-        spread.text.push(b'\n');
-        spread.text.extend_from_slice(content);
-        // Each line parses the lines before it again: bounded, so that a
-        // stream of many short lines costs little.
-        let too_much = spread.text.len() > MAX_SPREAD_BYTES.min(self.max_event_bytes)
-            || spread.lines.len() >= MAX_SPREAD_LINES;
-        let whole = match too_much {
+        // The brackets the value leaves open after this line, found by one
+        // pass over it: none when it cannot continue the value (a string
+        // open at its end), or when it is a whole value of its own (a line
+        // cut after `:`, `[` or `,` would otherwise take in the good lines
+        // after it). Bounded in bytes and lines.
+        let depth = match is_a_whole_value(content) {
             true => None,
-            false => match serde_json::from_slice::<serde::de::IgnoredAny>(&spread.text) {
-                Ok(_) => Some(true),
-                Err(err) if err.is_eof() => Some(false),
-                Err(_) => None,
-            },
+            false => depth_after(spread.depth, content),
         };
-        let Some(whole) = whole else {
-            // Too large, or this line cannot continue the value.
-            spread.text.truncate(start - 1);
+        let fits = spread.text.len() + 1 + content.len()
+            <= MAX_SPREAD_BYTES.min(self.max_event_bytes)
+            && spread.lines.len() < MAX_SPREAD_LINES;
+        let Some(depth) = depth.filter(|_| fits) else {
             self.unspread(now, out);
             return false;
         };
+        let start = spread.text.len() + 1;
+        spread.text.push(b'\n');
+        spread.text.extend_from_slice(content);
+        spread.depth = depth;
+        // Parsed once, when its brackets close: not again at every line.
+        let whole = depth == 0;
         spread.lines.push((start, at));
+        let parsed = whole && serde_json::from_slice::<serde::de::IgnoredAny>(&spread.text).is_ok();
         self.forward(raw, out);
-        if whole && let Some(spread) = self.spread.take() {
+        if !whole {
+            return true;
+        }
+        if !parsed {
+            // Closed, and no JSON value: each line as it would have been.
+            self.unspread(now, out);
+            return true;
+        }
+        if let Some(spread) = self.spread.take() {
             self.unread = Unread::of(self.output, self.inject, self.collect_events);
-            let Spread { text, lines } = *spread;
+            let Spread { text, lines, .. } = *spread;
             let at = lines.first().map_or(at, |(_, first)| *first);
             // Counted as one frame: its first line was.
             self.frames -= 1;
@@ -1144,7 +1199,7 @@ impl StreamState {
         };
         self.unread = Unread::of(self.output, self.inject, self.collect_events);
         self.unspreading = true;
-        let Spread { text, lines } = *spread;
+        let Spread { text, lines, .. } = *spread;
         for (i, &(start, at)) in lines.iter().enumerate() {
             let end = lines.get(i + 1).map_or(text.len(), |&(next, _)| next - 1);
             let data = text.get(start..end).unwrap_or_default();
@@ -1235,10 +1290,15 @@ impl StreamState {
             Ok(info) => Some(info),
             // The start of a value spread over lines: held until it is
             // whole, or cannot be ([`Spread`]).
-            Err(_) if frame.may_spread && !self.unspreading && starts_a_spread(data) => {
+            Err(_)
+                if let Some(depth) = (frame.may_spread && !self.unspreading)
+                    .then(|| spread_depth(data))
+                    .flatten() =>
+            {
                 self.spread = Some(Box::new(Spread {
                     text: data.unwrap_or_default().to_vec(),
                     lines: vec![(0, frame.at)],
+                    depth,
                 }));
                 self.unread = Unread::Nothing;
                 None

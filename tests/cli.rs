@@ -524,6 +524,23 @@ fn a_value_spread_over_lines_is_read_whole() {
         "{\"unparsed\":\"{\\\"message\\\":{\\\"content\\\":\\\"hel\"}\n\
          {\"contentDelta\":\"lo\"}\n{\"done\":true,\"incomplete\":true}\n"
     );
+    // A line cut after `:` leaves a value open that the good line after
+    // it could continue: a whole value of its own, that line is read as
+    // itself, and its call gets its progress (it was taken into the cut
+    // line's value, and got none).
+    let cut_after_colon = concat!(
+        "{\"model\":\"m\",\"message\":{\"tool_calls\":[\n",
+        "{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":",
+        "[{\"function\":{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}}]},\"done\":false}\n",
+        "{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true}\n",
+    );
+    let output = annotate_ok(&[], cut_after_colon.as_bytes());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let second = stdout.lines().nth(1).unwrap_or_default();
+    assert!(
+        second.ends_with(r#""done":false,"toolCallProgress":{"index":0,"name":"get_weather","charsAccumulated":16}}"#),
+        "{stdout}"
+    );
     let never_ends = b"{\n  \"a\": 1,\n";
     let output = annotate_ok(&["--format", "ndjson"], never_ends);
     assert_eq!(
