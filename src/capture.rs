@@ -79,22 +79,40 @@ impl Timing {
             let line_no = n + 1;
             let line = line.trim();
             cut |= line.starts_with("# cut:");
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
             let bad = |reason: &str| TimingError {
                 line: line_no,
                 reason: reason.to_owned(),
             };
+            // A header of another version: its lines may mean something
+            // else than this reader would take them for.
+            if let Some(version) = line
+                .strip_prefix("# aalis-proxy timing ")
+                .and_then(|rest| rest.split(':').next())
+                && version != "1"
+            {
+                return Err(bad(&format!(
+                    "timing version {version}, which this aalis-proxy does not read (it reads \
+                     version 1)"
+                )));
+            }
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
             let mut fields = line.split_whitespace();
             let (Some(offset), Some(ms), None) = (fields.next(), fields.next(), fields.next())
             else {
                 return Err(bad("expected two numbers: <end offset> <milliseconds>"));
             };
-            let offset: u64 = offset
-                .parse()
-                .map_err(|_| bad("the offset is not a number"))?;
-            let ms: u64 = ms.parse().map_err(|_| bad("the time is not a number"))?;
+            let number = |text: &str, what: &str| {
+                text.parse::<u64>().map_err(|err| match err.kind() {
+                    std::num::IntErrorKind::PosOverflow => {
+                        bad(&format!("the {what} is too large (at most {})", u64::MAX))
+                    }
+                    _ => bad(&format!("the {what} is not a number")),
+                })
+            };
+            let offset = number(offset, "offset")?;
+            let ms = number(ms, "time")?;
             if let Some(&(last_offset, last_ms)) = marks.last()
                 && (offset < last_offset || ms < last_ms)
             {
@@ -239,6 +257,14 @@ mod tests {
         for bad in ["10", "a 1", "10 5\n5 6", "10 5\n11 4", "1 2 3"] {
             assert!(Timing::parse(bad).is_err(), "{bad:?}");
         }
+        // Said for what it is: a number too large is no "not a number",
+        // and another version's header is not read as this one's.
+        let large = Timing::parse("1 99999999999999999999").expect_err("too large");
+        assert!(large.to_string().contains("too large"), "{large}");
+        let newer = Timing::parse("# aalis-proxy timing 2: <offset> <ms>\n1 2")
+            .expect_err("another version");
+        assert!(newer.to_string().contains("timing version 2"), "{newer}");
+        assert!(Timing::parse(&format!("{TIMING_HEADER}\n1 2")).is_ok());
     }
 
     #[test]
