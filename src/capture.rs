@@ -61,12 +61,25 @@ impl Timing {
         PathBuf::from(name)
     }
 
-    /// Reads the sidecar of `capture`, if there is one.
-    pub fn load_for(capture: &Path) -> Result<Option<Timing>, std::io::Error> {
+    /// Reads the sidecar of `capture`, if there is one; `capture_bytes`
+    /// long, the capture must hold every offset it names (a timing past
+    /// its end is another capture's, and would replay this one wrong).
+    pub fn load_for(
+        capture: &Path,
+        capture_bytes: usize,
+    ) -> Result<Option<Timing>, std::io::Error> {
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidData, e);
         match std::fs::read_to_string(Timing::sidecar(capture)) {
-            Ok(text) => Timing::parse(&text)
-                .map(Some)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
+            Ok(text) => {
+                let timing = Timing::parse(&text).map_err(|e| invalid(e.to_string()))?;
+                match timing.marks.last() {
+                    Some(&(offset, _)) if offset > capture_bytes as u64 => Err(invalid(format!(
+                        "its last offset, {offset}, is past the end of the capture \
+                         ({capture_bytes} bytes): is it another capture's timing?"
+                    ))),
+                    _ => Ok(Some(timing)),
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }

@@ -170,7 +170,7 @@ fn annotate(args: &AnnotateArgs) -> anyhow::Result<()> {
                 capture.extend_from_slice(&buf[..n]);
             }
             let timing = match args.input_path() {
-                Some(path) => Timing::load_for(path)
+                Some(path) => Timing::load_for(path, capture.len())
                     .with_context(|| format!("cannot read {}", Timing::sidecar(path).display()))?,
                 None => None,
             };

@@ -104,7 +104,7 @@ impl Capture {
             .unwrap_or_default();
         let mut capture = Capture::new(&name, &bytes);
         // Its own name in the message: the capture itself was read.
-        capture.timing = Timing::load_for(path).map_err(|err| {
+        capture.timing = Timing::load_for(path, bytes.len()).map_err(|err| {
             let sidecar = Timing::sidecar(path);
             std::io::Error::new(
                 err.kind(),
@@ -337,9 +337,13 @@ impl MockUpstream {
     }
 
     fn models(&self) -> Response<ProxyBody> {
+        // Each id once (an SSE and an NDJSON capture may share a name; a
+        // client takes the list's ids for unique, as OpenAI's are).
+        let mut seen = std::collections::HashSet::new();
         let data: Vec<_> = self
             .captures
             .iter()
+            .filter(|c| seen.insert(c.name.as_str()))
             .map(|c| serde_json::json!({"id": c.name, "object": "model", "owned_by": "aalis-proxy-mock"}))
             .collect();
         service::json_response(&serde_json::json!({"object": "list", "data": data}))

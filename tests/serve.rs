@@ -2692,6 +2692,58 @@ fn mock_over_files(tag: &str, files: &[(&str, &[u8])]) -> (Running, std::path::P
     (mock, dir, stderr)
 }
 
+/// `mock` lists each model id once, though an SSE and an NDJSON capture
+/// share it (a client takes the list's ids for unique); and a `.timing`
+/// whose offsets go past its capture's end (another capture's) stops the
+/// start, naming it, where it was taken and replayed the capture wrong.
+#[test]
+fn mock_lists_each_id_once_and_refuses_a_timing_past_its_capture() {
+    let sse = std::fs::read(common::fixtures_dir().join(SINGLE_FIXTURE)).expect("fixture");
+    let ndjson = std::fs::read(common::fixtures_dir().join("ollama/thinking_two_tools.ndjson"))
+        .expect("fixture");
+    let (mut mock, dir, _) = mock_over_files("ids", &[("x.sse", &sse), ("x.ndjson", &ndjson)]);
+    let mut models = get(mock.port, "/v1/models");
+    let listed: serde_json::Value =
+        serde_json::from_slice(&models.read_complete()).expect("JSON model list");
+    mock.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    let ids: Vec<&str> = listed["data"]
+        .as_array()
+        .expect("data is a list")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["x"]);
+
+    let dir = std::env::temp_dir().join(format!("aalis-mock-timing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let capture = dir.join("short.sse");
+    std::fs::write(&capture, &sse).expect("written");
+    std::fs::write(
+        dir.join("short.sse.timing"),
+        format!(
+            "{}\n10 0\n{} 5\n",
+            aalis_proxy::capture::TIMING_HEADER,
+            sse.len() + 1
+        ),
+    )
+    .expect("written");
+    let out = run_to_end(&[
+        "mock",
+        capture.to_str().expect("UTF-8"),
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("short.sse.timing") && stderr.contains("past the end of the capture"),
+        "{stderr}"
+    );
+}
+
 /// `mock captures/*` over a `serve --record` directory: the recordings'
 /// sidecars (`.timing`, `.request.json`) and partial bodies are left out,
 /// each said once, and only the capture is served. Before, each became a
