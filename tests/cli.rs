@@ -434,33 +434,24 @@ fn any_choice_cut_short_or_calls_refused_make_the_done_line_incomplete() {
             choices(&finish(0, "tool_calls"), &finish(1, reason))
         )
     };
-    for (input, cut) in [
-        (two_texts("stop"), false),
-        (two_texts("length"), true),
-        (two_texts("content_filter"), true),
-        (calls_and_text("stop"), false),
-        (calls_and_text("length"), true),
+    let messages = &["--format", "messages", "--session", "s"][..];
+    let ndjson = &["--format", "ndjson"][..];
+    for (format, input, cut) in [
+        (messages, two_texts("stop"), false),
+        (messages, two_texts("length"), true),
+        (messages, two_texts("content_filter"), true),
+        (messages, calls_and_text("stop"), false),
+        (messages, calls_and_text("length"), true),
+        (ndjson, two_texts("stop"), false),
+        (ndjson, two_texts("length"), true),
     ] {
-        let output = annotate_ok(
-            &["--format", "messages", "--session", "s"],
-            input.as_bytes(),
-        );
+        let output = annotate_ok(format, input.as_bytes());
         let stdout = String::from_utf8_lossy(&output.stdout);
         let last = stdout.lines().last().unwrap_or_default();
         assert_eq!(
             last.contains("\"incomplete\":true"),
             cut,
-            "{input:?}: {stdout}"
-        );
-    }
-    for (input, cut) in [(two_texts("stop"), false), (two_texts("length"), true)] {
-        let output = annotate_ok(&["--format", "ndjson"], input.as_bytes());
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let last = stdout.lines().last().unwrap_or_default();
-        assert_eq!(
-            last.contains("\"incomplete\":true"),
-            cut,
-            "{input:?}: {stdout}"
+            "{format:?} {input:?}: {stdout}"
         );
     }
     // 1,030 calls, each whole: the last six are refused.
@@ -471,10 +462,7 @@ fn any_choice_cut_short_or_calls_refused_make_the_done_line_incomplete() {
         ));
     }
     many.push_str(&finish_all(done));
-    for format in [
-        &["--format", "ndjson"][..],
-        &["--format", "messages", "--session", "s"],
-    ] {
+    for format in [ndjson, messages] {
         let output = annotate_ok(format, many.as_bytes());
         let stdout = String::from_utf8_lossy(&output.stdout);
         let last = stdout.lines().last().unwrap_or_default();

@@ -2892,20 +2892,11 @@ async fn a_stream_the_upstream_refused_unprocessed_is_sent_again() {
                         respond.send_reset(h2::Reason::REFUSED_STREAM);
                         continue;
                     }
-                    let answered = Arc::clone(&answered);
-                    tokio::spawn(async move {
-                        let mut body = request.into_body();
-                        let mut got = Vec::new();
-                        while let Some(Ok(data)) = body.data().await {
-                            let _ = body.flow_control().release_capacity(data.len());
-                            got.extend_from_slice(&data);
-                        }
-                        answered.lock().expect("lock").push(got);
-                        let response = http::Response::new(());
-                        if let Ok(mut send) = respond.send_response(response, false) {
-                            let _ = send.send_data(Bytes::from_static(b"ok"), true);
-                        }
-                    });
+                    tokio::spawn(answer_ok_keeping_the_body(
+                        request,
+                        respond,
+                        Arc::clone(&answered),
+                    ));
                 }
             });
         }
@@ -2942,6 +2933,25 @@ async fn a_stream_the_upstream_refused_unprocessed_is_sent_again() {
     let _ = std::fs::remove_file(&ca_path);
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
     assert_eq!(streams.load(Ordering::SeqCst), 4);
+}
+
+/// An `h2` server's answer to one stream: its body read whole and kept in
+/// `answered`, then `200` with the body `ok`.
+async fn answer_ok_keeping_the_body(
+    request: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+    answered: Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+) {
+    let mut body = request.into_body();
+    let mut got = Vec::new();
+    while let Some(Ok(data)) = body.data().await {
+        let _ = body.flow_control().release_capacity(data.len());
+        got.extend_from_slice(&data);
+    }
+    answered.lock().expect("lock").push(got);
+    if let Ok(mut send) = respond.send_response(http::Response::new(()), false) {
+        let _ = send.send_data(Bytes::from_static(b"ok"), true);
+    }
 }
 
 /// An HTTP/2 upstream that closes its connection with a graceful `GOAWAY`
@@ -3009,21 +3019,12 @@ async fn a_stream_above_a_graceful_goaways_last_is_sent_again() {
                 let Ok(mut conn) = h2::server::handshake(tls).await else {
                     return;
                 };
-                while let Some(Ok((request, mut respond))) = conn.accept().await {
-                    let answered = Arc::clone(&answered);
-                    tokio::spawn(async move {
-                        let mut body = request.into_body();
-                        let mut got = Vec::new();
-                        while let Some(Ok(data)) = body.data().await {
-                            let _ = body.flow_control().release_capacity(data.len());
-                            got.extend_from_slice(&data);
-                        }
-                        answered.lock().expect("lock").push(got);
-                        if let Ok(mut send) = respond.send_response(http::Response::new(()), false)
-                        {
-                            let _ = send.send_data(Bytes::from_static(b"ok"), true);
-                        }
-                    });
+                while let Some(Ok((request, respond))) = conn.accept().await {
+                    tokio::spawn(answer_ok_keeping_the_body(
+                        request,
+                        respond,
+                        Arc::clone(&answered),
+                    ));
                 }
             });
         }

@@ -675,6 +675,15 @@ fn request(
     }
 }
 
+/// The first request log line in `stderr` with `field` in it (empty if
+/// none).
+fn request_line<'a>(stderr: &'a str, field: &str) -> &'a str {
+    stderr
+        .lines()
+        .find(|l| l.contains(" request ") && l.contains(field))
+        .unwrap_or_default()
+}
+
 /// A `GET` of `path` that asks for `host`, with `authorization` if given,
 /// on a connection of its own: the whole answer, as text (a refusal
 /// included, which [`request`] would read as any answer).
@@ -1875,13 +1884,7 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
     assert_eq!(head.status, 200);
     serve.wait_for_stderr("path=/_aalis/sessions/headed/events ");
     let stderr = serve.stop();
-    let line = |status: &str| {
-        stderr
-            .lines()
-            .find(|l| l.contains(" request ") && l.contains(&format!("status={status} ")))
-            .unwrap_or_default()
-            .to_owned()
-    };
+    let line = |status: &str| request_line(&stderr, &format!("status={status} "));
     let opened = line("303");
     assert!(
         opened.contains("path=/_aalis/ ") && opened.contains("outcome=\"ok\""),
@@ -1897,10 +1900,7 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
         refused.contains("path=/_aalis/sessions ") && refused.contains("outcome=\"forbidden\""),
         "{refused}"
     );
-    let subscribed = stderr
-        .lines()
-        .find(|l| l.contains("path=/_aalis/sessions/watched/events "))
-        .unwrap_or_default();
+    let subscribed = request_line(&stderr, "path=/_aalis/sessions/watched/events ");
     let sent = subscribed
         .split_whitespace()
         .find_map(|field| field.strip_prefix("bytes_out="))
@@ -1909,10 +1909,7 @@ fn the_proxys_own_routes_are_logged_without_their_query() {
         sent.is_some_and(|n| n > 0) && subscribed.contains("outcome=\"cancelled\""),
         "{subscribed}"
     );
-    let headed = stderr
-        .lines()
-        .find(|l| l.contains("path=/_aalis/sessions/headed/events "))
-        .unwrap_or_default();
+    let headed = request_line(&stderr, "path=/_aalis/sessions/headed/events ");
     assert!(
         headed.contains("method=HEAD") && headed.contains("outcome=\"ok\""),
         "{headed}"
@@ -2632,13 +2629,7 @@ fn a_client_gone_inside_its_body_is_logged_499() {
     let mut metrics = get(serve.port, "/_aalis/metrics");
     let metrics = text(&metrics.read_complete());
     let stderr = serve.stop();
-    let line = |session: &str| {
-        stderr
-            .lines()
-            .find(|l| l.contains(" request ") && l.contains(&format!("session={session} ")))
-            .unwrap_or_default()
-            .to_owned()
-    };
+    let line = |session: &str| request_line(&stderr, &format!("session={session} "));
     let cut = line("cut");
     assert!(
         cut.contains("status=499") && cut.contains("outcome=\"cancelled\""),

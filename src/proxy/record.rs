@@ -390,15 +390,22 @@ mod tests {
     /// (one that succeeds later, space come back, would splice the
     /// capture), and the body is kept as `….partial`, without sidecars, so
     /// that nothing replays it as a whole capture.
-    #[test]
-    fn a_failed_write_leaves_a_partial_body_and_no_sidecars() {
-        let dir = std::env::temp_dir().join(format!("aalis-record-{}", std::process::id()));
+    /// A fresh directory named by `tag`, its recorder, and one recording
+    /// started in it.
+    fn recording_in(tag: &str) -> (std::path::PathBuf, Recorder, Recording) {
+        let dir = std::env::temp_dir().join(format!("aalis-record-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("a directory");
         let recorder = Recorder::new(&dir);
-        let mut recording = recorder
+        let recording = recorder
             .start("s", Framing::Sse, RequestCopy::default())
             .expect("started");
+        (dir, recorder, recording)
+    }
+
+    #[test]
+    fn a_failed_write_leaves_a_partial_body_and_no_sidecars() {
+        let (dir, _recorder, mut recording) = recording_in("failed");
         let name = {
             let mut open = lock(&recording.0);
             // Its file, read-only from now on: every write to it fails.
@@ -433,13 +440,7 @@ mod tests {
     /// (a review saw up to 28 of 100 recordings one event short).
     #[test]
     fn a_recording_finished_for_the_exit_refuses_what_comes_after() {
-        let dir = std::env::temp_dir().join(format!("aalis-record-exit-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a directory");
-        let recorder = Recorder::new(&dir);
-        let mut recording = recorder
-            .start("s", Framing::Sse, RequestCopy::default())
-            .expect("started");
+        let (dir, recorder, mut recording) = recording_in("exit");
         assert!(recording.data(b"data: one\n\n"));
         assert_eq!(recorder.open_recordings().finish_all(), 1);
         assert!(!recording.data(b"data: two\n\n"), "taken after the finish");
