@@ -491,8 +491,9 @@ pub struct ServeArgs {
     /// client_body_timeout, invalid_request_error, not_implemented,
     /// loop_detected; for the /_aalis/ routes, whose line is written as
     /// their answer's head goes out (an events stream's when it ends, with
-    /// its bytes), forbidden, not_found or method_not_allowed too); and a
-    /// warning that says why when the upstream could not be reached,
+    /// its bytes), forbidden, not_found or method_not_allowed too; a
+    /// request head the HTTP/1.1 parser refused, answered 400 or 431,
+    /// with method, path and session "-"); and a warning that says why when the upstream could not be reached,
     /// answered too late or failed mid-stream. Header values are never
     /// logged. Lines are written by a thread of their own, so a stderr that
     /// nobody reads stops no stream: past 1,024 lines (or 1 MiB) waiting,

@@ -231,17 +231,21 @@ impl MockUpstream {
                 response
             }
         };
-        server::serve(
-            listener,
-            handler,
-            shutdown,
-            Duration::from_secs(1),
-            server::HEAD_READ_TIMEOUT,
+        let options = server::ServeOptions {
+            grace: Duration::from_secs(1),
+            head_timeout: server::HEAD_READ_TIMEOUT,
             // As long as `serve`'s default --client-timeout.
-            Duration::from_secs(300),
-            &[],
-        )
-        .await;
+            client_timeout: Duration::from_secs(300),
+            // As the request lines above, with -v.
+            refused: Box::new(|head| {
+                tracing::debug!(
+                    status = head.status.as_u16(),
+                    "request head refused: {}",
+                    head.reason
+                );
+            }),
+        };
+        server::serve(listener, handler, shutdown, options, &[]).await;
     }
 
     /// Answers one request from a client whose socket's fullness is

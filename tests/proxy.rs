@@ -142,6 +142,7 @@ impl TestProxy {
         let client_timeout = config.client_timeout;
         let proxy = Proxy::new(config, client, sessions.clone());
         let (tx, rx) = oneshot::channel::<()>();
+        let refusals = proxy.clone();
         let handler = move |req, peer| {
             let proxy = proxy.clone();
             async move { proxy.handle(req, peer).await }
@@ -149,18 +150,16 @@ impl TestProxy {
         let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("worker threads");
         let handles = workers.handles().to_vec();
         let task = tokio::spawn(async move {
-            server::serve(
-                listener,
-                handler,
-                async move {
-                    let _ = rx.await;
-                },
+            let options = server::ServeOptions {
                 grace,
                 head_timeout,
                 client_timeout,
-                &handles,
-            )
-            .await;
+                refused: Box::new(move |head| refusals.refused_head(head)),
+            };
+            let stop = async move {
+                let _ = rx.await;
+            };
+            server::serve(listener, handler, stop, options, &handles).await;
         });
         TestProxy {
             addr,

@@ -2664,6 +2664,66 @@ fn a_client_gone_inside_its_body_is_logged_499() {
     drop(silent);
 }
 
+/// A request head that HTTP/1.1's parser refuses is answered by hyper
+/// itself, before any handler: it is logged and counted as every other
+/// request (it was neither), its method, path and session `-`.
+#[test]
+fn a_head_the_http_parser_refuses_is_logged_and_counted() {
+    let silent = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = silent.local_addr().expect("local_addr").port();
+    let mut serve = start_serve(upstream_port, &[], &[]);
+    let huge = "x".repeat(70 * 1024);
+    for (head, status) in [
+        // A field line without a colon.
+        (
+            "GET /v1/models HTTP/1.1\r\nhost: x\r\nno colon here\r\n\r\n".to_owned(),
+            "400",
+        ),
+        // A head larger than the connection's 64 KiB buffer.
+        (
+            format!("GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: {huge}\r\n\r\n"),
+            "431",
+        ),
+    ] {
+        let mut client = TcpStream::connect(loopback(serve.port)).expect("connect");
+        // The large head may be answered and the connection closed before
+        // all of it is sent: the write may fail, the answer is read all
+        // the same.
+        let _ = client.write_all(head.as_bytes());
+        let mut answer = Vec::new();
+        let _ = client.read_to_end(&mut answer);
+        let answer = text(&answer);
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status} ")),
+            "{answer}"
+        );
+        serve.wait_for_stderr(&format!("status={status} "));
+    }
+    let mut metrics = get(serve.port, "/_aalis/metrics");
+    let metrics = text(&metrics.read_complete());
+    let stderr = serve.stop();
+    for status in ["400", "431"] {
+        let line = request_line(&stderr, &format!("status={status} "));
+        assert_fields(
+            line,
+            &[
+                ("method", Some("-")),
+                ("path", Some("-")),
+                ("session", Some("-")),
+                ("bytes_out", Some("0")),
+                ("outcome", Some("\"invalid_request_error\"")),
+            ],
+        );
+    }
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "aalis_requests_total{code=\"4xx\"} 2"),
+        "{metrics}"
+    );
+    drop(silent);
+}
+
 /// `mock` started on `files` (name, bytes), written to a directory of
 /// their own (`tag` names it): the mock, the directory (for the caller
 /// to remove), and the mock's stderr once it serves.

@@ -104,6 +104,25 @@ impl RequestLog {
             "request"
         );
     }
+
+    /// The line of a request whose head HTTP/1.1's parser refused and
+    /// answered itself (`status`, no body; [`super::server::RefusedHead`]):
+    /// the same fields, its method, path and session unknown (`-`), its
+    /// time not measured (0).
+    pub fn write_refused(status: http::StatusCode, outcome: &str) {
+        tracing::info!(
+            method = %"-",
+            path = %"-",
+            status = status.as_u16(),
+            session = %"-",
+            duration_ms = 0u64,
+            bytes_in = 0u64,
+            bytes_out = 0u64,
+            tool_calls = 0usize,
+            outcome,
+            "request"
+        );
+    }
 }
 
 /// How a response body ended.

@@ -134,20 +134,18 @@ pub async fn serve_proxy_on(
         shutdown.await;
         sessions.close_subscriptions();
     };
+    let refusals = proxy.clone();
+    let options = server::ServeOptions {
+        grace,
+        head_timeout: server::HEAD_READ_TIMEOUT,
+        client_timeout,
+        refused: Box::new(move |head| refusals.refused_head(head)),
+    };
     let handler = move |req, peer| {
         let proxy = proxy.clone();
         async move { proxy.handle(req, peer).await }
     };
-    server::serve(
-        listener,
-        handler,
-        shutdown,
-        grace,
-        server::HEAD_READ_TIMEOUT,
-        client_timeout,
-        workers,
-    )
-    .await;
+    server::serve(listener, handler, shutdown, options, workers).await;
 }
 
 /// Moves an empty `buf` back to the start of its allocation when no piece

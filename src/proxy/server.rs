@@ -48,6 +48,31 @@ use super::gate::{GatedRead, SocketFull};
 use super::h1::CONN_BUF_BYTES;
 use super::upstream::ProxyBody;
 
+/// How [`serve`] treats its connections, beside the handler.
+pub struct ServeOptions {
+    /// How long open streams may go on once the server drains.
+    pub grace: Duration,
+    /// See [`HEAD_READ_TIMEOUT`].
+    pub head_timeout: Duration,
+    /// How long a client may leave the bytes sent to it waiting.
+    pub client_timeout: Duration,
+    /// Told of each request head that HTTP/1.1's parser refused and
+    /// answered itself (no handler sees such a request).
+    pub refused: Box<dyn Fn(RefusedHead<'_>) + Send + Sync>,
+}
+
+/// A request head that hyper's HTTP/1.1 parser refused, and answered with
+/// `status` and no body, before any handler saw it: a malformed request
+/// line or header field (`400`), a head larger than the connection's
+/// buffer (`431`). Its connection is closed after the answer.
+#[derive(Debug, Clone, Copy)]
+pub struct RefusedHead<'a> {
+    pub peer: SocketAddr,
+    pub status: http::StatusCode,
+    /// hyper's words for what was wrong.
+    pub reason: &'a hyper::Error,
+}
+
 /// The client a request came from: its address, and whether its
 /// connection's last write found the socket full.
 #[derive(Debug, Clone)]
@@ -78,14 +103,18 @@ pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
     shutdown: impl Future<Output = ()>,
-    grace: Duration,
-    head_timeout: Duration,
-    client_timeout: Duration,
+    options: ServeOptions,
     workers: &[Handle],
 ) where
     H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
+    let ServeOptions {
+        grace,
+        head_timeout,
+        client_timeout,
+        refused,
+    } = options;
     let mut http1 = http1::Builder::new();
     // A head that does not come whole in time closes the connection, as
     // does a keep-alive connection idle that long (hyper's timer runs
@@ -157,6 +186,7 @@ pub async fn serve<H, F>(
         http2,
         head_timeout,
         client_timeout,
+        refused,
         graceful: graceful.clone(),
         loads,
     });
@@ -221,6 +251,8 @@ struct Shared<H> {
     /// How long a client may leave the bytes sent to it waiting
     /// (`TCP_USER_TIMEOUT`).
     client_timeout: Duration,
+    /// See [`ServeOptions::refused`].
+    refused: Box<dyn Fn(RefusedHead<'_>) + Send + Sync>,
     graceful: Drain,
     loads: Arc<Loads>,
 }
@@ -448,7 +480,9 @@ async fn accept_loop<H, F>(
                     // (BENCHMARKS.md, fifth session after the fiftieth round).
                     let connection = Box::pin(serve_connection(stream, peer, &shared, watcher));
                     if let Err(err) = connection.await {
-                        if timed_out(&*err) {
+                        if let Some((status, reason)) = answered_by_the_parser(&*err) {
+                            (shared.refused)(RefusedHead { peer, status, reason });
+                        } else if timed_out(&*err) {
                             // Its streams' log lines say `cancelled`: this
                             // says why.
                             tracing::info!(
@@ -620,6 +654,35 @@ fn timed_out(err: &(dyn std::error::Error + 'static)) -> bool {
         }
     }
     false
+}
+
+/// The answer hyper's HTTP/1.1 server wrote itself for a request head its
+/// parser refused, found in the chain of the connection's error `err`:
+/// `400` for a malformed method, URI, version or header field, `431` for
+/// a head larger than the connection's buffer, `414` for a URI too long
+/// (hyper's `on_error`, in `proto/h1/role.rs`). hyper's error tells only
+/// "too large" apart, so its own words tell the URI from the head, and its
+/// internal error and the HTTP/2 preface (no answer written) from the rest.
+fn answered_by_the_parser<'e>(
+    err: &'e (dyn std::error::Error + 'static),
+) -> Option<(http::StatusCode, &'e hyper::Error)> {
+    let hyper = std::iter::successors(Some(err), |err| err.source())
+        .find_map(|err| err.downcast_ref::<hyper::Error>())?;
+    if !hyper.is_parse() || hyper.is_parse_version_h2() || hyper.is_parse_status() {
+        return None;
+    }
+    let words = hyper.to_string();
+    let status = if hyper.is_parse_too_large() {
+        match words.starts_with("URI too long") {
+            true => http::StatusCode::URI_TOO_LONG,
+            false => http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        }
+    } else if words.starts_with("internal error") {
+        return None;
+    } else {
+        http::StatusCode::BAD_REQUEST
+    };
+    Some((status, hyper))
 }
 
 /// `TCP_USER_TIMEOUT`'s value for `limit`, in milliseconds: at least 1 (0
@@ -1057,16 +1120,13 @@ mod tests {
             let shutdown = async move {
                 let _ = stopped.await;
             };
-            serve(
-                listener,
-                handler,
-                shutdown,
-                Duration::from_secs(5),
-                HEAD_READ_TIMEOUT,
-                Duration::from_secs(300),
-                &handles,
-            )
-            .await;
+            let options = ServeOptions {
+                grace: Duration::from_secs(5),
+                head_timeout: HEAD_READ_TIMEOUT,
+                client_timeout: Duration::from_secs(300),
+                refused: Box::new(|_| {}),
+            };
+            serve(listener, handler, shutdown, options, &handles).await;
         });
 
         let mut open = Vec::new();

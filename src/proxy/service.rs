@@ -28,7 +28,7 @@ use super::gate::SocketFull;
 use super::h1::{H1Error, wire};
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, OpenRecordings, Recorder};
-use super::server::Peer;
+use super::server::{Peer, RefusedHead};
 use super::sessions::SessionRegistry;
 use super::upstream::{
     BoxError, ProxyBody, SendError, UpstreamClient, UpstreamConfigError, build_client, error_chain,
@@ -364,6 +364,15 @@ impl Proxy {
                 response
             }
         }
+    }
+
+    /// A request head HTTP/1.1's parser refused and answered itself: counted
+    /// and logged as every request for the upstream is, as a refused head
+    /// the proxy answers (`400`, `431`) is; why, at debug level, as theirs.
+    pub fn refused_head(&self, head: RefusedHead<'_>) {
+        self.metrics().request_over(head.status);
+        RequestLog::write_refused(head.status, Fault::BadRequest.outcome());
+        tracing::debug!(peer = %head.peer, "request head refused: {}", head.reason);
     }
 
     /// [`handle`](Self::handle) for our own routes (`/_aalis/`): their
