@@ -470,9 +470,11 @@ pub struct ServeArgs {
     /// request body (.request.json; headers are never saved). File names
     /// are `<unix ms>-<session>-<n>`, with the session reduced to safe
     /// characters. Request bodies stream on as usual; their first MiB is
-    /// kept. A recording a write failed for (a full disk) stops there and
-    /// is kept with `.partial` added to its name, without the other two
-    /// files; a sidecar not written whole is removed. A response that
+    /// kept. The body has `.partial` added to its name until the other two
+    /// files are written: a recording its process could not finish
+    /// (killed), or one a write failed for (a full disk; it stops there),
+    /// keeps it, which `mock` skips; a sidecar not written whole is
+    /// removed. A response that
     /// stopped before its end (the upstream failed, the client left, serve
     /// exited) is kept as it came, and its .timing ends with a `# cut` line:
     /// `mock` replays it cut. A DIR that takes no files fails the start.

@@ -3782,13 +3782,10 @@ async fn a_recording_never_writes_through_an_existing_name() {
             names.sort();
             names
         };
-        // The body is there once the stream is over; give the blocking
-        // pool a moment for the request copy, the last file written.
+        // Give the blocking pool a moment for the sidecars and the body's
+        // name (`….partial` until then), the last.
         assert!(
-            eventually(PATIENCE, || real(&dir)
-                .iter()
-                .any(|n| n.ends_with(".request.json")))
-            .await,
+            eventually(PATIENCE, || real(&dir).iter().any(|n| n.ends_with(".sse"))).await,
             "{:?}",
             real(&dir)
         );
@@ -3966,11 +3963,12 @@ async fn recorded_file_names_cannot_escape_the_record_dir() {
         names.sort();
         names
     };
-    assert!(
-        eventually(PATIENCE, || names(&dir).len() == 3 * accepted.len()).await,
-        "{:?}",
-        names(&dir)
-    );
+    // Each body is `….partial` until its sidecars are written.
+    let all_written = || {
+        let names = names(&dir);
+        names.len() == 3 * accepted.len() && !names.iter().any(|n| n.ends_with(".partial"))
+    };
+    assert!(eventually(PATIENCE, all_written).await, "{:?}", names(&dir));
     assert_eq!(names(&parent), ["rec"], "something was written beside DIR");
     let mut parts: BTreeMap<String, usize> = BTreeMap::new();
     for name in names(&dir) {

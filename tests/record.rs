@@ -95,7 +95,8 @@ async fn stream(base: &str, model: &str, session: &str) -> (Vec<u8>, Vec<u64>) {
 }
 
 /// The three files of the one recording in `dir`, once all are written
-/// (the closing writes happen on the blocking pool, just after the stream).
+/// and the body named (the closing writes happen on the blocking pool,
+/// just after the stream).
 fn recorded_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     // The timing and request files are written after the stream ends, on a
     // blocking thread: each is created, then written. Wait until all three
@@ -106,10 +107,14 @@ fn recorded_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
             .expect("record dir")
             .filter_map(Result::ok)
             .collect();
+        // The body is `….partial` until its sidecars are written.
         entries.len() >= 3
             && entries
                 .iter()
                 .all(|e| e.metadata().is_ok_and(|m| m.len() > 0))
+            && !entries
+                .iter()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".partial"))
     };
     let deadline = Instant::now() + Duration::from_secs(5);
     while !written() && Instant::now() < deadline {

@@ -61,6 +61,7 @@ mod sig {
 
     pub const SIGHUP: c_int = 1;
     pub const SIGINT: c_int = 2;
+    pub const SIGKILL: c_int = 9;
     pub const SIGTERM: c_int = 15;
     const SIG_DFL: usize = 0;
     const SIG_IGN: usize = 1;
@@ -2045,6 +2046,33 @@ fn a_second_signal_stops_serve_at_once() {
     let body = text(stream.read_to_end()).to_owned();
     assert!(!stream.complete, "the stream ended properly:\n{body}");
     assert!(!body.contains("[DONE]"), "an end was invented:\n{body}");
+}
+
+/// A recording its process could not finish (SIGKILL, a crash) is left
+/// as `….partial`, which `mock` and the replay tools skip: it was an
+/// `.sse` without sidecars (empty, its bytes still buffered), which
+/// `mock` replayed as a whole capture.
+#[test]
+fn a_recording_its_process_could_not_finish_is_left_partial() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = std::env::temp_dir().join(format!("aalis-killed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let record = dir.to_string_lossy().into_owned();
+    let _mock = start_mock(&["--delay-ms", "1000"], &[]);
+    let mut serve = start_serve(_mock.port, &["--record", &record], &[]);
+    let mut stream = post(serve.port, CHAT_PATH, PARALLEL_REQUEST, &[]);
+    assert_eq!(stream.status, 200);
+    stream.read_until("the first event", has_first_event);
+    serve.signal(sig::SIGKILL);
+    let status = serve.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.signal(), Some(sig::SIGKILL), "{status:?}");
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("the record dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(names[0].ends_with(".sse.partial"), "{names:?}");
 }
 
 /// `serve --progress` on a terminal, stopped by a second signal with a

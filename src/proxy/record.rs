@@ -6,7 +6,11 @@
 //! another process's recording or a link, is never written through: the
 //! next `n` is taken):
 //! - `.sse` or `.ndjson`: the upstream body, byte for byte, as it came
-//!   (before any injection);
+//!   (before any injection). It is written as `….partial` and takes its
+//!   name once the recording is finished and its sidecars are written, so
+//!   a recording its process could not finish (killed, crashed) is never
+//!   replayed as a whole capture: `mock` and the replay tools skip
+//!   `.partial` files;
 //! - the same name plus `.timing`: when each piece arrived;
 //! - `.request.json`: the request body (its first MiB), copied as it
 //!   streams to the upstream ([`tee`]). Headers are not recorded, so no
@@ -121,7 +125,10 @@ pub struct Recording(Arc<Mutex<Open>>);
 #[derive(Debug)]
 struct Open {
     body: BufWriter<File>,
+    /// Where the body is written: its name and `.partial`.
     body_path: PathBuf,
+    /// The body's name once the recording is finished whole.
+    done_path: PathBuf,
     timing_path: PathBuf,
     request_path: PathBuf,
     request: RequestCopy,
@@ -172,19 +179,36 @@ impl Recorder {
         // recording into DIR) is never overwritten, and a link planted in
         // DIR is never followed out of it (`create_new` does not follow a
         // symbolic link). The next number is tried instead.
+        //
+        // The body is written as `….partial`, made here with `create_new`
+        // and then only if its final name is free too: a recorder (of this
+        // process or another) that finished that name before holds it
+        // from then on, and one that has not finished holds the
+        // `.partial`; so the rename that finishes a recording replaces
+        // nothing (a link planted there later is replaced, not followed).
         let mut tries = 0;
-        let (stem, body_path, file) = loop {
+        let (stem, done_path, body_path, file) = loop {
             let n = self.counter.fetch_add(1, Ordering::Relaxed);
             let stem = format!("{}-{part}-{n}", unix_ms());
-            let body_path = self.dir.join(format!("{stem}.{extension}"));
-            match create_new(&body_path) {
-                Ok(file) => break (stem, body_path, file),
+            let done_path = self.dir.join(format!("{stem}.{extension}"));
+            let body_path = partial(&done_path);
+            let made = create_new(&body_path).and_then(|file| {
+                match std::fs::symlink_metadata(&done_path) {
+                    Err(err) if err.kind() == ErrorKind::NotFound => Ok(file),
+                    _ => {
+                        let _ = std::fs::remove_file(&body_path);
+                        Err(ErrorKind::AlreadyExists.into())
+                    }
+                }
+            });
+            match made {
+                Ok(file) => break (stem, done_path, body_path, file),
                 Err(err) if err.kind() == ErrorKind::AlreadyExists && tries < 100 => tries += 1,
                 // Which file could not be made, for the warning.
                 Err(err) => {
                     return Err(std::io::Error::new(
                         err.kind(),
-                        format!("{}: {err}", body_path.display()),
+                        format!("{}: {err}", done_path.display()),
                     ));
                 }
             }
@@ -192,8 +216,9 @@ impl Recorder {
         let body = BufWriter::new(file);
         let open = Arc::new(Mutex::new(Open {
             body,
-            timing_path: Timing::sidecar(&body_path),
+            timing_path: Timing::sidecar(&done_path),
             body_path,
+            done_path,
             request_path: self.dir.join(format!("{stem}.request.json")),
             request,
             timing: Timing::default(),
@@ -266,6 +291,14 @@ fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     })
 }
 
+/// `path` with `.partial` added: a recording's body until it is finished
+/// whole.
+fn partial(path: &Path) -> PathBuf {
+    let mut partial = path.to_owned().into_os_string();
+    partial.push(".partial");
+    PathBuf::from(partial)
+}
+
 /// Creates `path`, which must not exist yet (not even as a link).
 fn create_new(path: &Path) -> std::io::Result<File> {
     File::options().write(true).create_new(true).open(path)
@@ -326,8 +359,9 @@ impl Open {
         true
     }
 
-    /// Flushes the body and returns the rest of the file work (renaming
-    /// a failed body, or writing the sidecars), the first time only.
+    /// Flushes the body and returns the rest of the file work (writing the
+    /// sidecars, then naming the body), the first time only; none for a
+    /// body a write failed for, which stays `….partial`.
     fn finish(&mut self) -> Option<Rest> {
         if std::mem::replace(&mut self.finished, true) {
             return None;
@@ -337,26 +371,24 @@ impl Open {
             false => self.body.flush(),
         };
         if let Err(err) = flushed {
-            // Visibly incomplete, never replayed as a whole capture (mock
-            // and the replay tools read `.sse` and `.ndjson`); no sidecars.
-            let body_path = std::mem::take(&mut self.body_path);
-            let mut partial = body_path.clone().into_os_string();
-            partial.push(".partial");
-            let failed_before = self.failed;
-            let keep = move || {
-                if let Err(rename) = std::fs::rename(&body_path, &partial) {
-                    tracing::warn!("cannot mark {} partial: {rename}", body_path.display());
-                } else if !failed_before {
-                    tracing::warn!("recording {} kept as .partial: {err}", body_path.display());
-                }
-            };
-            return Some(Box::new(keep));
+            // Left as `.partial`: visibly incomplete, never replayed as a
+            // whole capture (mock and the replay tools read `.sse` and
+            // `.ndjson`); no sidecars. The write that failed first said so.
+            if !self.failed {
+                tracing::warn!(
+                    "recording {} kept as .partial: {err}",
+                    self.done_path.display()
+                );
+            }
+            return None;
         }
         let timing_path = std::mem::take(&mut self.timing_path);
         self.timing.cut = !self.ended;
         let timing = self.timing.render();
         let request_path = std::mem::take(&mut self.request_path);
         let request = std::mem::take(&mut *lock(&self.request.0));
+        let body_path = std::mem::take(&mut self.body_path);
+        let done_path = std::mem::take(&mut self.done_path);
         let write = move || {
             // Each is tried, whatever became of the others.
             let timing_written = write_new(&timing_path, timing.as_bytes());
@@ -366,6 +398,15 @@ impl Open {
                 tracing::warn!(
                     "cannot finish the recording {}: {err}",
                     timing_path.display()
+                );
+            }
+            // The body takes its name last, once its sidecars are
+            // written (or failed, and were said): whoever sees the capture
+            // sees its timing with it.
+            if let Err(err) = std::fs::rename(&body_path, &done_path) {
+                tracing::warn!(
+                    "cannot name the recording {}, kept as .partial: {err}",
+                    done_path.display()
                 );
             }
         };
@@ -410,7 +451,7 @@ mod tests {
             let mut open = lock(&recording.0);
             // Its file, read-only from now on: every write to it fails.
             open.body = BufWriter::new(File::open(&open.body_path).expect("opened"));
-            open.body_path
+            open.done_path
                 .file_name()
                 .and_then(|n| n.to_str())
                 .map(str::to_owned)
