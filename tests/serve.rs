@@ -1654,7 +1654,8 @@ fn a_head_to_a_stream_gets_the_streams_head() {
 
 /// A stream the upstream compressed though asked for `identity` passes
 /// as it came, unread: said once for the process (it was said nowhere,
-/// and logged `tool_calls=0`, `ok`, as if it had had no calls).
+/// and logged `tool_calls=0`, `ok`, as if it had had no calls), with
+/// `--record` that it is not recorded either.
 #[test]
 fn a_compressed_stream_is_said_once() {
     let upstream = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
@@ -1679,7 +1680,10 @@ fn a_compressed_stream_is_said_once() {
             let _ = conn.write_all(body);
         }
     });
-    let mut serve = start_serve(upstream_port, &[], &[]);
+    let dir = std::env::temp_dir().join(format!("aalis-compressed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let record = dir.to_string_lossy().into_owned();
+    let mut serve = start_serve(upstream_port, &["--record", &record], &[]);
     for _ in 0..2 {
         let mut stream = get(serve.port, CHAT_PATH);
         assert_eq!(stream.status, 200);
@@ -1687,11 +1691,18 @@ fn a_compressed_stream_is_said_once() {
     }
     answering.join().expect("the upstream thread");
     let stderr = serve.stop();
-    let said = stderr
+    let recorded = std::fs::read_dir(&dir).map_or(0, Iterator::count);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(recorded, 0);
+    let said: Vec<&str> = stderr
         .lines()
         .filter(|l| l.contains("Content-Encoding gzip though asked for identity"))
-        .count();
-    assert_eq!(said, 1, "{stderr}");
+        .collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(
+        said[0].contains("without progress and not recorded"),
+        "{stderr}"
+    );
 }
 
 /// The spinners' colour follows NO_COLOR's rule (set and not empty), as

@@ -695,12 +695,16 @@ impl Proxy {
                     tracing::warn!(
                         path = %log.path,
                         "the upstream sent a stream in Content-Encoding {} though asked for \
-                         identity: passed on as it came, without progress (said once)",
+                         identity: passed on as it came, without progress{} (said once)",
                         parts
                             .headers
                             .get(header::CONTENT_ENCODING)
                             .and_then(|v| v.to_str().ok())
-                            .map_or_else(|| "(not text)".to_owned(), log_safe)
+                            .map_or_else(|| "(not text)".to_owned(), log_safe),
+                        match self.shared.recorder {
+                            Some(_) => " and not recorded",
+                            None => "",
+                        }
                     );
                 }
                 None
