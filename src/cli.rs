@@ -570,7 +570,8 @@ pub struct MockArgs {
     /// connection ends without the body's end. A file with
     /// no event in it, or none that carries text, reasoning, a tool call,
     /// usage or an error, is served all the same, byte for byte, with a
-    /// warning that says so.
+    /// warning that says so. Files only: `-` (standard input) is refused,
+    /// as a capture is served again at every request.
     #[arg(value_name = "CAPTURE")]
     pub captures: Vec<PathBuf>,
 

@@ -438,6 +438,14 @@ fn serve_logged(
 }
 
 fn mock(args: &MockArgs) -> anyhow::Result<()> {
+    // `-` is standard input to a filter; `mock` serves each capture again
+    // and again, named by its file, so it takes files only.
+    if args.captures.iter().any(|path| path.as_os_str() == "-") {
+        anyhow::bail!(
+            "mock replays capture files, not standard input (-): save the stream to a file \
+             first (for example `> capture.sse`), then name that file"
+        );
+    }
     // A recording's sidecars and partial bodies are left out (`mock
     // captures/*` names them), and said so once the log is up.
     let (skipped, given): (Vec<&std::path::PathBuf>, Vec<&std::path::PathBuf>) = args

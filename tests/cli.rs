@@ -903,6 +903,14 @@ fn missing_file_is_status_1() {
     );
 }
 
+/// `mock -`: a capture cannot come from standard input (mock serves each
+/// one again at every request, named by its file); it was "cannot read
+/// -: No such file or directory".
+#[test]
+fn mock_refuses_standard_input_and_says_why() {
+    insta::assert_snapshot!("mock_stdin", transcript(&["mock", "-"]));
+}
+
 /// An unknown flag is a usage error: status 2, clap's message.
 #[test]
 fn unknown_flag_is_status_2() {
