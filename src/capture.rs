@@ -15,8 +15,9 @@
 //! ```
 //!
 //! A recording whose response did not end (the upstream failed, the
-//! client left, or `serve` exited) ends with [`CUT_LINE`], a comment to
-//! readers that know nothing of it; `mock` replays such a capture cut.
+//! client left, or `serve` exited) ends with [`CUT_LINE`] and when the cut
+//! came, a comment to readers that know nothing of it; `mock` replays
+//! such a capture cut, at that time.
 //!
 //! Read [`schedule`] first.
 
@@ -32,8 +33,13 @@ use crate::framing::sse::SseDecoder;
 pub const TIMING_HEADER: &str =
     "# aalis-proxy timing 1: <end offset in bytes> <milliseconds since the response began>";
 
-/// The last line of the timing of a response that was cut, not ended.
+/// The last line of the timing of a response that was cut, not ended;
+/// followed by `, <ms>` and [`CUT_TIME_SUFFIX`] when the time is known.
+/// Readers of version 1 take any comment that starts `# cut:` for a cut.
 pub const CUT_LINE: &str = "# cut: the response stopped here without its end";
+
+/// The end of a cut line that says when the cut came.
+pub const CUT_TIME_SUFFIX: &str = " ms after it began";
 
 /// When each piece of a capture arrived: `(end offset, ms since start)`,
 /// both non-decreasing.
@@ -43,6 +49,10 @@ pub struct Timing {
     /// The response stopped after its last mark without its end
     /// ([`CUT_LINE`]).
     pub cut: bool,
+    /// When it stopped, in milliseconds since it began, when the cut line
+    /// says (a timing of an older version does not): a replay waits until
+    /// then before it cuts, as an upstream that fell silent first did.
+    pub cut_ms: Option<u64>,
 }
 
 /// Why a timing file cannot be used.
@@ -87,11 +97,19 @@ impl Timing {
 
     pub fn parse(text: &str) -> Result<Timing, TimingError> {
         let mut marks: Vec<(u64, u64)> = Vec::new();
-        let mut cut = false;
+        let (mut cut, mut cut_ms) = (false, None);
         for (n, line) in text.lines().enumerate() {
             let line_no = n + 1;
             let line = line.trim();
-            cut |= line.starts_with("# cut:");
+            if line.starts_with("# cut:") {
+                cut = true;
+                // `…, <ms> ms after it began`: a number too large or
+                // missing times nothing (the cut then comes at once).
+                cut_ms = line
+                    .strip_suffix(CUT_TIME_SUFFIX)
+                    .and_then(|rest| rest.rsplit(' ').next())
+                    .and_then(|ms| ms.parse::<u64>().ok());
+            }
             let bad = |reason: &str| TimingError {
                 line: line_no,
                 reason: reason.to_owned(),
@@ -133,7 +151,7 @@ impl Timing {
             }
             marks.push((offset, ms));
         }
-        Ok(Timing { marks, cut })
+        Ok(Timing { marks, cut, cut_ms })
     }
 
     /// The file's text.
@@ -145,6 +163,9 @@ impl Timing {
         }
         if self.cut {
             out.push_str(CUT_LINE);
+            if let Some(ms) = self.cut_ms {
+                out.push_str(&format!(", {ms}{CUT_TIME_SUFFIX}"));
+            }
             out.push('\n');
         }
         out
@@ -258,14 +279,21 @@ mod tests {
     fn timing_round_trips_and_rejects_nonsense() {
         let mut timing = Timing {
             marks: vec![(10, 0), (25, 40), (25, 41)],
-            cut: false,
+            ..Timing::default()
         };
         assert_eq!(Timing::parse(&timing.render()).expect("parses"), timing);
         // A cut response says so on a last line of its own, a comment to
-        // a reader that does not know it.
+        // a reader that does not know it; with when it came, if known.
         timing.cut = true;
         let text = timing.render();
         assert!(text.ends_with(&format!("25 41\n{CUT_LINE}\n")), "{text:?}");
+        assert_eq!(Timing::parse(&text).expect("parses"), timing);
+        timing.cut_ms = Some(90_041);
+        let text = timing.render();
+        assert!(
+            text.ends_with(&format!("25 41\n{CUT_LINE}, 90041 ms after it began\n")),
+            "{text:?}"
+        );
         assert_eq!(Timing::parse(&text).expect("parses"), timing);
         for bad in ["10", "a 1", "10 5\n5 6", "10 5\n11 4", "1 2 3"] {
             assert!(Timing::parse(bad).is_err(), "{bad:?}");
@@ -294,7 +322,7 @@ mod tests {
         );
         let timing = Timing {
             marks: vec![(5, 0), (20, 30), (20, 35)],
-            cut: false,
+            ..Timing::default()
         };
         let timed = schedule(bytes, Some(&timing), Duration::ZERO);
         assert_eq!(
@@ -316,7 +344,7 @@ mod tests {
         // first: the pauses count from the pieces, not from those marks.
         let timing = Timing {
             marks: vec![(0, 500), (9, 600), (9, 1000), (18, 1100)],
-            cut: false,
+            ..Timing::default()
         };
         let timed = schedule(bytes, Some(&timing), Duration::ZERO);
         assert_eq!(

@@ -476,8 +476,9 @@ pub struct ServeArgs {
     /// keeps it, which `mock` skips; a sidecar not written whole is
     /// removed. A response that
     /// stopped before its end (the upstream failed, the client left, serve
-    /// exited) is kept as it came, and its .timing ends with a `# cut` line:
-    /// `mock` replays it cut. A DIR that takes no files fails the start.
+    /// exited) is kept as it came, and its .timing ends with a `# cut` line
+    /// that says when: `mock` replays it cut, then. A DIR that takes no
+    /// files fails the start.
     ///
     /// Example: --record captures/
     #[arg(long, value_name = "DIR")]
@@ -566,8 +567,9 @@ pub struct MockArgs {
     /// What `serve --record` writes beside a capture (.timing, read with
     /// it; .request.json) and a .partial recording are left out, with a
     /// warning, so `mock captures/*` serves the captures alone. A capture
-    /// whose .timing says it was cut is replayed cut: its bytes, then the
-    /// connection ends without the body's end. A file with
+    /// whose .timing says it was cut is replayed cut: its bytes, then, at
+    /// the time the cut line gives, the connection ends without the body's
+    /// end. A file with
     /// no event in it, or none that carries text, reasoning, a tool call,
     /// usage or an error, is served all the same, byte for byte, with a
     /// warning that says so. Files only: `-` (standard input) is refused,

@@ -175,10 +175,12 @@ impl Capture {
             .collect()
     }
 
-    /// The recorded response was cut, not ended (its timing says so):
-    /// a replay stops as it did.
-    pub fn cut(&self) -> bool {
-        self.timing.as_ref().is_some_and(|timing| timing.cut)
+    /// When the recorded response was cut, not ended (its timing says
+    /// so), from its start: a replay stops as it did, then (at once after
+    /// its last piece when the timing does not say when).
+    pub fn cut(&self) -> Option<Duration> {
+        let timing = self.timing.as_ref().filter(|timing| timing.cut)?;
+        Some(Duration::from_millis(timing.cut_ms.unwrap_or(0)))
     }
 }
 
@@ -366,18 +368,21 @@ impl MockUpstream {
 /// full), since hyper drops what it holds when a body fails.
 struct PacedBody {
     pieces: VecDeque<(Bytes, Duration)>,
-    cut: bool,
+    /// Cut, not ended, so long after the start (not before the last piece).
+    cut: Option<Duration>,
     /// The client's socket was full at its connection's last write.
     socket_full: Option<SocketFull>,
     sleep: Option<Pin<Box<Sleep>>>,
     /// When the last piece was due (the body's first poll, at first).
     due: Option<tokio::time::Instant>,
+    /// The body's first poll.
+    started: Option<tokio::time::Instant>,
 }
 
 impl PacedBody {
     fn new(
         pieces: Vec<(Bytes, Duration)>,
-        cut: bool,
+        cut: Option<Duration>,
         socket_full: Option<SocketFull>,
     ) -> PacedBody {
         PacedBody {
@@ -386,6 +391,7 @@ impl PacedBody {
             socket_full,
             sleep: None,
             due: None,
+            started: None,
         }
     }
 }
@@ -405,26 +411,30 @@ impl Body for PacedBody {
                 let Some((piece, _)) = self.pieces.pop_front() else {
                     // The wait before a cut: the pieces are out, or the
                     // client's socket is still full.
-                    if !self.cut {
+                    if self.cut.is_none() {
                         return Poll::Ready(None);
                     }
                     if self.socket_full.as_ref().is_some_and(SocketFull::get) {
                         self.sleep = Some(Box::pin(tokio::time::sleep(FLUSH_GRACE)));
                         continue;
                     }
-                    self.cut = false;
+                    self.cut = None;
                     return Poll::Ready(Some(Err(RECORDED_CUT.into())));
                 };
                 return Poll::Ready(Some(Ok(Frame::data(piece))));
             }
+            let now = tokio::time::Instant::now();
+            let started = *self.started.get_or_insert(now);
             let Some(&(_, pause)) = self.pieces.front() else {
-                if self.cut {
-                    self.sleep = Some(Box::pin(tokio::time::sleep(FLUSH_GRACE)));
+                if let Some(cut) = self.cut {
+                    // At the recorded time of the cut, and not before the
+                    // last piece has had its grace.
+                    let until = (now + FLUSH_GRACE).max(started + cut);
+                    self.sleep = Some(Box::pin(tokio::time::sleep_until(until)));
                     continue;
                 }
                 return Poll::Ready(None);
             };
-            let now = tokio::time::Instant::now();
             let due = self.due.unwrap_or(now) + pause;
             self.due = Some(due);
             if due <= now {
@@ -438,7 +448,7 @@ impl Body for PacedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.pieces.is_empty() && !self.cut
+        self.pieces.is_empty() && self.cut.is_none()
     }
 }
 
@@ -467,7 +477,7 @@ mod tests {
                 )
             })
             .collect();
-        let mut body = PacedBody::new(pieces, false, None);
+        let mut body = PacedBody::new(pieces, None, None);
         let start = tokio::time::Instant::now();
         let mut got = 0;
         while let Some(frame) = body.frame().await {
@@ -481,6 +491,37 @@ mod tests {
             Duration::from_millis(201),
             "2 ms a piece, then the last read"
         );
+    }
+
+    /// A recording cut 5 s after its start, its last piece at 10 ms (an
+    /// upstream that fell silent, then failed), is cut at 5 s on replay, as
+    /// it came; cut with no time said (an older timing), a grace after its
+    /// last piece. It was cut at once after the last piece either way.
+    #[tokio::test(start_paused = true)]
+    async fn a_replay_is_cut_when_its_recording_was() {
+        use http_body_util::BodyExt;
+        for (cut, at) in [
+            (Duration::from_secs(5), Duration::from_secs(5)),
+            (Duration::ZERO, Duration::from_millis(10) + FLUSH_GRACE),
+        ] {
+            let pieces = vec![
+                (Bytes::from_static(b"data: 1\n\n"), Duration::ZERO),
+                (
+                    Bytes::from_static(b"data: 2\n\n"),
+                    Duration::from_millis(10),
+                ),
+            ];
+            let mut body = PacedBody::new(pieces, Some(cut), None);
+            let start = tokio::time::Instant::now();
+            for _ in 0..2 {
+                let frame = body.frame().await.expect("a piece").expect("not the cut");
+                assert!(frame.is_data());
+            }
+            assert!(!body.is_end_stream());
+            let end = body.frame().await.expect("the cut");
+            assert!(end.is_err(), "{end:?}");
+            assert_eq!(start.elapsed(), at, "cut at {cut:?}");
+        }
     }
 
     #[test]

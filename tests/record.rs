@@ -281,6 +281,7 @@ async fn a_cut_response_is_recorded_cut_and_replayed_cut() {
     cut.timing = Some(Timing {
         marks: vec![(head.len() as u64, 0)],
         cut: true,
+        cut_ms: None,
     });
     let (mock, stop_mock) = start_mock(vec![cut], DELAY).await;
     // The mock replays it cut: the client gets the bytes, then a failure.
@@ -298,10 +299,16 @@ async fn a_cut_response_is_recorded_cut_and_replayed_cut() {
     assert!(failed, "the proxy ended a cut stream cleanly");
     let timing = recorded_timing(&dir);
     assert!(timing.cut, "{timing:?}");
+    // And when: not before its last piece (a replay waits until then).
+    let last_ms = timing.marks.last().map(|mark| mark.1);
+    assert!(
+        timing.cut_ms.is_some_and(|ms| Some(ms) >= last_ms),
+        "{timing:?}"
+    );
     let (capture_path, _, _) = recorded_files(&dir);
     assert_eq!(std::fs::read(&capture_path).expect("capture"), head);
     let replayed = Capture::from_file(&capture_path).expect("capture with timing");
-    assert!(replayed.cut());
+    assert!(replayed.cut().is_some());
     let _ = stop_proxy.send(());
     let _ = stop_mock.send(());
     let _ = std::fs::remove_dir_all(&dir);

@@ -384,6 +384,10 @@ impl Open {
         }
         let timing_path = std::mem::take(&mut self.timing_path);
         self.timing.cut = !self.ended;
+        if self.timing.cut {
+            let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+            self.timing.cut_ms = Some(ms);
+        }
         let timing = self.timing.render();
         let request_path = std::mem::take(&mut self.request_path);
         let request = std::mem::take(&mut *lock(&self.request.0));
