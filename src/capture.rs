@@ -18,6 +18,8 @@
 //! client left, or `serve` exited) ends with [`CUT_LINE`] and when the cut
 //! came, a comment to readers that know nothing of it; `mock` replays
 //! such a capture cut, at that time.
+//! A response whose status was not `200` has it on a line after the
+//! header ([`STATUS_LINE`], a comment too); `mock` answers with it.
 //!
 //! Read [`schedule`] first.
 
@@ -38,6 +40,10 @@ pub const TIMING_HEADER: &str =
 /// Readers of version 1 take any comment that starts `# cut:` for a cut.
 pub const CUT_LINE: &str = "# cut: the response stopped here without its end";
 
+/// The start of the line, after the header, of a recording whose status
+/// was not `200`: `# status: 503`.
+pub const STATUS_LINE: &str = "# status: ";
+
 /// The end of a cut line that says when the cut came.
 pub const CUT_TIME_SUFFIX: &str = " ms after it began";
 
@@ -53,6 +59,9 @@ pub struct Timing {
     /// says (a timing of an older version does not): a replay waits until
     /// then before it cuts, as an upstream that fell silent first did.
     pub cut_ms: Option<u64>,
+    /// The response's status when it was not `200` ([`STATUS_LINE`]): a
+    /// replay answers with it.
+    pub status: Option<u16>,
 }
 
 /// Why a timing file cannot be used.
@@ -97,7 +106,7 @@ impl Timing {
 
     pub fn parse(text: &str) -> Result<Timing, TimingError> {
         let mut marks: Vec<(u64, u64)> = Vec::new();
-        let (mut cut, mut cut_ms) = (false, None);
+        let (mut cut, mut cut_ms, mut status) = (false, None, None);
         for (n, line) in text.lines().enumerate() {
             let line_no = n + 1;
             let line = line.trim();
@@ -114,6 +123,13 @@ impl Timing {
                 line: line_no,
                 reason: reason.to_owned(),
             };
+            if let Some(rest) = line.strip_prefix(STATUS_LINE) {
+                let code = rest.split_whitespace().next().unwrap_or_default();
+                match code.parse::<u16>() {
+                    Ok(code @ 100..=599) => status = Some(code),
+                    _ => return Err(bad("the status is no HTTP status (100 to 599)")),
+                }
+            }
             // A header of another version: its lines may mean something
             // else than this reader would take them for.
             if let Some(version) = line
@@ -151,13 +167,21 @@ impl Timing {
             }
             marks.push((offset, ms));
         }
-        Ok(Timing { marks, cut, cut_ms })
+        Ok(Timing {
+            marks,
+            cut,
+            cut_ms,
+            status,
+        })
     }
 
     /// The file's text.
     pub fn render(&self) -> String {
         let mut out = String::from(TIMING_HEADER);
         out.push('\n');
+        if let Some(status) = self.status.filter(|status| *status != 200) {
+            out.push_str(&format!("{STATUS_LINE}{status}\n"));
+        }
         for (offset, ms) in &self.marks {
             out.push_str(&format!("{offset} {ms}\n"));
         }
@@ -295,6 +319,18 @@ mod tests {
             "{text:?}"
         );
         assert_eq!(Timing::parse(&text).expect("parses"), timing);
+        // A status other than 200 on a line of its own after the header.
+        timing.status = Some(503);
+        let text = timing.render();
+        assert!(
+            text.starts_with(&format!("{TIMING_HEADER}\n# status: 503\n10 0\n")),
+            "{text:?}"
+        );
+        assert_eq!(Timing::parse(&text).expect("parses"), timing);
+        for bad in ["# status: 42", "# status: ok", "# status: 600"] {
+            let err = Timing::parse(bad).expect_err(bad);
+            assert!(err.to_string().contains("no HTTP status"), "{err}");
+        }
         for bad in ["10", "a 1", "10 5\n5 6", "10 5\n11 4", "1 2 3"] {
             assert!(Timing::parse(bad).is_err(), "{bad:?}");
         }

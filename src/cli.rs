@@ -466,7 +466,8 @@ pub struct ServeArgs {
     /// Save every streamed upstream response in DIR as a replayable capture
     ///
     /// Per stream: the body as the upstream sent it (.sse or .ndjson), its
-    /// timing (.timing, for `annotate --realtime` and `mock`), and the
+    /// timing (.timing, for `annotate --realtime` and `mock`, with the
+    /// status when it is not 200, which `mock` answers with), and the
     /// request body (.request.json; headers are never saved). File names
     /// are `<unix ms>-<session>-<n>`, with the session reduced to safe
     /// characters. Request bodies stream on as usual; their first MiB is

@@ -182,6 +182,16 @@ impl Capture {
         let timing = self.timing.as_ref().filter(|timing| timing.cut)?;
         Some(Duration::from_millis(timing.cut_ms.unwrap_or(0)))
     }
+
+    /// The status the recorded response came with (`200` unless its
+    /// timing says another).
+    pub fn status(&self) -> StatusCode {
+        self.timing
+            .as_ref()
+            .and_then(|timing| timing.status)
+            .and_then(|status| StatusCode::from_u16(status).ok())
+            .unwrap_or(StatusCode::OK)
+    }
 }
 
 /// Whether lines of `annotate --format ndjson` say anything of a chat: a
@@ -336,6 +346,7 @@ impl MockUpstream {
         };
         let body = PacedBody::new(capture.pieces(self.delay), capture.cut(), Some(socket_full));
         let mut response = Response::new(body.boxed());
+        *response.status_mut() = capture.status();
         response
             .headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));

@@ -944,7 +944,7 @@ async fn a_subscriber_is_told_when_an_answer_may_stop_in_the_middle() {
     cut.timing = Some(aalis_proxy::capture::Timing {
         marks: vec![(text("null").len() as u64, 0)],
         cut: true,
-        cut_ms: None,
+        ..Default::default()
     });
     let run = start_with(
         vec![

@@ -281,7 +281,7 @@ async fn a_cut_response_is_recorded_cut_and_replayed_cut() {
     cut.timing = Some(Timing {
         marks: vec![(head.len() as u64, 0)],
         cut: true,
-        cut_ms: None,
+        ..Timing::default()
     });
     let (mock, stop_mock) = start_mock(vec![cut], DELAY).await;
     // The mock replays it cut: the client gets the bytes, then a failure.
@@ -323,6 +323,50 @@ async fn a_cut_response_is_recorded_cut_and_replayed_cut() {
     assert!(!got.is_empty() && !failed);
     let timing = recorded_timing(&dir);
     assert!(timing.cut, "{timing:?}");
+    let _ = stop_proxy.send(());
+    let _ = stop_mock.send(());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stream answered with an error status (`503`, its body an SSE error
+/// event) is recorded with it, and `mock` answers its replay with it too:
+/// it answered `200`, the head not recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_status_is_replayed() {
+    let body = b"data: {\"error\":{\"message\":\"overloaded\",\"type\":\"server_error\"}}\n\n";
+    let mut overloaded = Capture::new("overloaded", body);
+    overloaded.timing = Some(Timing {
+        marks: vec![(body.len() as u64, 0)],
+        status: Some(503),
+        ..Timing::default()
+    });
+    let (mock, stop_mock) = start_mock(vec![overloaded], DELAY).await;
+    let dir = std::env::temp_dir().join(format!("aalis-record-status-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("record dir");
+    let (proxy, stop_proxy) = start_proxy(&mock, Some(dir.clone())).await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let request = http::Request::post(format!("{proxy}/v1/chat/completions"))
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"overloaded","stream":true}"#,
+        )))
+        .expect("request");
+    let response = tokio::time::timeout(Duration::from_secs(20), client.request(request))
+        .await
+        .expect("in time")
+        .expect("response");
+    assert_eq!(
+        response.status(),
+        503,
+        "the mock's replay, through the proxy"
+    );
+    let _ = response.into_body().collect().await;
+    let timing = recorded_timing(&dir);
+    assert_eq!(timing.status, Some(503), "{timing:?}");
+    let (capture_path, _, _) = recorded_files(&dir);
+    let replayed = Capture::from_file(&capture_path).expect("capture with timing");
+    assert_eq!(replayed.status(), 503);
+    assert_eq!(replayed.bytes.as_ref(), &body[..]);
     let _ = stop_proxy.send(());
     let _ = stop_mock.send(());
     let _ = std::fs::remove_dir_all(&dir);

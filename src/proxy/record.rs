@@ -162,12 +162,13 @@ impl Recorder {
         self.open.clone()
     }
 
-    /// Starts recording a stream of `session` whose request body is being
-    /// copied into `request`.
+    /// Starts recording a stream of `session`, answered with `status`,
+    /// whose request body is being copied into `request`.
     pub fn start(
         &self,
         session: &str,
         framing: Framing,
+        status: http::StatusCode,
         request: RequestCopy,
     ) -> std::io::Result<Recording> {
         let extension = match framing {
@@ -221,7 +222,10 @@ impl Recorder {
             done_path,
             request_path: self.dir.join(format!("{stem}.request.json")),
             request,
-            timing: Timing::default(),
+            timing: Timing {
+                status: Some(status.as_u16()),
+                ..Timing::default()
+            },
             started: Instant::now(),
             bytes: 0,
             failed: false,
@@ -443,7 +447,12 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("a directory");
         let recorder = Recorder::new(&dir);
         let recording = recorder
-            .start("s", Framing::Sse, RequestCopy::default())
+            .start(
+                "s",
+                Framing::Sse,
+                http::StatusCode::OK,
+                RequestCopy::default(),
+            )
             .expect("started");
         (dir, recorder, recording)
     }

@@ -750,7 +750,7 @@ impl Proxy {
                 let recording = self.shared.recorder.as_ref().and_then(|recorder| {
                     let request = request_copy.clone().unwrap_or_default();
                     recorder
-                        .start(&log.session_id, framing, request)
+                        .start(&log.session_id, framing, log.status, request)
                         .map_err(|err| tracing::warn!("cannot record this stream: {err}"))
                         .ok()
                 });
