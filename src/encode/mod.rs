@@ -56,7 +56,8 @@ pub enum InjectMode {
     /// SSE readers see it
     Comment,
     /// Add an `event: toolCallProgress` event after the event; breaks the
-    /// openai-python and openai-node iterators
+    /// openai-python and openai-node iterators and the Vercel AI SDK (an
+    /// error part each)
     Event,
     /// Add a chunk-shaped event with "choices":[] after the event; breaks code
     /// that reads the first choice unguarded
