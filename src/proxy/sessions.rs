@@ -407,11 +407,10 @@ impl SessionRegistry {
     /// one).
     pub fn resume_frame(&self, session_id: &str) -> Frame {
         let state = self.lock();
-        let progress = state
-            .sessions
-            .get(session_id)
-            .map_or(&[][..], |s| &s.progress[..]);
-        resume_frame(session_id, progress)
+        match state.sessions.get(session_id) {
+            Some(session) => resume_frame(session_id, &session.progress, session.streaming),
+            None => resume_frame(session_id, &[], false),
+        }
     }
 
     /// Subscribes to a session, known yet or not: its snapshot now, and
@@ -426,7 +425,7 @@ impl SessionRegistry {
                 .frames
                 .get_or_insert_with(|| broadcast::channel(SUBSCRIBER_BACKLOG).0)
                 .subscribe(),
-            resume: resume_frame(session_id, &session.progress),
+            resume: resume_frame(session_id, &session.progress, session.streaming),
         }
     }
 
@@ -749,7 +748,7 @@ impl StreamHandle {
                 send(
                     all,
                     session,
-                    resume_frame(&self.session_id, &session.progress),
+                    resume_frame(&self.session_id, &session.progress, session.streaming),
                 );
             }
         } else {
@@ -845,15 +844,21 @@ impl Drop for StreamHandle {
 // === frames (the wire format of the events route) ===
 
 /// `{"type":"stream_resume","sessionId":…,"toolCallsProgress":[{index,
-/// name, charsAccumulated, startedAt}],"serverTime":…}`, entries sorted by
-/// index, times in Unix milliseconds; `serverTime` lets a browser correct
-/// for its own clock.
-pub fn resume_frame(session_id: &str, progress: &[ProgressEntry]) -> Frame {
+/// name, charsAccumulated, startedAt}],"streaming":…,"serverTime":…}`,
+/// entries sorted by index, times in Unix milliseconds; `streaming`: a
+/// stream of the session is open (a subscriber that was away when it
+/// ended, and missed its `done`, tells an answer over from one in its text
+/// by it); `serverTime` lets a browser correct for its own clock.
+pub fn resume_frame(session_id: &str, progress: &[ProgressEntry], streaming: bool) -> Frame {
     let mut out = String::from("{\"type\":\"stream_resume\",\"sessionId\":");
     push_string(session_id, &mut out);
     out.push_str(",\"toolCallsProgress\":");
     push_entries(progress, &mut out);
-    let _ = write!(out, ",\"serverTime\":{}}}", unix_ms());
+    let _ = write!(
+        out,
+        ",\"streaming\":{streaming},\"serverTime\":{}}}",
+        unix_ms()
+    );
     Arc::from(out)
 }
 

@@ -180,7 +180,7 @@ fn a_subscriber_before_the_first_request_gets_an_empty_snapshot_then_everything(
     let mut sub = registry.subscribe("s1");
     assert_eq!(
         without_server_time(&sub.resume),
-        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[]}"#
+        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[],"streaming":false}"#
     );
     let mut stream = registry.begin_stream("s1");
     let mut tracker = tracker_with(&[(0, "get_weather", "{\"c")], 7);
@@ -236,7 +236,7 @@ fn a_late_subscriber_resumes_mid_call_and_loses_nothing_after() {
     let mut sub = registry.subscribe("s1");
     assert_eq!(
         without_server_time(&sub.resume),
-        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":5,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":100}]}"#
+        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":5,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":100}],"streaming":true}"#
     );
     tracker.apply(&delta(1, "b", "23"), 200);
     stream.publish(&mut tracker, &[progress_event(1, "b", 3, 100)]);
@@ -404,7 +404,7 @@ fn a_session_goes_back_to_the_older_stream_when_the_newer_ends_first() {
         received_untimed(&mut sub),
         [
             r#"{"sessionId":"s1","toolCallProgress":{"index":0,"name":"write_file","charsAccumulated":4,"startedAt":1}}"#,
-            r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"write_file","charsAccumulated":4,"startedAt":1}]}"#,
+            r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"write_file","charsAccumulated":4,"startedAt":1}],"streaming":true}"#,
         ]
     );
     drop(old);
@@ -756,7 +756,7 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
     );
     let expected = vec![
         r#"{"sessionId":"s1","toolCallProgress":{"index":1,"name":"b","charsAccumulated":1,"startedAt":200}}"#,
-        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":7,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":200}]}"#,
+        r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[{"index":0,"name":"a","charsAccumulated":7,"startedAt":100},{"index":1,"name":"b","charsAccumulated":1,"startedAt":200}],"streaming":true}"#,
     ];
     for sub in [&mut sub, &mut all] {
         let frames = received_untimed(sub);
@@ -774,7 +774,9 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
     stream.publish_at(&mut tracker, &[], true, Instant::now());
     assert_eq!(
         received_untimed(&mut sub),
-        vec![r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[]}"#]
+        vec![
+            r#"{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[],"streaming":true}"#
+        ]
     );
     // Nothing changed: nothing to resend.
     stream.publish_at(&mut tracker, &[], true, Instant::now());
@@ -788,4 +790,32 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
         Instant::now(),
     );
     assert_eq!(received(&mut sub).len(), 1);
+}
+
+/// A snapshot says whether a stream of the session is open: a subscriber
+/// that was away when the stream ended (and missed its `done`) gets an
+/// empty list either way, which alone does not tell an answer over from
+/// one in its text.
+#[test]
+fn a_snapshot_says_whether_a_stream_is_open() {
+    let registry = SessionRegistry::new();
+    let resume = |registry: &SessionRegistry| without_server_time(&registry.resume_frame("s1"));
+    let empty = |streaming: bool| {
+        format!(
+            r#"{{"type":"stream_resume","sessionId":"s1","toolCallsProgress":[],"streaming":{streaming}}}"#
+        )
+    };
+    assert_eq!(resume(&registry), empty(false), "an unknown session");
+    let stream = registry.begin_stream("s1");
+    assert_eq!(resume(&registry), empty(true));
+    assert_eq!(
+        without_server_time(&registry.subscribe("s1").resume),
+        empty(true)
+    );
+    drop(stream);
+    assert_eq!(resume(&registry), empty(false), "the stream ended");
+    assert_eq!(
+        without_server_time(&registry.subscribe("s1").resume),
+        empty(false)
+    );
 }
