@@ -290,7 +290,8 @@ impl AnnotateArgs {
 /// or X-Aalis-Inject, for two Host headers or an HTTP/1.1 request without
 /// one (or an HTTP/2 Host that names another target than :authority), for
 /// Transfer-Encoding chunked twice, or for a request body framed wrong or cut by the client, 501 for a protocol upgrade (WebSocket, not tunnelled)
-/// or a request body in a transfer coding other than chunked, 502 when the upstream is unreachable, 504 when it sends no response
+/// or a request body in a transfer coding besides chunked (gzip, chunked; one that does not end
+/// in chunked is a 400 of the HTTP parser's), 502 when the upstream is unreachable, 504 when it sends no response
 /// headers in time, 408 when the client stops sending its request body,
 /// 508 when a request comes back to this proxy (its own entry in the Via
 /// header it adds: --upstream leads here); a
@@ -474,8 +475,9 @@ pub struct ServeArgs {
     /// kept. The body has `.partial` added to its name until the other two
     /// files are written: a recording its process could not finish
     /// (killed), or one a write failed for (a full disk; it stops there),
-    /// keeps it, which `mock` skips; a sidecar not written whole is
-    /// removed. A response that
+    /// keeps it, which `mock` skips (a killed one's .request.json, made at
+    /// the start to hold the name, stays empty); a sidecar not written
+    /// whole is removed. A response that
     /// stopped before its end (the upstream failed, the client left, serve
     /// exited) is kept as it came, and its .timing ends with a `# cut` line
     /// that says when: `mock` replays it cut, then. A DIR that takes no
@@ -496,8 +498,9 @@ pub struct ServeArgs {
     /// loop_detected; for the /_aalis/ routes, whose line is written as
     /// their answer's head goes out (an events stream's when it ends, with
     /// its bytes), forbidden, not_found or method_not_allowed too; a
-    /// request head the HTTP/1.1 parser refused, answered 400 or 431,
-    /// with method, path and session "-"); and a warning that says why when the upstream could not be reached,
+    /// request head the HTTP/1.1 parser refused, answered 400 or 431
+    /// (over 64 KiB or 100 fields), with method, path and session "-" and
+    /// duration 0); and a warning that says why when the upstream could not be reached,
     /// answered too late or failed mid-stream. Header values are never
     /// logged. Lines are written by a thread of their own, so a stderr that
     /// nobody reads stops no stream: past 1,024 lines (or 1 MiB) waiting,
@@ -574,7 +577,8 @@ pub struct MockArgs {
     /// no event in it, or none that carries text, reasoning, a tool call,
     /// usage or an error, is served all the same, byte for byte, with a
     /// warning that says so. Files only: `-` (standard input) is refused,
-    /// as a capture is served again at every request.
+    /// as a capture is named by its file, and a request's model picks it by
+    /// that name; save the stream to a file first.
     #[arg(value_name = "CAPTURE")]
     pub captures: Vec<PathBuf>,
 

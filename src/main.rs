@@ -385,13 +385,18 @@ fn serve_logged(
         let log_at_exit = log.clone();
         let spinners_at_exit = Arc::clone(&spinners);
         let recordings = proxy.open_recordings();
+        let finishing = recordings.clone();
         tokio::spawn(async move {
             signals.next().await;
             let _ = first.send(());
             signals.next().await;
             // What the open streams' recordings hold so far is kept, as
-            // when the grace period cuts them.
-            let kept = recordings.map_or(0, |open| open.finish_all());
+            // when the grace period cuts them; and those of streams that
+            // ended just before are finished.
+            let kept = recordings.as_ref().map_or(0, |open| open.finish_all());
+            if let Some(open) = &recordings {
+                recordings_finished(open).await;
+            }
             match kept {
                 0 => tracing::warn!("a second signal: exiting now, open streams are cut"),
                 n => tracing::warn!(
@@ -425,6 +430,11 @@ fn serve_logged(
             });
         }
         serve_proxy_on(listener, proxy, stop, workers.handles()).await;
+        // The last streams' recordings are finished on the workers'
+        // blocking threads, whose queue goes with the workers.
+        if let Some(open) = &finishing {
+            recordings_finished(open).await;
+        }
         Ok(())
     });
     // Stops the workers once every connection has finished or been dropped.
@@ -435,6 +445,22 @@ fn serve_logged(
         spinners.close();
     }
     result
+}
+
+/// How long an exit waits for the recordings being finished (their
+/// sidecars written, their bodies named): a few file writes each.
+const RECORDINGS_FINISH_LIMIT: Duration = Duration::from_secs(5);
+
+/// Waits for the recordings being finished, and says so if some were not
+/// in time ([`RECORDINGS_FINISH_LIMIT`]).
+async fn recordings_finished(open: &aalis_proxy::proxy::record::OpenRecordings) {
+    let left = open.finished(RECORDINGS_FINISH_LIMIT).await;
+    if left > 0 {
+        tracing::warn!(
+            "{left} recording(s) not finished within {RECORDINGS_FINISH_LIMIT:?} of the exit: \
+             left as .partial"
+        );
+    }
 }
 
 fn mock(args: &MockArgs) -> anyhow::Result<()> {

@@ -165,7 +165,8 @@ impl Metrics {
         let _ = writeln!(
             out,
             "# HELP {name} Requests for the upstream, when over, by the class of their status \
-             (499: the client left first; the proxy's own routes are not counted).\n\
+             (499: the client left first; heads the HTTP/1.1 parser refused included; the \
+             proxy's own routes are not counted).\n\
              # TYPE {name} counter"
         );
         for (class, count) in STATUS_CLASSES.iter().zip(&self.requests) {

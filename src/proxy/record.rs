@@ -9,11 +9,11 @@
 //!   (before any injection). It is written as `….partial` and takes its
 //!   name once the recording is finished and its sidecars are written, so
 //!   a recording its process could not finish (killed, crashed) is never
-//!   replayed as a whole capture: `mock` and the replay tools skip
-//!   `.partial` files;
+//!   replayed as a whole capture: `mock` leaves `.partial` files out;
 //! - the same name plus `.timing`: when each piece arrived;
 //! - `.request.json`: the request body (its first MiB), copied as it
-//!   streams to the upstream ([`tee`]). Headers are not recorded, so no
+//!   streams to the upstream ([`tee`]); made (empty) when the recording
+//!   starts, as it holds the name's stem, and written at its end. Headers are not recorded, so no
 //!   `Authorization`, key or cookie is ever written.
 //!
 //! The session id comes from a request header: it is reduced to a safe file
@@ -29,10 +29,10 @@ use std::fs::File;
 use std::io::{BufWriter, ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, ready};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -54,9 +54,16 @@ pub struct Recorder {
 }
 
 /// The recordings a [`Recorder`] has open, so that an exit that does not
-/// wait for their streams can finish them ([`OpenRecordings::finish_all`]).
+/// wait for their streams can finish them ([`OpenRecordings::finish_all`]),
+/// and those being finished, so that an exit can wait for them
+/// ([`OpenRecordings::finished`]).
 #[derive(Debug, Clone, Default)]
-pub struct OpenRecordings(Arc<Mutex<Vec<Weak<Mutex<Open>>>>>);
+pub struct OpenRecordings {
+    list: Arc<Mutex<Vec<Weak<Mutex<Open>>>>>,
+    /// Recordings whose file work (sidecars, the body's name) was handed
+    /// to the blocking threads and has not run yet.
+    finishing: Arc<AtomicUsize>,
+}
 
 /// How much of a request body is kept for `.request.json`.
 pub const MAX_RECORDED_REQUEST_BYTES: usize = 1024 * 1024;
@@ -119,7 +126,11 @@ impl Body for TeeBody {
 /// One stream being recorded; finished when dropped (or by
 /// [`OpenRecordings::finish_all`], whichever comes first).
 #[derive(Debug)]
-pub struct Recording(Arc<Mutex<Open>>);
+pub struct Recording {
+    open: Arc<Mutex<Open>>,
+    /// [`OpenRecordings`]' count of those being finished.
+    finishing: Arc<AtomicUsize>,
+}
 
 /// A recording's files and what is still to be written to them.
 #[derive(Debug)]
@@ -131,6 +142,10 @@ struct Open {
     done_path: PathBuf,
     timing_path: PathBuf,
     request_path: PathBuf,
+    /// `request_path`, made when the recording started: its name is the
+    /// stem's (`.request.json` has no `.sse` or `.ndjson`), so holding it
+    /// holds the stem against a recording of the other framing.
+    request_file: Option<File>,
     request: RequestCopy,
     timing: Timing,
     started: Instant,
@@ -187,23 +202,35 @@ impl Recorder {
         // from then on, and one that has not finished holds the
         // `.partial`; so the rename that finishes a recording replaces
         // nothing (a link planted there later is replaced, not followed).
+        // The stem is held by its `.request.json`, made first (a
+        // recording of the other framing has the same one).
         let mut tries = 0;
-        let (stem, done_path, body_path, file) = loop {
+        let (request_path, request_file, done_path, body_path, file) = loop {
             let n = self.counter.fetch_add(1, Ordering::Relaxed);
             let stem = format!("{}-{part}-{n}", unix_ms());
+            let request_path = self.dir.join(format!("{stem}.request.json"));
             let done_path = self.dir.join(format!("{stem}.{extension}"));
             let body_path = partial(&done_path);
-            let made = create_new(&body_path).and_then(|file| {
-                match std::fs::symlink_metadata(&done_path) {
-                    Err(err) if err.kind() == ErrorKind::NotFound => Ok(file),
-                    _ => {
-                        let _ = std::fs::remove_file(&body_path);
-                        Err(ErrorKind::AlreadyExists.into())
-                    }
+            let made = create_new(&request_path).and_then(|request_file| {
+                let body =
+                    create_new(&body_path).and_then(|file| {
+                        match std::fs::symlink_metadata(&done_path) {
+                            Err(err) if err.kind() == ErrorKind::NotFound => Ok(file),
+                            _ => {
+                                let _ = std::fs::remove_file(&body_path);
+                                Err(ErrorKind::AlreadyExists.into())
+                            }
+                        }
+                    });
+                if body.is_err() {
+                    let _ = std::fs::remove_file(&request_path);
                 }
+                Ok((request_file, body?))
             });
             match made {
-                Ok(file) => break (stem, done_path, body_path, file),
+                Ok((request_file, file)) => {
+                    break (request_path, request_file, done_path, body_path, file);
+                }
                 Err(err) if err.kind() == ErrorKind::AlreadyExists && tries < 100 => tries += 1,
                 // Which file could not be made, for the warning.
                 Err(err) => {
@@ -220,7 +247,8 @@ impl Recorder {
             timing_path: Timing::sidecar(&done_path),
             body_path,
             done_path,
-            request_path: self.dir.join(format!("{stem}.request.json")),
+            request_path,
+            request_file: Some(request_file),
             request,
             timing: Timing {
                 status: Some(status.as_u16()),
@@ -233,13 +261,16 @@ impl Recorder {
             finished: false,
         }));
         self.open.add(&open);
-        Ok(Recording(open))
+        Ok(Recording {
+            open,
+            finishing: Arc::clone(&self.open.finishing),
+        })
     }
 }
 
 impl OpenRecordings {
     fn add(&self, open: &Arc<Mutex<Open>>) {
-        let mut list = lock(&self.0);
+        let mut list = lock(&self.list);
         // The ended recordings' entries go once the list would grow: it
         // holds at most twice the recordings open.
         if list.len() == list.capacity() {
@@ -248,13 +279,28 @@ impl OpenRecordings {
         list.push(Arc::downgrade(open));
     }
 
+    /// Waits, up to `limit`, until every recording handed to the blocking
+    /// threads to be finished is (their runtime drops what is still
+    /// queued when it ends); how many were not by then.
+    pub async fn finished(&self, limit: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let left = self.finishing.load(Ordering::Acquire);
+            if left == 0 || tokio::time::Instant::now() >= deadline {
+                return left;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Finishes every recording still open, here and now: each body is
     /// flushed as it stands and its sidecars are written, as when its
     /// stream is cut. For an exit that will not wait for the streams; a
     /// stream that goes on writes nothing more to its recording. Returns
     /// how many were finished.
     pub fn finish_all(&self) -> usize {
-        let open: Vec<Arc<Mutex<Open>>> = lock(&self.0).iter().filter_map(Weak::upgrade).collect();
+        let open: Vec<Arc<Mutex<Open>>> =
+            lock(&self.list).iter().filter_map(Weak::upgrade).collect();
         let mut finished = 0;
         for recording in open {
             if let Some(rest) = lock(&recording).finish() {
@@ -315,21 +361,29 @@ impl Recording {
     /// in it, and must not reach the client either.
     #[must_use]
     pub fn data(&mut self, bytes: &[u8]) -> bool {
-        bytes.is_empty() || lock(&self.0).data(bytes)
+        bytes.is_empty() || lock(&self.open).data(bytes)
     }
 
     /// The upstream body came to its end. A recording finished without
     /// this (the upstream failed, the client left, `serve` exited) is
     /// marked cut in its timing, and `mock` replays it cut.
     pub fn ended(&mut self) {
-        lock(&self.0).ended = true;
+        lock(&self.open).ended = true;
     }
 }
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        if let Some(rest) = lock(&self.0).finish() {
-            off_the_workers(rest);
+        if let Some(rest) = lock(&self.open).finish() {
+            // Counted until it has run: an exit waits for it, since the
+            // blocking threads drop what is still queued when their
+            // runtime ends (the body would stay `.partial`).
+            let finishing = Arc::clone(&self.finishing);
+            finishing.fetch_add(1, Ordering::AcqRel);
+            off_the_workers(move || {
+                rest();
+                finishing.fetch_sub(1, Ordering::AcqRel);
+            });
         }
     }
 }
@@ -374,17 +428,23 @@ impl Open {
             true => Err(std::io::Error::other("an earlier write failed")),
             false => self.body.flush(),
         };
+        let request_path = std::mem::take(&mut self.request_path);
+        let request_file = self.request_file.take();
         if let Err(err) = flushed {
             // Left as `.partial`: visibly incomplete, never replayed as a
-            // whole capture (mock and the replay tools read `.sse` and
-            // `.ndjson`); no sidecars. The write that failed first said so.
+            // whole capture (`mock` reads `.sse` and `.ndjson`); no
+            // sidecars, so the stem's `.request.json` goes. The write that
+            // failed first said so.
             if !self.failed {
                 tracing::warn!(
                     "recording {} kept as .partial: {err}",
                     self.done_path.display()
                 );
             }
-            return None;
+            drop(request_file);
+            return Some(Box::new(move || {
+                let _ = std::fs::remove_file(&request_path);
+            }));
         }
         let timing_path = std::mem::take(&mut self.timing_path);
         self.timing.cut = !self.ended;
@@ -393,20 +453,26 @@ impl Open {
             self.timing.cut_ms = Some(ms);
         }
         let timing = self.timing.render();
-        let request_path = std::mem::take(&mut self.request_path);
         let request = std::mem::take(&mut *lock(&self.request.0));
         let body_path = std::mem::take(&mut self.body_path);
         let done_path = std::mem::take(&mut self.done_path);
         let write = move || {
-            // Each is tried, whatever became of the others.
-            let timing_written = write_new(&timing_path, timing.as_bytes());
-            let request_written = write_new(&request_path, &request);
-            let written = timing_written.and(request_written);
-            if let Err(err) = written {
+            // Each is tried, whatever became of the other; one not written
+            // whole is removed.
+            if let Err(err) = write_new(&timing_path, timing.as_bytes()) {
                 tracing::warn!(
-                    "cannot finish the recording {}: {err}",
+                    "cannot write {} (the capture replays paced): {err}",
                     timing_path.display()
                 );
+            }
+            let request_written = match request_file {
+                Some(mut file) => file.write_all(&request).inspect_err(|_| {
+                    let _ = std::fs::remove_file(&request_path);
+                }),
+                None => write_new(&request_path, &request),
+            };
+            if let Err(err) = request_written {
+                tracing::warn!("cannot write {}: {err}", request_path.display());
             }
             // The body takes its name last, once its sidecars are
             // written (or failed, and were said): whoever sees the capture
@@ -461,7 +527,7 @@ mod tests {
     fn a_failed_write_leaves_a_partial_body_and_no_sidecars() {
         let (dir, _recorder, mut recording) = recording_in("failed");
         let name = {
-            let mut open = lock(&recording.0);
+            let mut open = lock(&recording.open);
             // Its file, read-only from now on: every write to it fails.
             open.body = BufWriter::new(File::open(&open.body_path).expect("opened"));
             open.done_path
@@ -474,7 +540,7 @@ mod tests {
         assert!(recording.data(&[b'x'; 16 * 1024]));
         assert!(recording.data(b"data: more\n\n"));
         {
-            let open = lock(&recording.0);
+            let open = lock(&recording.open);
             assert!(open.failed);
             assert!(open.timing.marks.is_empty());
         }
@@ -486,6 +552,64 @@ mod tests {
         left.sort();
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(left, [format!("{name}.partial")]);
+    }
+
+    /// A recording dropped on a runtime is finished on its blocking
+    /// threads; [`OpenRecordings::finished`] returns once it is: its
+    /// sidecars written and its body named. (An exit waits so, before the
+    /// runtime ends and drops what its blocking threads have queued.)
+    #[tokio::test]
+    async fn an_exit_can_wait_for_the_recordings_being_finished() {
+        let (dir, recorder, mut recording) = recording_in("finished");
+        assert!(recording.data(b"data: one\n\n"));
+        recording.ended();
+        drop(recording);
+        let open = recorder.open_recordings();
+        assert_eq!(open.finished(Duration::from_secs(10)).await, 0);
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .expect("listed")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        names.sort();
+        let _ = std::fs::remove_dir_all(&dir);
+        let ends: Vec<&str> = names
+            .iter()
+            .filter_map(|n| n.split_once('.').map(|(_, end)| end))
+            .collect();
+        assert_eq!(ends, ["request.json", "sse", "sse.timing"], "{names:?}");
+    }
+
+    /// The stem is held by its `.request.json`: a recording does not take
+    /// a stem whose request file another recorder made (the same session,
+    /// millisecond and count, in another process; its other framing's body
+    /// name is free), which paired a capture with the other's request.
+    #[test]
+    fn a_stem_whose_request_file_exists_is_not_taken() {
+        let dir = std::env::temp_dir().join(format!("aalis-record-stem-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a directory");
+        // Another recorder's request files, at count 0, for the next 2 s.
+        let now = unix_ms();
+        for ms in now..now + 2000 {
+            std::fs::write(dir.join(format!("{ms}-s-0.request.json")), "theirs").expect("planted");
+        }
+        let recorder = Recorder::new(&dir);
+        let request = RequestCopy::default();
+        lock(&request.0).extend_from_slice(b"mine");
+        let recording = recorder
+            .start("s", Framing::Sse, http::StatusCode::OK, request)
+            .expect("started");
+        let stem = lock(&recording.open)
+            .done_path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .map(str::to_owned)
+            .expect("a stem");
+        drop(recording);
+        let request = std::fs::read_to_string(dir.join(format!("{stem}.request.json")));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(stem.ends_with("-s-1"), "{stem}");
+        assert_eq!(request.expect("its request"), "mine");
     }
 
     /// A recording finished for an exit at once (a second signal) takes no
