@@ -2749,7 +2749,9 @@ async fn events_that_arrive_together_leave_in_one_write() {
 /// written to a temp file): a fixture stream comes through annotated, and
 /// the upstream saw the request over HTTP/2 (negotiated by ALPN), to the
 /// prefixed path. Without `--upstream-ca` the same request is a `502`
-/// whose message mentions the certificate.
+/// whose message says the certificate's CA is not trusted, and to give it
+/// with `--upstream-ca` (it said `invalid peer certificate: UnknownIssuer`
+/// alone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
     let pki = test_pki();
@@ -2792,7 +2794,83 @@ async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
         "{value}"
     );
     assert!(message.contains("failed the TLS handshake"), "{value}");
+    assert!(
+        message.contains("signed by no CA this proxy trusts")
+            && message.contains("with --upstream-ca"),
+        "{value}"
+    );
     assert_eq!(upstream.requests().len(), 1, "a request got past TLS");
+}
+
+/// An HTTP/2 upstream's response head of more than 100 fields is a `502`,
+/// as an HTTP/1.1 upstream's is (h2 bounds only its size: 500 fields
+/// went through to the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upstreams_head_of_over_100_fields_is_a_502() {
+    let pki = test_pki();
+    let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-fields");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
+        (0..150).fold(Reply::new(200), |reply, n| {
+            reply.header(&format!("x-field-{n}"), "v")
+        })
+    });
+    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
+    config.upstream_ca = Some(ca_path.clone());
+    let proxy = TestProxy::start(config).await;
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full("{}"))
+        .expect("request");
+    let (status, _, value) = json_body(send(&client(), req).await).await;
+    let _ = std::fs::remove_file(&ca_path);
+    assert_eq!(upstream.requests()[0].version, Version::HTTP_2);
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
+    let message = value["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("at most 100"), "{value}");
+}
+
+/// `--upstream http://…` aimed at a TLS server, which closes the new
+/// connection without a word: the `502` says to give `https://` if it
+/// speaks TLS (it said only that the connection closed before a head).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_to_a_tls_upstream_is_a_502_that_says_to_use_https() {
+    let pki = test_pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
+        Reply::new(200).body("ok")
+    });
+    let url = format!("http://127.0.0.1:{}", upstream.addr.port());
+    let proxy = TestProxy::start(proxy_config(&url)).await;
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full("{}"))
+        .expect("request");
+    let (status, _, value) = json_body(send(&client(), req).await).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
+    let message = value["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("if it speaks TLS, give --upstream as https://"),
+        "{value}"
+    );
+}
+
+/// `--upstream https://…` aimed at a plain HTTP server: the `502` says
+/// the server does not speak TLS there, and to give `http://` (it said
+/// `received corrupt message of type InvalidContentType`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_to_a_plain_http_upstream_is_a_502_that_says_to_use_http() {
+    let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
+    let url = format!("https://127.0.0.1:{}", upstream.addr.port());
+    let proxy = TestProxy::start(proxy_config(&url)).await;
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(full("{}"))
+        .expect("request");
+    let (status, _, value) = json_body(send(&client(), req).await).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
+    let message = value["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("does not speak TLS there") && message.contains("as http://"),
+        "{value}"
+    );
 }
 
 /// A proxy to an `https://` fake upstream that serves TLS with `server`

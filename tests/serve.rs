@@ -2462,6 +2462,31 @@ fn a_bad_upstream_ca_fails_before_listening() {
     assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
     let line = one_line_stderr(&out);
     assert!(line.contains("/nonexistent"), "{line}");
+    // A PEM block that holds no certificate a CA can have: said as the
+    // file's, not as rustls says it ("invalid peer certificate").
+    let bad = std::env::temp_dir().join(format!("aalis-bad-ca-{}.pem", std::process::id()));
+    std::fs::write(
+        &bad,
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    )
+    .expect("write");
+    let out = run_to_end(&[
+        "serve",
+        "--upstream",
+        "https://127.0.0.1:9",
+        "--upstream-ca",
+        &bad.to_string_lossy(),
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    let _ = std::fs::remove_file(&bad);
+    assert_eq!(status_code(&out), Some(1), "{:?}", out.status);
+    let line = one_line_stderr(&out);
+    assert!(
+        line.contains("its certificate number 1 is no X.509 certificate a CA can have")
+            && !line.contains("peer"),
+        "{line}"
+    );
 }
 
 /// `--listen 127.0.0.1:0` lets the OS pick a port; the log must say which.

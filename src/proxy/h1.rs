@@ -375,6 +375,13 @@ pub enum H1Error {
     Read(#[source] io::Error),
     #[error("the upstream closed the connection before sending a response head")]
     Closed,
+    /// [`H1Error::Closed`] on a connection made for this request: what a
+    /// TLS server does with a plain HTTP request.
+    #[error(
+        "the upstream closed a new connection without answering the request (if it speaks \
+         TLS, give --upstream as https://)"
+    )]
+    ClosedNew,
     #[error("the upstream answered 101 Switching Protocols, which the proxy does not tunnel")]
     Switched,
     #[error(transparent)]
@@ -502,6 +509,7 @@ impl H1Pool {
         match exchange(&mut conn, req).await {
             Ok(answer) => Ok(self.driven(conn, answer)),
             Err(Retry::Again(_)) => Err(H1Error::Refused),
+            Err(Retry::No(H1Error::Closed)) => Err(H1Error::ClosedNew),
             Err(Retry::No(err)) => Err(err),
         }
     }

@@ -25,6 +25,7 @@ use super::ProxyConfig;
 use super::admin;
 use super::body::{ClientBodyFailure, ClientBodyNote, RequestLog, TapBody, log_safe};
 use super::gate::SocketFull;
+use super::h1::wire::MAX_HEADERS;
 use super::h1::{H1Error, wire};
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::record::{self, OpenRecordings, Recorder};
@@ -636,6 +637,18 @@ impl Proxy {
 
         // Phase 4: the response.
         let (mut parts, body) = response.into_parts();
+        // The field count's limit, as an HTTP/1.1 upstream's head has it
+        // (ours and hyper's parsers): h2 bounds only a head's size.
+        if parts.headers.len() > MAX_HEADERS {
+            return Err(fail(
+                Fault::UpstreamError,
+                format!(
+                    "upstream {upstream} sent a response head of {} header fields; the proxy \
+                     takes at most {MAX_HEADERS}",
+                    parts.headers.len()
+                ),
+            ));
+        }
         // A transfer coding but chunked (the proxy asks for none, so the
         // upstream breaks RFC 9110 §10.1.4): its body can only be read as
         // it came, and `Transfer-Encoding` is one hop's, so the client
@@ -1396,7 +1409,7 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
              or sign it with a CA given to --upstream-ca",
         )
     } else if err.is_connect() && tls {
-        (Fault::UpstreamUnreachable, "failed the TLS handshake")
+        (Fault::UpstreamUnreachable, tls_failure(err))
     } else if err.is_connect() {
         (Fault::UpstreamUnreachable, "is unreachable")
     } else if head_too_large {
@@ -1404,6 +1417,49 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
     } else {
         (Fault::UpstreamError, "failed")
     }
+}
+
+/// How a TLS handshake that failed is said, with what to do when the
+/// failure says it: a certificate of a CA not trusted (the usual private
+/// CA), expired, not yet valid or of another name, and a server that does
+/// not speak TLS at all.
+fn tls_failure(err: &SendError) -> &'static str {
+    use rustls::{CertificateError as Cert, Error as Tls, InvalidMessage};
+    let said = std::cell::Cell::new("failed the TLS handshake");
+    has_cause(err, &|e| {
+        let found = match e.downcast_ref::<Tls>() {
+            Some(Tls::InvalidCertificate(Cert::UnknownIssuer)) => Some(
+                "failed the TLS handshake: its certificate is signed by no CA this proxy \
+                 trusts (the bundled web roots, and --upstream-ca's); give its CA's \
+                 certificate, in PEM, with --upstream-ca",
+            ),
+            Some(Tls::InvalidCertificate(Cert::Expired | Cert::ExpiredContext { .. })) => {
+                Some("failed the TLS handshake: its certificate has expired")
+            }
+            Some(Tls::InvalidCertificate(Cert::NotValidYet | Cert::NotValidYetContext { .. })) => {
+                Some(
+                    "failed the TLS handshake: its certificate is not valid yet (is this \
+                     machine's clock right?)",
+                )
+            }
+            Some(Tls::InvalidCertificate(
+                Cert::NotValidForName | Cert::NotValidForNameContext { .. },
+            )) => Some(
+                "failed the TLS handshake: its certificate is not for the host --upstream \
+                 names",
+            ),
+            Some(Tls::InvalidMessage(InvalidMessage::InvalidContentType)) => Some(
+                "failed the TLS handshake: it does not speak TLS there (a plain HTTP \
+                 server?); if so, give --upstream as http://",
+            ),
+            _ => None,
+        };
+        if let Some(found) = found {
+            said.set(found);
+        }
+        found.is_some()
+    });
+    said.get()
 }
 
 /// Whether `err` is rustls's refusal of a server certificate that is a

@@ -565,7 +565,18 @@ pub fn build_client(
         let mut added = 0;
         for cert in CertificateDer::pem_file_iter(path).map_err(|e| bad(e.to_string()))? {
             let cert = cert.map_err(|e| bad(e.to_string()))?;
-            roots.add(cert).map_err(|e| bad(e.to_string()))?;
+            // rustls says a certificate it cannot read as a peer's
+            // ("invalid peer certificate: BadEncoding"): this is the file's.
+            roots.add(cert).map_err(|e| {
+                let why = match e {
+                    rustls::Error::InvalidCertificate(why) => format!("{why:?}"),
+                    other => other.to_string(),
+                };
+                bad(format!(
+                    "its certificate number {} is no X.509 certificate a CA can have ({why})",
+                    added + 1
+                ))
+            })?;
             added += 1;
         }
         if added == 0 {
