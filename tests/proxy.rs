@@ -2818,15 +2818,10 @@ async fn an_http2_upstreams_head_of_over_100_fields_is_a_502() {
     let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
     config.upstream_ca = Some(ca_path.clone());
     let proxy = TestProxy::start(config).await;
-    let req = Request::post(proxy.url("/v1/chat/completions"))
-        .body(full("{}"))
-        .expect("request");
-    let (status, _, value) = json_body(send(&client(), req).await).await;
+    let message = bad_gateway_message(&proxy).await;
     let _ = std::fs::remove_file(&ca_path);
     assert_eq!(upstream.requests()[0].version, Version::HTTP_2);
-    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
-    let message = value["error"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("at most 100"), "{value}");
+    assert!(message.contains("at most 100"), "{message}");
 }
 
 /// `--upstream http://…` aimed at a TLS server, which closes the new
@@ -2841,15 +2836,10 @@ async fn http_to_a_tls_upstream_is_a_502_that_says_to_use_https() {
     });
     let url = format!("http://127.0.0.1:{}", upstream.addr.port());
     let proxy = TestProxy::start(proxy_config(&url)).await;
-    let req = Request::post(proxy.url("/v1/chat/completions"))
-        .body(full("{}"))
-        .expect("request");
-    let (status, _, value) = json_body(send(&client(), req).await).await;
-    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
-    let message = value["error"]["message"].as_str().unwrap_or_default();
+    let message = bad_gateway_message(&proxy).await;
     assert!(
         message.contains("if it speaks TLS, give --upstream as https://"),
-        "{value}"
+        "{message}"
     );
 }
 
@@ -2861,16 +2851,25 @@ async fn https_to_a_plain_http_upstream_is_a_502_that_says_to_use_http() {
     let upstream = FakeUpstream::start(|_| Reply::new(200).body("ok")).await;
     let url = format!("https://127.0.0.1:{}", upstream.addr.port());
     let proxy = TestProxy::start(proxy_config(&url)).await;
+    let message = bad_gateway_message(&proxy).await;
+    assert!(
+        message.contains("does not speak TLS there") && message.contains("as http://"),
+        "{message}"
+    );
+}
+
+/// Posts `{}` to the chat route of `proxy`, which must answer `502`: the
+/// answer's error message.
+async fn bad_gateway_message(proxy: &TestProxy) -> String {
     let req = Request::post(proxy.url("/v1/chat/completions"))
         .body(full("{}"))
         .expect("request");
     let (status, _, value) = json_body(send(&client(), req).await).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
-    let message = value["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        message.contains("does not speak TLS there") && message.contains("as http://"),
-        "{value}"
-    );
+    value["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// A proxy to an `https://` fake upstream that serves TLS with `server`
@@ -2917,19 +2916,14 @@ async fn a_self_signed_ca_as_the_upstreams_certificate_is_a_502_that_says_how_to
     ));
     std::fs::write(&ca_path, cert.pem()).expect("write the certificate");
     let (upstream, proxy) = through_to_tls_ok(server, &ca_path).await;
-    let req = Request::post(proxy.url("/v1/chat/completions"))
-        .body(full("{}"))
-        .expect("request");
-    let (status, _, value) = json_body(send(&client(), req).await).await;
+    let message = bad_gateway_message(&proxy).await;
     let _ = std::fs::remove_file(&ca_path);
-    assert_eq!(status, StatusCode::BAD_GATEWAY, "{value}");
-    let message = value["error"]["message"].as_str().unwrap_or_default();
     for said in [
         "CA:TRUE",
         "basicConstraints=critical,CA:FALSE",
         "--upstream-ca",
     ] {
-        assert!(message.contains(said), "no {said:?} in {value}");
+        assert!(message.contains(said), "no {said:?} in {message}");
     }
     assert!(upstream.requests().is_empty(), "a request got past TLS");
 }
