@@ -67,6 +67,9 @@ struct Session {
     progress: Vec<ProgressEntry>,
     /// The owning stream is still open.
     streaming: bool,
+    /// The owning stream's `done` went out to subscribers (its body may
+    /// go on a while: an upstream that ends its body after `[DONE]`).
+    answered: bool,
     /// Last publish, stream start or end, or subscription.
     last_active: Instant,
     /// Increments for live subscribers; made by the first subscription
@@ -111,6 +114,7 @@ impl Session {
             generation: 0,
             progress: Vec::new(),
             streaming: false,
+            answered: false,
             last_active: Instant::now(),
             frames: None,
             flags: Arc::new(Flags::default()),
@@ -129,6 +133,12 @@ impl Session {
     /// session (`all`).
     fn listening(&self, all: &broadcast::Sender<Frame>) -> bool {
         all.receiver_count() > 0 || self.subscribers() > 0
+    }
+
+    /// An answer is under way: a stream owns the session and its `done`
+    /// has not gone out (a snapshot's `"streaming"`).
+    fn answering(&self) -> bool {
+        self.streaming && !self.answered
     }
 
     /// Nothing uses it any more (a superseded stream is open only while
@@ -361,6 +371,7 @@ impl SessionRegistry {
         }
         session.generation = generation;
         session.streaming = true;
+        session.answered = false;
         session.last_active = Instant::now();
         session
             .flags
@@ -408,7 +419,7 @@ impl SessionRegistry {
     pub fn resume_frame(&self, session_id: &str) -> Frame {
         let state = self.lock();
         match state.sessions.get(session_id) {
-            Some(session) => resume_frame(session_id, &session.progress, session.streaming),
+            Some(session) => resume_frame(session_id, &session.progress, session.answering()),
             None => resume_frame(session_id, &[], false),
         }
     }
@@ -425,7 +436,7 @@ impl SessionRegistry {
                 .frames
                 .get_or_insert_with(|| broadcast::channel(SUBSCRIBER_BACKLOG).0)
                 .subscribe(),
-            resume: resume_frame(session_id, &session.progress, session.streaming),
+            resume: resume_frame(session_id, &session.progress, session.answering()),
         }
     }
 
@@ -738,6 +749,7 @@ impl StreamHandle {
                     // By the rule of `--format messages`' done line.
                     StreamEvent::Done => {
                         self.done = true;
+                        session.answered = true;
                         done_frame(&self.session_id, tracker.any_cut_short(false))
                     }
                     _ => event_frame(&self.session_id, event),
@@ -748,7 +760,7 @@ impl StreamHandle {
                 send(
                     all,
                     session,
-                    resume_frame(&self.session_id, &session.progress, session.streaming),
+                    resume_frame(&self.session_id, &session.progress, session.answering()),
                 );
             }
         } else {
@@ -829,6 +841,7 @@ impl Drop for StreamHandle {
                     .store(session.listening(all), Ordering::Relaxed);
                 flags.regained.store(true, Ordering::Relaxed);
                 session.flags = flags;
+                session.answered = false;
             }
             None => session.streaming = false,
         }
@@ -845,10 +858,11 @@ impl Drop for StreamHandle {
 
 /// `{"type":"stream_resume","sessionId":…,"toolCallsProgress":[{index,
 /// name, charsAccumulated, startedAt}],"streaming":…,"serverTime":…}`,
-/// entries sorted by index, times in Unix milliseconds; `streaming`: a
-/// stream of the session is open (a subscriber that was away when it
-/// ended, and missed its `done`, tells an answer over from one in its text
-/// by it); `serverTime` lets a browser correct for its own clock.
+/// entries sorted by index, times in Unix milliseconds; `streaming`: an
+/// answer is under way, a stream of the session open and its `done` not
+/// sent (a subscriber that was away when it ended, and missed its `done`,
+/// tells an answer over from one in its text by it); `serverTime` lets a
+/// browser correct for its own clock.
 pub fn resume_frame(session_id: &str, progress: &[ProgressEntry], streaming: bool) -> Frame {
     let mut out = String::from("{\"type\":\"stream_resume\",\"sessionId\":");
     push_string(session_id, &mut out);

@@ -792,12 +792,15 @@ fn a_read_missed_by_a_new_subscriber_is_sent_as_a_snapshot() {
     assert_eq!(received(&mut sub).len(), 1);
 }
 
-/// A snapshot says whether a stream of the session is open: a subscriber
-/// that was away when the stream ended (and missed its `done`) gets an
-/// empty list either way, which alone does not tell an answer over from
-/// one in its text.
+/// A snapshot says whether an answer is under way: a stream of the
+/// session is open and its `done` has not gone out. A subscriber that was
+/// away when the answer ended (and missed its `done`) gets an empty list
+/// either way, which alone does not tell an answer over from one in its
+/// text; and one that comes after the `done`, while the stream's body
+/// still goes on (an upstream that ends it after `[DONE]`), would wait
+/// for a `done` that went out already.
 #[test]
-fn a_snapshot_says_whether_a_stream_is_open() {
+fn a_snapshot_says_whether_an_answer_is_under_way() {
     let registry = SessionRegistry::new();
     let resume = |registry: &SessionRegistry| without_server_time(&registry.resume_frame("s1"));
     let empty = |streaming: bool| {
@@ -806,16 +809,24 @@ fn a_snapshot_says_whether_a_stream_is_open() {
         )
     };
     assert_eq!(resume(&registry), empty(false), "an unknown session");
-    let stream = registry.begin_stream("s1");
+    let mut stream = registry.begin_stream("s1");
     assert_eq!(resume(&registry), empty(true));
-    assert_eq!(
-        without_server_time(&registry.subscribe("s1").resume),
-        empty(true)
-    );
+    let listening = registry.subscribe("s1");
+    assert_eq!(without_server_time(&listening.resume), empty(true));
+    stream.publish(&mut ToolCallTracker::new(true), &[StreamEvent::Done]);
+    assert_eq!(resume(&registry), empty(false), "its done went out");
+    // A newer stream of the session: under way again.
+    let newer = registry.begin_stream("s1");
+    assert_eq!(resume(&registry), empty(true));
+    // It ends first (its `done` goes out): the older stream takes the
+    // session back, and its answer goes on.
+    drop(newer);
+    assert_eq!(resume(&registry), empty(true), "given back");
     drop(stream);
     assert_eq!(resume(&registry), empty(false), "the stream ended");
     assert_eq!(
         without_server_time(&registry.subscribe("s1").resume),
         empty(false)
     );
+    drop(listening);
 }
