@@ -113,21 +113,33 @@ impl Timing {
             if line.starts_with("# cut:") {
                 cut = true;
                 // `…, <ms> ms after it began`: a number too large or
-                // missing times nothing (the cut then comes at once).
-                cut_ms = line
-                    .strip_suffix(CUT_TIME_SUFFIX)
-                    .and_then(|rest| rest.rsplit(' ').next())
-                    .and_then(|ms| ms.parse::<u64>().ok());
+                // missing times nothing (the cut then comes at once); the
+                // first line that times it does.
+                cut_ms = cut_ms.or_else(|| {
+                    line.strip_suffix(CUT_TIME_SUFFIX)
+                        .and_then(|rest| rest.rsplit(' ').next())
+                        .and_then(|ms| ms.parse::<u64>().ok())
+                });
             }
             let bad = |reason: &str| TimingError {
                 line: line_no,
                 reason: reason.to_owned(),
             };
             if let Some(rest) = line.strip_prefix(STATUS_LINE) {
+                // One, before the marks: a status of an answer with a body
+                // (a replay sends the capture as its body).
+                if status.is_some() || !marks.is_empty() {
+                    return Err(bad("one status line, before the marks"));
+                }
                 let code = rest.split_whitespace().next().unwrap_or_default();
                 match code.parse::<u16>() {
-                    Ok(code @ 100..=599) => status = Some(code),
-                    _ => return Err(bad("the status is no HTTP status (100 to 599)")),
+                    Ok(code @ 200..=599) if code != 204 && code != 304 => status = Some(code),
+                    _ => {
+                        return Err(bad(
+                            "the status is no HTTP status of an answer with a body (200 to \
+                             599, not 204 or 304)",
+                        ));
+                    }
                 }
             }
             // A header of another version: its lines may mean something
@@ -327,10 +339,26 @@ mod tests {
             "{text:?}"
         );
         assert_eq!(Timing::parse(&text).expect("parses"), timing);
-        for bad in ["# status: 42", "# status: ok", "# status: 600"] {
+        for bad in [
+            "# status: 42",
+            "# status: ok",
+            "# status: 600",
+            "# status: 101",
+            "# status: 204",
+        ] {
             let err = Timing::parse(bad).expect_err(bad);
             assert!(err.to_string().contains("no HTTP status"), "{err}");
         }
+        for twice in ["# status: 503\n# status: 429", "1 2\n# status: 503"] {
+            let err = Timing::parse(twice).expect_err(twice);
+            assert!(err.to_string().contains("one status line"), "{err}");
+        }
+        // The first cut line that says when holds.
+        let cut = Timing::parse(&format!(
+            "1 2\n{CUT_LINE}, 1500 ms after it began\n# cut: again"
+        ))
+        .expect("parses");
+        assert_eq!((cut.cut, cut.cut_ms), (true, Some(1500)));
         for bad in ["10", "a 1", "10 5\n5 6", "10 5\n11 4", "1 2 3"] {
             assert!(Timing::parse(bad).is_err(), "{bad:?}");
         }

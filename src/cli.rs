@@ -420,7 +420,7 @@ pub struct ServeArgs {
 
     /// After SIGINT, SIGTERM or SIGHUP, how long open streams may go on (a second
     /// signal cuts them at once; their --record files keep what came until
-    /// then)
+    /// then, and the exit waits up to 5 s more for recordings to be written)
     ///
     /// Example: --shutdown-grace 30s
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

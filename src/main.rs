@@ -431,8 +431,12 @@ fn serve_logged(
         }
         serve_proxy_on(listener, proxy, stop, workers.handles()).await;
         // The last streams' recordings are finished on the workers'
-        // blocking threads, whose queue goes with the workers.
+        // blocking threads, whose queue goes with the workers; and an
+        // HTTP/2 stream cut at the grace's end may still hold its own (its
+        // task is the connection's executor's, not the accept loop's):
+        // finished here, as it stands.
         if let Some(open) = &finishing {
+            open.finish_all();
             recordings_finished(open).await;
         }
         Ok(())

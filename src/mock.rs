@@ -511,18 +511,20 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_replay_is_cut_when_its_recording_was() {
         use http_body_util::BodyExt;
-        for (cut, at) in [
-            (Duration::from_secs(5), Duration::from_secs(5)),
-            (Duration::ZERO, Duration::from_millis(10) + FLUSH_GRACE),
+        let bytes = b"data: 1\n\ndata: 2\n\n";
+        for (cut_ms, at) in [
+            (Some(5000), Duration::from_secs(5)),
+            (None, Duration::from_millis(10) + FLUSH_GRACE),
         ] {
-            let pieces = vec![
-                (Bytes::from_static(b"data: 1\n\n"), Duration::ZERO),
-                (
-                    Bytes::from_static(b"data: 2\n\n"),
-                    Duration::from_millis(10),
-                ),
-            ];
-            let mut body = PacedBody::new(pieces, Some(cut), None);
+            let mut capture = Capture::new("cut", bytes);
+            capture.timing = Some(Timing {
+                marks: vec![(9, 0), (18, 10)],
+                cut: true,
+                cut_ms,
+                ..Timing::default()
+            });
+            let cut = capture.cut();
+            let mut body = PacedBody::new(capture.pieces(Duration::ZERO), cut, None);
             let start = tokio::time::Instant::now();
             for _ in 0..2 {
                 let frame = body.frame().await.expect("a piece").expect("not the cut");

@@ -212,16 +212,17 @@ impl Recorder {
             let done_path = self.dir.join(format!("{stem}.{extension}"));
             let body_path = partial(&done_path);
             let made = create_new(&request_path).and_then(|request_file| {
-                let body =
-                    create_new(&body_path).and_then(|file| {
-                        match std::fs::symlink_metadata(&done_path) {
-                            Err(err) if err.kind() == ErrorKind::NotFound => Ok(file),
-                            _ => {
-                                let _ = std::fs::remove_file(&body_path);
-                                Err(ErrorKind::AlreadyExists.into())
-                            }
-                        }
-                    });
+                let body = create_new(&body_path).and_then(|file| {
+                    let free = match std::fs::symlink_metadata(&done_path) {
+                        Err(err) if err.kind() == ErrorKind::NotFound => Ok(file),
+                        Ok(_) => Err(ErrorKind::AlreadyExists.into()),
+                        Err(err) => Err(err),
+                    };
+                    if free.is_err() {
+                        let _ = std::fs::remove_file(&body_path);
+                    }
+                    free
+                });
                 if body.is_err() {
                     let _ = std::fs::remove_file(&request_path);
                 }
@@ -374,16 +375,21 @@ impl Recording {
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        if let Some(rest) = lock(&self.open).finish() {
-            // Counted until it has run: an exit waits for it, since the
-            // blocking threads drop what is still queued when their
-            // runtime ends (the body would stay `.partial`).
-            let finishing = Arc::clone(&self.finishing);
-            finishing.fetch_add(1, Ordering::AcqRel);
-            off_the_workers(move || {
+        // Counted until its file work has run: an exit waits for it, since
+        // the blocking threads drop what is still queued when their
+        // runtime ends (the body would stay `.partial`). Counted before the
+        // recording is marked finished, so that no wait sees neither.
+        let finishing = Arc::clone(&self.finishing);
+        finishing.fetch_add(1, Ordering::AcqRel);
+        let finished = lock(&self.open).finish();
+        match finished {
+            Some(rest) => off_the_workers(move || {
                 rest();
                 finishing.fetch_sub(1, Ordering::AcqRel);
-            });
+            }),
+            None => {
+                finishing.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 }
@@ -452,6 +458,7 @@ impl Open {
             let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
             self.timing.cut_ms = Some(ms);
         }
+        let cut = self.timing.cut;
         let timing = self.timing.render();
         let request = std::mem::take(&mut *lock(&self.request.0));
         let body_path = std::mem::take(&mut self.body_path);
@@ -459,7 +466,8 @@ impl Open {
         let write = move || {
             // Each is tried, whatever became of the other; one not written
             // whole is removed.
-            if let Err(err) = write_new(&timing_path, timing.as_bytes()) {
+            let timing_written = write_new(&timing_path, timing.as_bytes());
+            if let Err(err) = &timing_written {
                 tracing::warn!(
                     "cannot write {} (the capture replays paced): {err}",
                     timing_path.display()
@@ -474,14 +482,28 @@ impl Open {
             if let Err(err) = request_written {
                 tracing::warn!("cannot write {}: {err}", request_path.display());
             }
+            // A cut response without its timing would replay whole: it
+            // stays `.partial`, its sidecars gone.
+            let renamed = match (cut, timing_written.is_ok()) {
+                (true, false) => Err(std::io::Error::other(
+                    "its timing, which says it was cut, is not written",
+                )),
+                _ => std::fs::rename(&body_path, &done_path),
+            };
             // The body takes its name last, once its sidecars are
             // written (or failed, and were said): whoever sees the capture
             // sees its timing with it.
-            if let Err(err) = std::fs::rename(&body_path, &done_path) {
+            if let Err(err) = renamed {
                 tracing::warn!(
                     "cannot name the recording {}, kept as .partial: {err}",
                     done_path.display()
                 );
+                // Ours only: a name that was taken (a link planted there)
+                // is left alone.
+                if timing_written.is_ok() {
+                    let _ = std::fs::remove_file(&timing_path);
+                }
+                let _ = std::fs::remove_file(&request_path);
             }
         };
         Some(Box::new(write))
@@ -610,6 +632,29 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         assert!(stem.ends_with("-s-1"), "{stem}");
         assert_eq!(request.expect("its request"), "mine");
+    }
+
+    /// A cut recording whose timing cannot be written (its name taken)
+    /// stays `.partial`: without the timing's cut line it would replay as
+    /// a whole capture. Its request file goes; the file at the timing's
+    /// name, not ours, stays.
+    #[test]
+    fn a_cut_recording_without_its_timing_stays_partial() {
+        let (dir, _recorder, mut recording) = recording_in("cut-no-timing");
+        let timing = lock(&recording.open).timing_path.clone();
+        std::fs::write(&timing, "someone else's").expect("planted");
+        assert!(recording.data(b"data: one\n\n"));
+        drop(recording);
+        let mut ends: Vec<String> = std::fs::read_dir(&dir)
+            .expect("listed")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter_map(|n| n.split_once('.').map(|(_, end)| end.to_owned()))
+            .collect();
+        ends.sort();
+        let kept = std::fs::read_to_string(&timing);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(ends, ["sse.partial", "sse.timing"]);
+        assert_eq!(kept.expect("still there"), "someone else's");
     }
 
     /// A recording finished for an exit at once (a second signal) takes no
