@@ -475,9 +475,9 @@ pub struct ServeArgs {
     /// kept. The body has `.partial` added to its name until the other two
     /// files are written: a recording its process could not finish
     /// (killed), or one a write failed for (a full disk; it stops there),
-    /// keeps it, which `mock` skips (a killed one's .request.json, made at
-    /// the start to hold the name, stays empty); a sidecar not written
-    /// whole is removed. A response that
+    /// keeps it, which `mock` skips (a killed one's .request.json and
+    /// .timing, made at the start to hold the name, stay empty); a sidecar
+    /// not written whole is removed (a cut recording then stays .partial). A response that
     /// stopped before its end (the upstream failed, the client left, serve
     /// exited) is kept as it came, and its .timing ends with a `# cut` line
     /// that says when: `mock` replays it cut, then. A DIR that takes no

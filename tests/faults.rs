@@ -3723,8 +3723,9 @@ fn unix_ms() -> u64 {
 /// outside `DIR` are planted at every name the first recording could get
 /// in a 400 ms window (`<ms>-victim-0.sse`) and at the timing file of the
 /// name after it (`<ms>-victim-1.sse.timing`); the upstream then answers
-/// inside that window. The stream is recorded as `<ms>-victim-1.sse` (and
-/// its `.request.json`), its timing file is not written through the link,
+/// inside that window. Both names are skipped (a name is taken only when
+/// all its files are free), the stream is recorded as `<ms>-victim-2.sse`
+/// (and its `.request.json` and `.timing`), no link is written through,
 /// and nothing is created outside `DIR`. The same holds for a file another
 /// `serve --record` process wrote there: it is never overwritten. (Up to
 /// three tries, for a machine so slow that the window passes before the
@@ -3814,13 +3815,13 @@ async fn a_recording_never_writes_through_an_existing_name() {
             );
             continue;
         }
-        // The planted name was skipped, and the planted timing link was
-        // not written through.
+        // The planted names were skipped.
         assert_eq!(
             names,
             [
-                format!("{ms}-victim-1.request.json"),
-                format!("{ms}-victim-1.sse")
+                format!("{ms}-victim-2.request.json"),
+                format!("{ms}-victim-2.sse"),
+                format!("{ms}-victim-2.sse.timing")
             ]
         );
         assert_no_foreign_panic();

@@ -2217,14 +2217,18 @@ fn a_recording_its_process_could_not_finish_is_left_partial() {
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
-    // The body, and the request file that holds its name's stem (empty:
-    // it is written at the end).
+    // The body, and the name's other files, made (empty) when the
+    // recording started, to hold the name: they are written at its end.
     let mut ends: Vec<&str> = names
         .iter()
         .filter_map(|n| n.split_once('.').map(|(_, end)| end))
         .collect();
     ends.sort();
-    assert_eq!(ends, ["request.json", "sse.partial"], "{names:?}");
+    assert_eq!(
+        ends,
+        ["request.json", "sse.partial", "sse.timing"],
+        "{names:?}"
+    );
 }
 
 /// `serve --progress` on a terminal, stopped by a second signal with a

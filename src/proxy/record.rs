@@ -12,18 +12,20 @@
 //!   replayed as a whole capture: `mock` leaves `.partial` files out;
 //! - the same name plus `.timing`: when each piece arrived;
 //! - `.request.json`: the request body (its first MiB), copied as it
-//!   streams to the upstream ([`tee`]); made (empty) when the recording
-//!   starts, as it holds the name's stem, and written at its end. Headers are not recorded, so no
+//!   streams to the upstream ([`tee`]). Headers are not recorded, so no
 //!   `Authorization`, key or cookie is ever written.
+//!
+//! All three are made (empty) when the recording starts, to hold the name
+//! (`Taken`), and the sidecars are written at its end.
 //!
 //! The session id comes from a request header: it is reduced to a safe file
 //! name part ([`crate::capture::safe_file_part`]) so it cannot escape `DIR`
 //! or name a hidden file. Body writes are buffered and small; the closing
-//! writes (timing, request) go to the blocking pool.
+//! writes (timing, request, the body's name) go to the blocking pool.
 //!
-//! An exit that cannot wait for the open streams (`serve`'s second signal)
-//! finishes every recording still open first ([`OpenRecordings`]): what
-//! arrived until then is kept, with its sidecars, as when a stream is cut.
+//! An exit finishes every recording still open ([`OpenRecordings`]): what
+//! arrived until then is kept, with its sidecars, as when a stream is cut;
+//! none begins after; and it waits for the closing writes.
 
 use std::fs::File;
 use std::io::{BufWriter, ErrorKind, Write};
@@ -59,10 +61,36 @@ pub struct Recorder {
 /// ([`OpenRecordings::finished`]).
 #[derive(Debug, Clone, Default)]
 pub struct OpenRecordings {
-    list: Arc<Mutex<Vec<Weak<Mutex<Open>>>>>,
+    list: Arc<Mutex<List>>,
     /// Recordings whose file work (sidecars, the body's name) was handed
     /// to the blocking threads and has not run yet.
     finishing: Arc<AtomicUsize>,
+}
+
+/// The list of a [`OpenRecordings`]: the recordings (weakly), and whether
+/// it takes no more ([`OpenRecordings::finish_all`] ran: the exit).
+#[derive(Debug, Default)]
+struct List {
+    open: Vec<Weak<Mutex<Open>>>,
+    closed: bool,
+}
+
+/// A recording counted as being finished until dropped: with its file
+/// work, when it is handed on (dropped unrun, as a runtime that ends drops
+/// what it has queued, it is no longer counted either: nothing will run).
+struct Finishing(Arc<AtomicUsize>);
+
+impl Finishing {
+    fn new(count: &Arc<AtomicUsize>) -> Finishing {
+        count.fetch_add(1, Ordering::AcqRel);
+        Finishing(Arc::clone(count))
+    }
+}
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How much of a request body is kept for `.request.json`.
@@ -146,6 +174,8 @@ struct Open {
     /// stem's (`.request.json` has no `.sse` or `.ndjson`), so holding it
     /// holds the stem against a recording of the other framing.
     request_file: Option<File>,
+    /// `timing_path`, made when the recording started.
+    timing_file: Option<File>,
     request: RequestCopy,
     timing: Timing,
     started: Instant,
@@ -159,6 +189,72 @@ struct Open {
     /// Finished: the body flushed and the sidecars handed on; nothing more
     /// is written.
     finished: bool,
+}
+
+/// The files of a recording's name, all made (`create_new`) when it
+/// starts, so that its end writes into files of its own.
+struct Taken {
+    request_path: PathBuf,
+    request_file: File,
+    timing_path: PathBuf,
+    timing_file: File,
+    /// The body's name once the recording is finished.
+    done_path: PathBuf,
+    /// Where the body is written: `done_path` and `.partial`.
+    body_path: PathBuf,
+    body: File,
+}
+
+impl Taken {
+    /// Takes `stem`'s files in `dir`, or none of them: the request's (it
+    /// holds the stem, which a recording of the other framing shares),
+    /// the timing's, and the body's `.partial`, each one that no file has
+    /// yet (an existing file, another process's recording, is never
+    /// overwritten, and a link planted in DIR never followed out of it:
+    /// `create_new` does not follow a symbolic link); and only if the
+    /// body's name is free too. A recorder that finished that name holds
+    /// it from then on, and one that has not holds the `.partial`, so the
+    /// rename that finishes a recording replaces nothing (a link planted
+    /// there later is replaced, not followed). `AlreadyExists` when a
+    /// name is taken.
+    fn new(dir: &Path, stem: &str, extension: &str) -> std::io::Result<Taken> {
+        let request_path = dir.join(format!("{stem}.request.json"));
+        let done_path = dir.join(format!("{stem}.{extension}"));
+        let timing_path = Timing::sidecar(&done_path);
+        let body_path = partial(&done_path);
+        let mut made: Vec<&Path> = Vec::new();
+        let taken = (|| {
+            let request_file = create_new(&request_path)?;
+            made.push(&request_path);
+            let timing_file = create_new(&timing_path)?;
+            made.push(&timing_path);
+            let body = create_new(&body_path)?;
+            made.push(&body_path);
+            match std::fs::symlink_metadata(&done_path) {
+                Err(err) if err.kind() == ErrorKind::NotFound => {}
+                Ok(_) => return Err(ErrorKind::AlreadyExists.into()),
+                Err(err) => return Err(err),
+            }
+            Ok((request_file, timing_file, body))
+        })();
+        match taken {
+            Ok((request_file, timing_file, body)) => Ok(Taken {
+                request_path: request_path.clone(),
+                request_file,
+                timing_path: timing_path.clone(),
+                timing_file,
+                done_path: done_path.clone(),
+                body_path: body_path.clone(),
+                body,
+            }),
+            Err(err) => {
+                for path in made {
+                    let _ = std::fs::remove_file(path);
+                }
+                Err(err)
+            }
+        }
+    }
 }
 
 impl Recorder {
@@ -191,61 +287,41 @@ impl Recorder {
             Framing::Ndjson => "ndjson",
         };
         let part = safe_file_part(session);
-        // Only a name nothing has yet: an existing file (another process
-        // recording into DIR) is never overwritten, and a link planted in
-        // DIR is never followed out of it (`create_new` does not follow a
-        // symbolic link). The next number is tried instead.
-        //
-        // The body is written as `….partial`, made here with `create_new`
-        // and then only if its final name is free too: a recorder (of this
-        // process or another) that finished that name before holds it
-        // from then on, and one that has not finished holds the
-        // `.partial`; so the rename that finishes a recording replaces
-        // nothing (a link planted there later is replaced, not followed).
-        // The stem is held by its `.request.json`, made first (a
-        // recording of the other framing has the same one).
+        // Only a name nothing has yet (see `Taken::new`); the next number
+        // is tried instead.
         let mut tries = 0;
-        let (request_path, request_file, done_path, body_path, file) = loop {
+        let taken = loop {
             let n = self.counter.fetch_add(1, Ordering::Relaxed);
             let stem = format!("{}-{part}-{n}", unix_ms());
-            let request_path = self.dir.join(format!("{stem}.request.json"));
-            let done_path = self.dir.join(format!("{stem}.{extension}"));
-            let body_path = partial(&done_path);
-            let made = create_new(&request_path).and_then(|request_file| {
-                let body = create_new(&body_path).and_then(|file| {
-                    let free = match std::fs::symlink_metadata(&done_path) {
-                        Err(err) if err.kind() == ErrorKind::NotFound => Ok(file),
-                        Ok(_) => Err(ErrorKind::AlreadyExists.into()),
-                        Err(err) => Err(err),
-                    };
-                    if free.is_err() {
-                        let _ = std::fs::remove_file(&body_path);
-                    }
-                    free
-                });
-                if body.is_err() {
-                    let _ = std::fs::remove_file(&request_path);
-                }
-                Ok((request_file, body?))
-            });
-            match made {
-                Ok((request_file, file)) => {
-                    break (request_path, request_file, done_path, body_path, file);
-                }
+            match Taken::new(&self.dir, &stem, extension) {
+                Ok(taken) => break taken,
                 Err(err) if err.kind() == ErrorKind::AlreadyExists && tries < 100 => tries += 1,
-                // Which file could not be made, for the warning.
+                // Which name could not be taken, for the warning.
                 Err(err) => {
                     return Err(std::io::Error::new(
                         err.kind(),
-                        format!("{}: {err}", done_path.display()),
+                        format!(
+                            "{}: {err}",
+                            self.dir.join(format!("{stem}.{extension}")).display()
+                        ),
                     ));
                 }
             }
         };
+        let Taken {
+            request_path,
+            request_file,
+            timing_path,
+            timing_file,
+            done_path,
+            body_path,
+            body: file,
+        } = taken;
         let body = BufWriter::new(file);
         let open = Arc::new(Mutex::new(Open {
             body,
-            timing_path: Timing::sidecar(&done_path),
+            timing_path,
+            timing_file: Some(timing_file),
             body_path,
             done_path,
             request_path,
@@ -261,7 +337,17 @@ impl Recorder {
             ended: false,
             finished: false,
         }));
-        self.open.add(&open);
+        if !self.open.add(&open) {
+            // The exit finished every recording already: none begins.
+            let mut open = lock(&open);
+            open.finished = true;
+            let _ = std::fs::remove_file(&open.body_path);
+            let _ = std::fs::remove_file(&open.timing_path);
+            let _ = std::fs::remove_file(&open.request_path);
+            return Err(std::io::Error::other(
+                "serve is exiting: no recording begins now",
+            ));
+        }
         Ok(Recording {
             open,
             finishing: Arc::clone(&self.open.finishing),
@@ -270,14 +356,19 @@ impl Recorder {
 }
 
 impl OpenRecordings {
-    fn add(&self, open: &Arc<Mutex<Open>>) {
+    /// Lists `open`, unless the list takes no more (false).
+    fn add(&self, open: &Arc<Mutex<Open>>) -> bool {
         let mut list = lock(&self.list);
+        if list.closed {
+            return false;
+        }
         // The ended recordings' entries go once the list would grow: it
         // holds at most twice the recordings open.
-        if list.len() == list.capacity() {
-            list.retain(|entry| entry.strong_count() > 0);
+        if list.open.len() == list.open.capacity() {
+            list.open.retain(|entry| entry.strong_count() > 0);
         }
-        list.push(Arc::downgrade(open));
+        list.open.push(Arc::downgrade(open));
+        true
     }
 
     /// Waits, up to `limit`, until every recording handed to the blocking
@@ -297,14 +388,19 @@ impl OpenRecordings {
     /// Finishes every recording still open, here and now: each body is
     /// flushed as it stands and its sidecars are written, as when its
     /// stream is cut. For an exit that will not wait for the streams; a
-    /// stream that goes on writes nothing more to its recording. Returns
-    /// how many were finished.
+    /// stream that goes on writes nothing more to its recording, and none
+    /// begins after. Returns how many were finished.
     pub fn finish_all(&self) -> usize {
-        let open: Vec<Arc<Mutex<Open>>> =
-            lock(&self.list).iter().filter_map(Weak::upgrade).collect();
+        let open: Vec<Arc<Mutex<Open>>> = {
+            let mut list = lock(&self.list);
+            list.closed = true;
+            list.open.iter().filter_map(Weak::upgrade).collect()
+        };
         let mut finished = 0;
         for recording in open {
-            if let Some(rest) = lock(&recording).finish() {
+            // The file work without the recording's lock.
+            let rest = lock(&recording).finish();
+            if let Some(rest) = rest {
                 rest();
                 finished += 1;
             }
@@ -379,17 +475,13 @@ impl Drop for Recording {
         // the blocking threads drop what is still queued when their
         // runtime ends (the body would stay `.partial`). Counted before the
         // recording is marked finished, so that no wait sees neither.
-        let finishing = Arc::clone(&self.finishing);
-        finishing.fetch_add(1, Ordering::AcqRel);
+        let finishing = Finishing::new(&self.finishing);
         let finished = lock(&self.open).finish();
-        match finished {
-            Some(rest) => off_the_workers(move || {
+        if let Some(rest) = finished {
+            off_the_workers(move || {
                 rest();
-                finishing.fetch_sub(1, Ordering::AcqRel);
-            }),
-            None => {
-                finishing.fetch_sub(1, Ordering::AcqRel);
-            }
+                drop(finishing);
+            });
         }
     }
 }
@@ -436,10 +528,12 @@ impl Open {
         };
         let request_path = std::mem::take(&mut self.request_path);
         let request_file = self.request_file.take();
+        let timing_path = std::mem::take(&mut self.timing_path);
+        let timing_file = self.timing_file.take();
         if let Err(err) = flushed {
             // Left as `.partial`: visibly incomplete, never replayed as a
             // whole capture (`mock` reads `.sse` and `.ndjson`); no
-            // sidecars, so the stem's `.request.json` goes. The write that
+            // sidecars, so the name's other files go. The write that
             // failed first said so.
             if !self.failed {
                 tracing::warn!(
@@ -447,12 +541,12 @@ impl Open {
                     self.done_path.display()
                 );
             }
-            drop(request_file);
+            drop((request_file, timing_file));
             return Some(Box::new(move || {
                 let _ = std::fs::remove_file(&request_path);
+                let _ = std::fs::remove_file(&timing_path);
             }));
         }
-        let timing_path = std::mem::take(&mut self.timing_path);
         self.timing.cut = !self.ended;
         if self.timing.cut {
             let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -464,31 +558,29 @@ impl Open {
         let body_path = std::mem::take(&mut self.body_path);
         let done_path = std::mem::take(&mut self.done_path);
         let write = move || {
-            // Each is tried, whatever became of the other; one not written
-            // whole is removed.
-            let timing_written = write_new(&timing_path, timing.as_bytes());
-            if let Err(err) = &timing_written {
-                tracing::warn!(
-                    "cannot write {} (the capture replays paced): {err}",
-                    timing_path.display()
-                );
-            }
-            let request_written = match request_file {
-                Some(mut file) => file.write_all(&request).inspect_err(|_| {
-                    let _ = std::fs::remove_file(&request_path);
-                }),
-                None => write_new(&request_path, &request),
-            };
+            // Each into its own file, made when the recording started,
+            // whatever became of the other; one not written whole (a full
+            // disk) is removed.
+            let timing_written = write_whole(timing_file, &timing_path, timing.as_bytes());
+            let request_written = write_whole(request_file, &request_path, &request);
             if let Err(err) = request_written {
                 tracing::warn!("cannot write {}: {err}", request_path.display());
             }
-            // A cut response without its timing would replay whole: it
-            // stays `.partial`, its sidecars gone.
-            let renamed = match (cut, timing_written.is_ok()) {
-                (true, false) => Err(std::io::Error::other(
-                    "its timing, which says it was cut, is not written",
-                )),
-                _ => std::fs::rename(&body_path, &done_path),
+            // Without its timing a capture replays paced; a cut one would
+            // replay whole: it stays `.partial`, its request file gone.
+            let renamed = match (&timing_written, cut) {
+                (Err(err), true) => Err(std::io::Error::other(format!(
+                    "cannot write {}, which says it was cut: {err}",
+                    timing_path.display()
+                ))),
+                (Err(err), false) => {
+                    tracing::warn!(
+                        "cannot write {} (the capture replays paced): {err}",
+                        timing_path.display()
+                    );
+                    std::fs::rename(&body_path, &done_path)
+                }
+                (Ok(()), _) => std::fs::rename(&body_path, &done_path),
             };
             // The body takes its name last, once its sidecars are
             // written (or failed, and were said): whoever sees the capture
@@ -498,15 +590,23 @@ impl Open {
                     "cannot name the recording {}, kept as .partial: {err}",
                     done_path.display()
                 );
-                // Ours only: a name that was taken (a link planted there)
-                // is left alone.
-                if timing_written.is_ok() {
-                    let _ = std::fs::remove_file(&timing_path);
-                }
+                let _ = std::fs::remove_file(&timing_path);
                 let _ = std::fs::remove_file(&request_path);
             }
         };
         Some(Box::new(write))
+    }
+}
+
+/// Writes `bytes` into `file`, made at `path` when the recording started
+/// (made now, as [`write_new`] does, if it was not); removes it if they
+/// are not written whole.
+fn write_whole(file: Option<File>, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    match file {
+        Some(mut file) => file.write_all(bytes).inspect_err(|_| {
+            let _ = std::fs::remove_file(path);
+        }),
+        None => write_new(path, bytes),
     }
 }
 
@@ -634,15 +734,17 @@ mod tests {
         assert_eq!(request.expect("its request"), "mine");
     }
 
-    /// A cut recording whose timing cannot be written (its name taken)
-    /// stays `.partial`: without the timing's cut line it would replay as
-    /// a whole capture. Its request file goes; the file at the timing's
-    /// name, not ours, stays.
+    /// A cut recording whose timing cannot be written stays `.partial`:
+    /// without the timing's cut line it would replay as a whole capture.
+    /// Its other files go.
     #[test]
     fn a_cut_recording_without_its_timing_stays_partial() {
         let (dir, _recorder, mut recording) = recording_in("cut-no-timing");
-        let timing = lock(&recording.open).timing_path.clone();
-        std::fs::write(&timing, "someone else's").expect("planted");
+        {
+            let mut open = lock(&recording.open);
+            // Its timing file, read-only from now on: its write fails.
+            open.timing_file = Some(File::open(&open.timing_path).expect("opened"));
+        }
         assert!(recording.data(b"data: one\n\n"));
         drop(recording);
         let mut ends: Vec<String> = std::fs::read_dir(&dir)
@@ -651,10 +753,32 @@ mod tests {
             .filter_map(|n| n.split_once('.').map(|(_, end)| end.to_owned()))
             .collect();
         ends.sort();
-        let kept = std::fs::read_to_string(&timing);
         let _ = std::fs::remove_dir_all(&dir);
-        assert_eq!(ends, ["sse.partial", "sse.timing"]);
-        assert_eq!(kept.expect("still there"), "someone else's");
+        assert_eq!(ends, ["sse.partial"]);
+    }
+
+    /// Once the exit has finished every recording (`finish_all`), none
+    /// begins: a stream still waiting for its upstream's head would start
+    /// one that nothing finishes, left `.partial` with the workers.
+    #[test]
+    fn no_recording_begins_after_the_exit_finished_them() {
+        let (dir, recorder, recording) = recording_in("closed");
+        drop(recording);
+        assert_eq!(recorder.open_recordings().finish_all(), 0);
+        let before = std::fs::read_dir(&dir).map_or(0, Iterator::count);
+        let refused = recorder.start(
+            "s",
+            Framing::Sse,
+            http::StatusCode::OK,
+            RequestCopy::default(),
+        );
+        let after = std::fs::read_dir(&dir).map_or(0, Iterator::count);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(refused.is_err());
+        assert_eq!(
+            before, after,
+            "files made for a recording that did not begin"
+        );
     }
 
     /// A recording finished for an exit at once (a second signal) takes no

@@ -79,10 +79,11 @@ struct Session {
     /// What its stream reads without the lock, shared with it.
     flags: Arc<Flags>,
     /// Streams of the session still open that a newer one superseded,
+    /// with whether each one's `done` went out (`answered`),
     /// oldest first, with their flags: when the owner ends, the last of
     /// them takes the session back. Empty (no allocation) but for
     /// sessions with streams at once.
-    superseded: Vec<(u64, Arc<Flags>)>,
+    superseded: Vec<(u64, Arc<Flags>, bool)>,
 }
 
 /// A session's flags its stream reads without the registry's lock, in one
@@ -367,7 +368,9 @@ impl SessionRegistry {
             // stream ends first.
             session.flags.listened.store(false, Ordering::Relaxed);
             let flags = std::mem::replace(&mut session.flags, Arc::new(Flags::default()));
-            session.superseded.push((session.generation, flags));
+            session
+                .superseded
+                .push((session.generation, flags, session.answered));
         }
         session.generation = generation;
         session.streaming = true;
@@ -490,7 +493,7 @@ impl SessionRegistry {
             session.flags.cleared.store(true, Ordering::Relaxed);
             // A superseded stream's calls are over too: given the session
             // back, it would show them again.
-            for (_, flags) in &session.superseded {
+            for (_, flags, _) in &session.superseded {
                 flags.cleared.store(true, Ordering::Relaxed);
             }
         }
@@ -812,7 +815,7 @@ impl Drop for StreamHandle {
         if session.generation != self.generation {
             // Superseded (or gone, its slot another session's): it only
             // leaves the queue of those that may take the session back.
-            session.superseded.retain(|(g, _)| *g != self.generation);
+            session.superseded.retain(|(g, _, _)| *g != self.generation);
             return;
         }
         session.last_active = Instant::now();
@@ -834,14 +837,14 @@ impl Drop for StreamHandle {
         match session.superseded.pop() {
             // An older stream of the session is still open: it takes the
             // session back.
-            Some((generation, flags)) => {
+            Some((generation, flags, answered)) => {
                 session.generation = generation;
                 flags
                     .listened
                     .store(session.listening(all), Ordering::Relaxed);
                 flags.regained.store(true, Ordering::Relaxed);
                 session.flags = flags;
-                session.answered = false;
+                session.answered = answered;
             }
             None => session.streaming = false,
         }
@@ -859,10 +862,10 @@ impl Drop for StreamHandle {
 /// `{"type":"stream_resume","sessionId":…,"toolCallsProgress":[{index,
 /// name, charsAccumulated, startedAt}],"streaming":…,"serverTime":…}`,
 /// entries sorted by index, times in Unix milliseconds; `streaming`: an
-/// answer is under way, a stream of the session open and its `done` not
-/// sent (a subscriber that was away when it ended, and missed its `done`,
-/// tells an answer over from one in its text by it); `serverTime` lets a
-/// browser correct for its own clock.
+/// answer is under way, a stream owning the session open whose `done` has
+/// not been sent to subscribers (a subscriber that was away when it went
+/// out tells an answer over from one in its text by it); `serverTime`
+/// lets a browser correct for its own clock.
 pub fn resume_frame(session_id: &str, progress: &[ProgressEntry], streaming: bool) -> Frame {
     let mut out = String::from("{\"type\":\"stream_resume\",\"sessionId\":");
     push_string(session_id, &mut out);

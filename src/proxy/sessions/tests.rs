@@ -809,20 +809,25 @@ fn a_snapshot_says_whether_an_answer_is_under_way() {
         )
     };
     assert_eq!(resume(&registry), empty(false), "an unknown session");
-    let mut stream = registry.begin_stream("s1");
+    let mut older = registry.begin_stream("s1");
     assert_eq!(resume(&registry), empty(true));
     let listening = registry.subscribe("s1");
     assert_eq!(without_server_time(&listening.resume), empty(true));
-    stream.publish(&mut ToolCallTracker::new(true), &[StreamEvent::Done]);
-    assert_eq!(resume(&registry), empty(false), "its done went out");
-    // A newer stream of the session: under way again.
+    // A newer stream ends first: the older one takes the session back,
+    // its answer still under way.
     let newer = registry.begin_stream("s1");
     assert_eq!(resume(&registry), empty(true));
-    // It ends first (its `done` goes out): the older stream takes the
-    // session back, and its answer goes on.
     drop(newer);
     assert_eq!(resume(&registry), empty(true), "given back");
-    drop(stream);
+    older.publish(&mut ToolCallTracker::new(true), &[StreamEvent::Done]);
+    assert_eq!(resume(&registry), empty(false), "its done went out");
+    // Another newer one, which ends first: the older one's done went out
+    // already, and stays so (its end sends none again).
+    let newer = registry.begin_stream("s1");
+    assert_eq!(resume(&registry), empty(true));
+    drop(newer);
+    assert_eq!(resume(&registry), empty(false), "given back, answered");
+    drop(older);
     assert_eq!(resume(&registry), empty(false), "the stream ended");
     assert_eq!(
         without_server_time(&registry.subscribe("s1").resume),
