@@ -645,6 +645,18 @@ mod tests {
         (dir, recorder, recording)
     }
 
+    /// What follows the stem in the names of the files in `dir`, sorted
+    /// (`sse`, `sse.timing`, `request.json`, …).
+    fn name_ends(dir: &Path) -> Vec<String> {
+        let mut ends: Vec<String> = std::fs::read_dir(dir)
+            .expect("listed")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter_map(|n| n.split_once('.').map(|(_, end)| end.to_owned()))
+            .collect();
+        ends.sort();
+        ends
+    }
+
     #[test]
     fn a_failed_write_leaves_a_partial_body_and_no_sidecars() {
         let (dir, _recorder, mut recording) = recording_in("failed");
@@ -688,17 +700,9 @@ mod tests {
         drop(recording);
         let open = recorder.open_recordings();
         assert_eq!(open.finished(Duration::from_secs(10)).await, 0);
-        let mut names: Vec<String> = std::fs::read_dir(&dir)
-            .expect("listed")
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .collect();
-        names.sort();
+        let ends = name_ends(&dir);
         let _ = std::fs::remove_dir_all(&dir);
-        let ends: Vec<&str> = names
-            .iter()
-            .filter_map(|n| n.split_once('.').map(|(_, end)| end))
-            .collect();
-        assert_eq!(ends, ["request.json", "sse", "sse.timing"], "{names:?}");
+        assert_eq!(ends, ["request.json", "sse", "sse.timing"]);
     }
 
     /// The stem is held by its `.request.json`: a recording does not take
@@ -747,12 +751,7 @@ mod tests {
         }
         assert!(recording.data(b"data: one\n\n"));
         drop(recording);
-        let mut ends: Vec<String> = std::fs::read_dir(&dir)
-            .expect("listed")
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter_map(|n| n.split_once('.').map(|(_, end)| end.to_owned()))
-            .collect();
-        ends.sort();
+        let ends = name_ends(&dir);
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(ends, ["sse.partial"]);
     }
