@@ -1467,7 +1467,8 @@ async fn cookies_from_an_http_2_client_reach_an_http_1_upstream_as_one_line() {
     let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-cookies");
     let mut server = (*pki.server).clone();
     server.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let (upstream, proxy) = through_to_tls_ok(server, &ca_path).await;
+    let (upstream, proxy) =
+        through_to_tls(Arc::new(server), &ca_path, |_| Reply::new(200).body("ok")).await;
     let response = send(&h2, with_cookies(proxy.url("/v1/models"))).await;
     let _ = std::fs::remove_file(&ca_path);
     assert_eq!(response.status(), StatusCode::OK);
@@ -2809,15 +2810,12 @@ async fn a_tls_upstream_is_reached_over_http2_with_the_given_ca() {
 async fn an_http2_upstreams_head_of_over_100_fields_is_a_502() {
     let pki = test_pki();
     let ca_path = write_test_ca(&pki, "aalis-proxy-test-ca-fields");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = FakeUpstream::start_on(listener, Some(pki.server.clone()), |_| {
+    let (upstream, proxy) = through_to_tls(pki.server.clone(), &ca_path, |_| {
         (0..150).fold(Reply::new(200), |reply, n| {
             reply.header(&format!("x-field-{n}"), "v")
         })
-    });
-    let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
-    config.upstream_ca = Some(ca_path.clone());
-    let proxy = TestProxy::start(config).await;
+    })
+    .await;
     let message = bad_gateway_message(&proxy).await;
     let _ = std::fs::remove_file(&ca_path);
     assert_eq!(upstream.requests()[0].version, Version::HTTP_2);
@@ -2873,15 +2871,15 @@ async fn bad_gateway_message(proxy: &TestProxy) -> String {
 }
 
 /// A proxy to an `https://` fake upstream that serves TLS with `server`
-/// and answers every request `200 ok`, trusting the CA in `ca_path`.
-async fn through_to_tls_ok(
-    server: rustls::ServerConfig,
+/// and answers every request as `reply` says, trusting the CA in
+/// `ca_path`.
+async fn through_to_tls(
+    server: Arc<rustls::ServerConfig>,
     ca_path: &std::path::Path,
+    reply: impl Fn(&Recorded) -> Reply + Send + Sync + 'static,
 ) -> (FakeUpstream, TestProxy) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = FakeUpstream::start_on(listener, Some(Arc::new(server)), |_| {
-        Reply::new(200).body("ok")
-    });
+    let upstream = FakeUpstream::start_on(listener, Some(server), reply);
     let mut config = proxy_config(&format!("https://127.0.0.1:{}", upstream.addr.port()));
     config.upstream_ca = Some(ca_path.to_path_buf());
     (upstream, TestProxy::start(config).await)
@@ -2915,7 +2913,8 @@ async fn a_self_signed_ca_as_the_upstreams_certificate_is_a_502_that_says_how_to
         unix_ms()
     ));
     std::fs::write(&ca_path, cert.pem()).expect("write the certificate");
-    let (upstream, proxy) = through_to_tls_ok(server, &ca_path).await;
+    let (upstream, proxy) =
+        through_to_tls(Arc::new(server), &ca_path, |_| Reply::new(200).body("ok")).await;
     let message = bad_gateway_message(&proxy).await;
     let _ = std::fs::remove_file(&ca_path);
     for said in [

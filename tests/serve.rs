@@ -1612,6 +1612,17 @@ fn an_inject_mode_for_sse_is_said_once_for_ndjson_streams() {
     assert_eq!(said, 1, "{stderr}");
 }
 
+/// A request's head as an upstream reads it from `conn`, byte by byte (to
+/// its blank line, or as far as the connection goes).
+fn request_head(conn: &mut TcpStream) -> Vec<u8> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).is_ok_and(|n| n == 1) {
+        head.push(byte[0]);
+    }
+    head
+}
+
 /// A `HEAD` to a streaming route gets the head its `GET` would: no
 /// `Content-Length`, `Cache-Control: no-cache`, `X-Accel-Buffering: no`
 /// (RFC 9110 §9.3.2). It had the upstream's length and no such headers.
@@ -1621,11 +1632,7 @@ fn a_head_to_a_stream_gets_the_streams_head() {
     let upstream_port = upstream.local_addr().expect("local_addr").port();
     let answering = thread::spawn(move || {
         let (mut conn, _) = upstream.accept().expect("accept");
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).is_ok_and(|n| n == 1) {
-            head.push(byte[0]);
-        }
+        let head = request_head(&mut conn);
         let _ = conn.write_all(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 1256\r\n\r\n",
         );
@@ -1664,11 +1671,7 @@ fn a_compressed_stream_is_said_once() {
     let answering = thread::spawn(move || {
         for _ in 0..2 {
             let (mut conn, _) = upstream.accept().expect("accept");
-            let mut head = Vec::new();
-            let mut byte = [0u8; 1];
-            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).is_ok_and(|n| n == 1) {
-                head.push(byte[0]);
-            }
+            request_head(&mut conn);
             let _ = conn.write_all(
                 format!(
                     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n\

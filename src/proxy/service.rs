@@ -33,7 +33,7 @@ use super::server::{Peer, RefusedHead};
 use super::sessions::SessionRegistry;
 use super::upstream::{
     BoxError, ProxyBody, SendError, UpstreamClient, UpstreamConfigError, build_client, error_chain,
-    has_cause, mark_credentials_sensitive, strip_hop_by_hop,
+    find_cause, has_cause, mark_credentials_sensitive, strip_hop_by_hop,
 };
 use crate::encode::{InjectMode, OutputFormat};
 use crate::framing::Framing;
@@ -1400,16 +1400,11 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
         )
     } else if timed_out {
         (Fault::UpstreamTimeout, "timed out before its response")
-    } else if err.is_connect() && has_cause(err, &is_ca_as_server_certificate) {
+    } else if err.is_connect() && tls {
         (
             Fault::UpstreamUnreachable,
-            "failed the TLS handshake: its certificate is a CA's (basicConstraints \
-             CA:TRUE, as `openssl req -x509` makes by default), which a server may not \
-             use as its own; make it with `-addext basicConstraints=critical,CA:FALSE`, \
-             or sign it with a CA given to --upstream-ca",
+            find_cause(err, &tls_failure).unwrap_or("failed the TLS handshake"),
         )
-    } else if err.is_connect() && tls {
-        (Fault::UpstreamUnreachable, tls_failure(err))
     } else if err.is_connect() {
         (Fault::UpstreamUnreachable, "is unreachable")
     } else if head_too_large {
@@ -1419,58 +1414,49 @@ fn classify(err: &SendError) -> (Fault, &'static str) {
     }
 }
 
-/// How a TLS handshake that failed is said, with what to do when the
-/// failure says it: a certificate of a CA not trusted (the usual private
-/// CA), expired, not yet valid or of another name, and a server that does
-/// not speak TLS at all.
-fn tls_failure(err: &SendError) -> &'static str {
+/// How a TLS handshake that failed is said, with what to do, when `err`
+/// is rustls's error and says why: a certificate of a CA not trusted (the
+/// usual private CA), expired, not yet valid or of another name; one that
+/// is a CA's (`CA:TRUE`, the usual self-signed certificate, which curl
+/// takes when it is given as the CA, and rustls (webpki) never does); and
+/// a server that does not speak TLS at all.
+fn tls_failure(err: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
     use rustls::{CertificateError as Cert, Error as Tls, InvalidMessage};
-    let said = std::cell::Cell::new("failed the TLS handshake");
-    has_cause(err, &|e| {
-        let found = match e.downcast_ref::<Tls>() {
-            Some(Tls::InvalidCertificate(Cert::UnknownIssuer)) => Some(
-                "failed the TLS handshake: its certificate is signed by no CA this proxy \
-                 trusts (the bundled web roots, and --upstream-ca's); give its CA's \
-                 certificate, in PEM, with --upstream-ca",
-            ),
-            Some(Tls::InvalidCertificate(Cert::Expired | Cert::ExpiredContext { .. })) => {
-                Some("failed the TLS handshake: its certificate has expired")
-            }
-            Some(Tls::InvalidCertificate(Cert::NotValidYet | Cert::NotValidYetContext { .. })) => {
-                Some(
-                    "failed the TLS handshake: its certificate is not valid yet (is this \
-                     machine's clock right?)",
-                )
-            }
-            Some(Tls::InvalidCertificate(
-                Cert::NotValidForName | Cert::NotValidForNameContext { .. },
-            )) => Some(
-                "failed the TLS handshake: its certificate is not for the host --upstream \
-                 names",
-            ),
-            Some(Tls::InvalidMessage(InvalidMessage::InvalidContentType)) => Some(
-                "failed the TLS handshake: it does not speak TLS there (a plain HTTP \
-                 server?); if so, give --upstream as http://",
-            ),
-            _ => None,
-        };
-        if let Some(found) = found {
-            said.set(found);
+    match err.downcast_ref::<Tls>()? {
+        Tls::InvalidCertificate(Cert::UnknownIssuer) => Some(
+            "failed the TLS handshake: its certificate is signed by no CA this proxy trusts \
+             (the bundled web roots, and --upstream-ca's); give its CA's certificate, in PEM, \
+             with --upstream-ca",
+        ),
+        Tls::InvalidCertificate(Cert::Other(other))
+            if matches!(
+                other.0.downcast_ref::<webpki::Error>(),
+                Some(webpki::Error::CaUsedAsEndEntity)
+            ) =>
+        {
+            Some(
+                "failed the TLS handshake: its certificate is a CA's (basicConstraints \
+                 CA:TRUE, as `openssl req -x509` makes by default), which a server may not \
+                 use as its own; make it with `-addext basicConstraints=critical,CA:FALSE`, \
+                 or sign it with a CA given to --upstream-ca",
+            )
         }
-        found.is_some()
-    });
-    said.get()
-}
-
-/// Whether `err` is rustls's refusal of a server certificate that is a
-/// CA's: the usual self-signed certificate, which curl takes when it is
-/// given as the CA, and rustls (webpki) never does.
-fn is_ca_as_server_certificate(err: &(dyn std::error::Error + 'static)) -> bool {
-    matches!(
-        err.downcast_ref::<rustls::Error>(),
-        Some(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other)))
-            if matches!(other.0.downcast_ref::<webpki::Error>(), Some(webpki::Error::CaUsedAsEndEntity))
-    )
+        Tls::InvalidCertificate(Cert::Expired | Cert::ExpiredContext { .. }) => {
+            Some("failed the TLS handshake: its certificate has expired")
+        }
+        Tls::InvalidCertificate(Cert::NotValidYet | Cert::NotValidYetContext { .. }) => Some(
+            "failed the TLS handshake: its certificate is not valid yet (is this machine's \
+             clock right?)",
+        ),
+        Tls::InvalidCertificate(Cert::NotValidForName | Cert::NotValidForNameContext { .. }) => {
+            Some("failed the TLS handshake: its certificate is not for the host --upstream names")
+        }
+        Tls::InvalidMessage(InvalidMessage::InvalidContentType) => Some(
+            "failed the TLS handshake: it does not speak TLS there (a plain HTTP server?); if \
+             so, give --upstream as http://",
+        ),
+        _ => None,
+    }
 }
 
 /// An OpenAI-style error response.

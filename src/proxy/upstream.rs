@@ -272,17 +272,26 @@ pub(crate) fn has_cause(
     err: &(dyn std::error::Error + 'static),
     test: &dyn Fn(&(dyn std::error::Error + 'static)) -> bool,
 ) -> bool {
-    if test(err) {
-        return true;
+    find_cause(err, &|e| test(e).then_some(())).is_some()
+}
+
+/// What `find` says of the first of `err` and its causes it says
+/// something of, in [`has_cause`]'s order.
+pub(crate) fn find_cause<T>(
+    err: &(dyn std::error::Error + 'static),
+    find: &dyn Fn(&(dyn std::error::Error + 'static)) -> Option<T>,
+) -> Option<T> {
+    if let Some(found) = find(err) {
+        return Some(found);
     }
-    if let Some(inner) = err
+    if let Some(found) = err
         .downcast_ref::<std::io::Error>()
         .and_then(std::io::Error::get_ref)
-        && has_cause(inner, test)
+        .and_then(|inner| find_cause(inner, find))
     {
-        return true;
+        return Some(found);
     }
-    err.source().is_some_and(|source| has_cause(source, test))
+    err.source().and_then(|source| find_cause(source, find))
 }
 
 /// An error of an `https://` upstream's response body, its causes in its
