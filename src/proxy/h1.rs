@@ -39,7 +39,9 @@
 //! (a connection the upstream closed meanwhile reads its end and is
 //! dropped) and every 15 s by a sweeper task, and a request that finds it
 //! closed before any byte was written is sent again on a new connection,
-//! as hyper-util's client does.
+//! as hyper-util's client does, and so is one with no body and an
+//! idempotent method that it fails before any byte of the answer, as
+//! nginx does.
 //!
 //! TLS upstreams keep hyper-util's client (they mostly speak HTTP/2, whose
 //! streams buffer several frames anyway); see
@@ -60,6 +62,7 @@ use http::header::{self, HeaderValue};
 use http::uri::Authority;
 use http::{Method, Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -497,12 +500,26 @@ impl H1Pool {
         }
         *req.uri_mut() = origin_form(&uri);
         if let Some(mut conn) = self.checkout() {
+            // Its close may also come after the check in `exchange`, while
+            // the request is on its way, and the request then gets no byte
+            // of an answer. One that can be sent twice (an idempotent
+            // method, RFC 9110 §9.2.2, and no body to keep) is sent again
+            // on a new connection, as nginx does on a kept connection.
+            let copy = resendable(&req).then(|| copy_of(&req));
             match exchange(&mut conn, req).await {
                 Ok(answer) => return Ok(self.driven(conn, answer)),
                 // Closed before a byte of it was written: an upstream that
                 // closed an idle connection. Send it again on a new one.
                 Err(Retry::Again(again)) => req = again,
-                Err(Retry::No(err)) => return Err(err),
+                Err(Retry::No(err)) => match copy {
+                    Some(copy) if unanswered(&err) && conn.buf.is_empty() => {
+                        tracing::debug!(
+                            "sent again on a new connection: a kept one failed ({err})"
+                        );
+                        req = copy;
+                    }
+                    _ => return Err(err),
+                },
             }
         }
         let mut conn = self.connect(uri).await?;
@@ -771,6 +788,31 @@ async fn finish_sending(pool: Arc<H1Pool>, mut conn: Conn, mut sending: Sending,
             "the rest of the request was not sent: no progress for {idle:?} after its response"
         ),
     }
+}
+
+/// Whether `req` may be sent again after a kept connection failed under
+/// it: its method is idempotent and it has no body.
+fn resendable(req: &Request<ProxyBody>) -> bool {
+    req.method().is_idempotent() && req.body().is_end_stream()
+}
+
+/// `req` again, with an empty body (see [`resendable`]).
+fn copy_of(req: &Request<ProxyBody>) -> Request<ProxyBody> {
+    let body = http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed();
+    let mut copy = Request::new(body);
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    copy
+}
+
+/// Whether `err` is a kept connection's failing before any answer: closed,
+/// reset, or not writable (not an answer the proxy could not read).
+fn unanswered(err: &H1Error) -> bool {
+    matches!(err, H1Error::Closed | H1Error::Read(_) | H1Error::Write(_))
 }
 
 /// A deadline that never comes, for a huge idle timeout.
@@ -1237,7 +1279,7 @@ impl Body for DrivenBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body_util::{BodyExt, Empty};
+    use http_body_util::{BodyExt, Empty, Full};
     use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
@@ -1786,6 +1828,66 @@ mod tests {
             matches!(outcome, Err(Retry::Again(_))),
             "the request must come back unsent"
         );
+    }
+
+    /// An upstream whose first connection answers one request, then reads
+    /// the head of the next and closes without a word (its idle close
+    /// crossing that request); every later connection answers `ok` to each
+    /// request. Counts the connections it accepted.
+    async fn upstream_closing_its_first_under_the_second() -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+                tokio::spawn(async move {
+                    let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    while read_request_head(&mut stream).await {
+                        if stream.write_all(reply).await.is_err() {
+                            return;
+                        }
+                        if first && read_request_head(&mut stream).await {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// A `GET` on a kept connection that the upstream closes after the
+    /// request went out, before a byte of its answer: sent again on a new
+    /// connection (it was a `502`). A `POST` is not (it may have been
+    /// acted on): its failure is the client's answer, on one connection.
+    #[tokio::test]
+    async fn a_get_on_a_kept_connection_closed_under_it_is_sent_again() {
+        let (addr, accepted) = upstream_closing_its_first_under_the_second().await;
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
+        get_ok(&pool, addr).await;
+        assert_eq!(pool.idle_connections(), 1, "kept for reuse");
+        tokio::time::timeout(Duration::from_secs(10), get_ok(&pool, addr))
+            .await
+            .expect("the GET answered on a new connection");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+
+        let (addr, accepted) = upstream_closing_its_first_under_the_second().await;
+        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
+        get_ok(&pool, addr).await;
+        let body = Full::new(Bytes::from_static(b"{}"))
+            .map_err(|never| match never {})
+            .boxed();
+        let failed = tokio::time::timeout(Duration::from_secs(10), pool.request(post(addr, body)))
+            .await
+            .expect("an answer, not a hang");
+        assert!(
+            matches!(failed, Err(H1Error::Closed | H1Error::Read(_))),
+            "{:?}",
+            failed.map(|response| response.status())
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "not sent again");
     }
 
     /// Reads from `upstream`'s writing `event` until the whole of it is
