@@ -18,6 +18,7 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use crate::encode::{InjectMode, OutputFormat};
 use crate::pipeline::AnnotatorConfig;
 use crate::proxy::ProxyConfig;
+use crate::proxy::server::Sched;
 use crate::proxy::upstream::{Upstream, UpstreamConfigError};
 use crate::render::spinner::ProgressMode;
 
@@ -435,6 +436,23 @@ pub struct ServeArgs {
     /// Example: --threads 1
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_THREADS))]
     pub threads: Option<u16>,
+
+    /// How the kernel schedules those threads (Linux): batch or inherit
+    ///
+    /// batch (the default) runs them as SCHED_BATCH when the process runs
+    /// under the default policy: a thread that an event wakes waits for the
+    /// task running on its CPU to end its turn instead of cutting in (on an
+    /// idle CPU it runs at once), so the upstream and the client are not
+    /// cut off mid-write, and on a busy machine a thread takes several
+    /// events at once, for less CPU each. An event can then wait for that
+    /// turn, a few milliseconds at most, while every CPU is busy. inherit
+    /// keeps the policy the process was started with (chrt). Neither needs
+    /// a privilege, nor changes the nice value; elsewhere than Linux both do
+    /// nothing.
+    ///
+    /// Example: --sched inherit
+    #[arg(long, value_enum, default_value_t = Sched::Batch, value_name = "POLICY")]
+    pub sched: Sched,
 
     #[command(flatten)]
     pub stream: StreamFlags,

@@ -366,7 +366,7 @@ fn serve_logged(
         .unwrap_or_else(|| {
             std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN)
         });
-    let workers = Workers::start(threads).context("cannot start the worker threads")?;
+    let workers = Workers::start(threads, args.sched).context("cannot start the worker threads")?;
     let result = current_thread_runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
         if let Some(dir) = &record_dir {

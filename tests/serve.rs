@@ -1623,6 +1623,63 @@ fn request_head(conn: &mut TcpStream) -> Vec<u8> {
     head
 }
 
+/// Field 41 of a `/proc/…/stat` line, the thread's scheduling policy (0
+/// `SCHED_OTHER`, 3 `SCHED_BATCH`), and the thread's name.
+fn policy_and_name(stat: &str) -> Option<(u32, String)> {
+    let (head, rest) = stat.rsplit_once(')')?;
+    let name = head.split_once('(')?.1.to_owned();
+    // `rest` begins with field 3, the state.
+    let policy = rest.split_whitespace().nth(41 - 3)?.parse().ok()?;
+    Some((policy, name))
+}
+
+/// The policies of `pid`'s threads named `worker-N`, in no order.
+fn worker_policies(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("stat")).ok())
+        .filter_map(|stat| policy_and_name(&stat))
+        .filter(|(_, name)| name.starts_with("worker-"))
+        .map(|(policy, _)| policy)
+        .collect()
+}
+
+/// `serve`'s worker threads run as `SCHED_BATCH` when the process runs
+/// under `SCHED_OTHER` (a policy it was started with is kept), and with
+/// `--sched inherit` keep the process's policy; the other threads keep
+/// it either way.
+#[test]
+fn the_workers_run_as_sched_batch_unless_told_to_inherit() {
+    let own = std::fs::read_to_string("/proc/thread-self/stat")
+        .ok()
+        .and_then(|stat| policy_and_name(&stat))
+        .map(|(policy, _)| policy)
+        .expect("this thread's policy");
+    let batch = if own == 0 { 3 } else { own };
+    let upstream = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = upstream.local_addr().expect("local_addr").port();
+    for (extra, expected) in [(&[][..], batch), (&["--sched", "inherit"][..], own)] {
+        let mut args = vec!["--threads", "2"];
+        args.extend_from_slice(extra);
+        let mut serve = start_serve(upstream_port, &args, &[]);
+        // Each worker sets its policy as it starts, beside the listening.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut policies = worker_policies(serve.pid());
+        while policies != [expected, expected] && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+            policies = worker_policies(serve.pid());
+        }
+        let main_thread = std::fs::read_to_string(format!("/proc/{}/stat", serve.pid()))
+            .ok()
+            .and_then(|stat| policy_and_name(&stat));
+        serve.stop();
+        assert_eq!(policies, [expected, expected], "{args:?}");
+        assert_eq!(main_thread.map(|(policy, _)| policy), Some(own), "{args:?}");
+    }
+}
+
 /// A `HEAD` to a streaming route gets the head its `GET` would: no
 /// `Content-Length`, `Cache-Control: no-cache`, `X-Accel-Buffering: no`
 /// (RFC 9110 §9.3.2). It had the upstream's length and no such headers.

@@ -17,7 +17,7 @@
 //! that opened it, and its streams may be read from the others.) The
 //! multi-thread runtime woke a second worker for about 0.6 events in 1, and
 //! that cost a quarter of `serve`'s CPU per paced event (BENCHMARKS.md,
-//! "Fifth round").
+//! "Fifth round"). The workers run as `SCHED_BATCH` on Linux ([`Sched`]).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -998,12 +998,74 @@ pub struct Workers {
     threads: Vec<thread::JoinHandle<()>>,
 }
 
+/// How the kernel schedules the worker threads (`serve --sched`).
+///
+/// Under `SCHED_BATCH` (Linux) a worker that an event wakes does not cut
+/// in on the task running on its CPU, but waits for its turn to end (an
+/// idle CPU runs it at once): an upstream that writes an event and a
+/// client that reads one are not cut off in the middle, and a busy worker
+/// takes several events at once (BENCHMARKS.md, fifty-first round).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Sched {
+    /// SCHED_BATCH, when the process runs under the default SCHED_OTHER
+    #[default]
+    Batch,
+    /// the policy the process was started with (chrt), kept
+    Inherit,
+}
+
+/// Said once a process: the workers could not be given [`Sched::Batch`].
+static SCHED_REFUSED: AtomicBool = AtomicBool::new(false);
+
+impl Sched {
+    /// Gives the calling thread this policy, warning once a process when
+    /// the kernel refuses it (the thread keeps its policy).
+    fn apply(self) {
+        if self == Sched::Inherit {
+            return;
+        }
+        if let Err(err) = batch_if_other()
+            && !SCHED_REFUSED.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                "cannot run the worker threads as SCHED_BATCH ({err}): they keep the process's policy"
+            );
+        }
+    }
+}
+
+/// `SCHED_BATCH` for the calling thread, when it runs under
+/// `SCHED_OTHER` (a policy chosen with `chrt` is kept).
+#[cfg(target_os = "linux")]
+fn batch_if_other() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: both are system calls on the calling thread (pid 0); `param`
+    // is a valid `sched_param` that outlives the call, and the kernel only
+    // reads it. The crate's one `unsafe`: no crate wraps these calls
+    // (rustix leaves them out; thread-priority sets the nice value too).
+    let ret = unsafe {
+        match libc::sched_getscheduler(0) {
+            libc::SCHED_OTHER => libc::sched_setscheduler(0, libc::SCHED_BATCH, &param),
+            current => current.min(0),
+        }
+    };
+    match ret {
+        0.. => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn batch_if_other() -> io::Result<()> {
+    Ok(())
+}
+
 impl Workers {
     /// Starts `count` threads, named `worker-0`, `worker-1`, …, each with
     /// its own list of idle upstream connections (up to
     /// [`SHARDS`](super::h1::SHARDS) threads; see
-    /// [`H1Pool`](super::h1::H1Pool)).
-    pub fn start(count: NonZeroUsize) -> io::Result<Workers> {
+    /// [`H1Pool`](super::h1::H1Pool)), scheduled as `sched` says.
+    pub fn start(count: NonZeroUsize, sched: Sched) -> io::Result<Workers> {
         let mut workers = Workers {
             handles: Vec::with_capacity(count.get()),
             stops: Vec::with_capacity(count.get()),
@@ -1018,6 +1080,7 @@ impl Workers {
             let thread = thread::Builder::new()
                 .name(format!("worker-{i}"))
                 .spawn(move || {
+                    sched.apply();
                     super::h1::pin_shard(i);
                     // Err is the sender dropped: the signal to stop.
                     let _ = runtime.block_on(stopped);
@@ -1106,7 +1169,8 @@ mod tests {
     /// its response).
     #[tokio::test]
     async fn connections_are_served_on_the_least_busy_worker() {
-        let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("workers");
+        let workers =
+            Workers::start(NonZeroUsize::new(2).expect("2 > 0"), Sched::Inherit).expect("workers");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let handler = |_req: Request<Incoming>, _peer: Peer| async {
