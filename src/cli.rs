@@ -444,11 +444,13 @@ pub struct ServeArgs {
     /// task running on its CPU to end its turn instead of cutting in (on an
     /// idle CPU it runs at once), so the upstream and the client are not
     /// cut off mid-write, and on a busy machine a thread takes several
-    /// events at once, for less CPU each. An event can then wait for that
-    /// turn, a few milliseconds at most, while every CPU is busy. inherit
-    /// keeps the policy the process was started with (chrt). Neither needs
-    /// a privilege, nor changes the nice value; elsewhere than Linux both do
-    /// nothing.
+    /// events at once, for less CPU each. While every CPU is busy, an event
+    /// can then wait for the running task to sleep or end its turn
+    /// (milliseconds: a scheduler tick, a time slice). Threads the workers
+    /// start (name lookups, recordings' writes) inherit it. inherit keeps
+    /// the policy the process was started with (chrt). Neither needs a
+    /// privilege, nor changes the nice value; elsewhere than Linux with
+    /// glibc both do nothing.
     ///
     /// Example: --sched inherit
     #[arg(long, value_enum, default_value_t = Sched::Batch, value_name = "POLICY")]

@@ -1625,6 +1625,7 @@ fn request_head(conn: &mut TcpStream) -> Vec<u8> {
 
 /// Field 41 of a `/proc/…/stat` line, the thread's scheduling policy (0
 /// `SCHED_OTHER`, 3 `SCHED_BATCH`), and the thread's name.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn policy_and_name(stat: &str) -> Option<(u32, String)> {
     let (head, rest) = stat.rsplit_once(')')?;
     let name = head.split_once('(')?.1.to_owned();
@@ -1634,6 +1635,7 @@ fn policy_and_name(stat: &str) -> Option<(u32, String)> {
 }
 
 /// The policies of `pid`'s threads named `worker-N`, in no order.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn worker_policies(pid: u32) -> Vec<u32> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
@@ -1648,8 +1650,9 @@ fn worker_policies(pid: u32) -> Vec<u32> {
 
 /// `serve`'s worker threads run as `SCHED_BATCH` when the process runs
 /// under `SCHED_OTHER` (a policy it was started with is kept), and with
-/// `--sched inherit` keep the process's policy; the other threads keep
-/// it either way.
+/// `--sched inherit` keep the process's policy; the main thread keeps it
+/// either way.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn the_workers_run_as_sched_batch_unless_told_to_inherit() {
     let own = std::fs::read_to_string("/proc/thread-self/stat")

@@ -157,6 +157,9 @@ struct Conn {
     /// socket (the thread that made it, or the one it was moved to): it
     /// goes back there.
     home: usize,
+    /// A byte of an answer to the request under way has come (of its head,
+    /// or of an interim `1xx` one): it is not sent again.
+    heard: bool,
 }
 
 impl Conn {
@@ -168,6 +171,7 @@ impl Conn {
             read_bytes: FIRST_READ_BYTES,
             scanned: 0,
             home: own_shard(),
+            heard: false,
         }
     }
 
@@ -332,7 +336,7 @@ impl Conn {
             }
             match ready!(self.poll_fill(cx)) {
                 Ok(0) => return Poll::Ready(Err(H1Error::Closed)),
-                Ok(_) => {}
+                Ok(_) => self.heard = true,
                 Err(err) => return Poll::Ready(Err(H1Error::Read(err))),
             }
         }
@@ -499,6 +503,7 @@ impl H1Pool {
                 .or_insert_with(|| self.host_value(authority));
         }
         *req.uri_mut() = origin_form(&uri);
+        let mut resent = false;
         if let Some(mut conn) = self.checkout() {
             // Its close may also come after the check in `exchange`, while
             // the request is on its way, and the request then gets no byte
@@ -512,11 +517,12 @@ impl H1Pool {
                 // closed an idle connection. Send it again on a new one.
                 Err(Retry::Again(again)) => req = again,
                 Err(Retry::No(err)) => match copy {
-                    Some(copy) if unanswered(&err) && conn.buf.is_empty() => {
+                    Some(copy) if unanswered(&err) && !conn.heard => {
                         tracing::debug!(
                             "sent again on a new connection: a kept one failed ({err})"
                         );
                         req = copy;
+                        resent = true;
                     }
                     _ => return Err(err),
                 },
@@ -526,7 +532,9 @@ impl H1Pool {
         match exchange(&mut conn, req).await {
             Ok(answer) => Ok(self.driven(conn, answer)),
             Err(Retry::Again(_)) => Err(H1Error::Refused),
-            Err(Retry::No(H1Error::Closed)) => Err(H1Error::ClosedNew),
+            // A kept connection has shown that the upstream speaks plain
+            // HTTP: no hint of TLS then.
+            Err(Retry::No(H1Error::Closed)) if !resent => Err(H1Error::ClosedNew),
             Err(Retry::No(err)) => Err(err),
         }
     }
@@ -845,6 +853,7 @@ async fn exchange(conn: &mut Conn, req: Request<ProxyBody>) -> Result<Answer, Re
     if !std::future::poll_fn(|cx| Poll::Ready(conn.quiet(cx))).await {
         return Err(Retry::Again(req));
     }
+    conn.heard = false;
     let (parts, body) = req.into_parts();
     let framing = request_framing(&parts.method, &parts.headers, &body);
     let target = parts.uri.path_and_query().map_or("/", |path| path.as_str());
@@ -1279,7 +1288,7 @@ impl Body for DrivenBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body_util::{BodyExt, Empty, Full};
+    use http_body_util::{BodyExt, Empty};
     use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
@@ -1831,10 +1840,15 @@ mod tests {
     }
 
     /// An upstream whose first connection answers one request, then reads
-    /// the head of the next and closes without a word (its idle close
-    /// crossing that request); every later connection answers `ok` to each
-    /// request. Counts the connections it accepted.
-    async fn upstream_closing_its_first_under_the_second() -> (SocketAddr, Arc<AtomicUsize>) {
+    /// the head of the next, writes `second` of an answer to it and closes
+    /// (its idle close crossing that request, when `second` is empty).
+    /// Every later connection answers `ok` to each request, or, unless
+    /// `later_answer`, closes once it has read one. Counts the connections
+    /// it accepted.
+    async fn upstream_closing_under_the_second(
+        second: &'static [u8],
+        later_answer: bool,
+    ) -> (SocketAddr, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -1844,11 +1858,16 @@ mod tests {
                 let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
                 tokio::spawn(async move {
                     let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if !first && !later_answer {
+                        read_request_head(&mut stream).await;
+                        return;
+                    }
                     while read_request_head(&mut stream).await {
                         if stream.write_all(reply).await.is_err() {
                             return;
                         }
                         if first && read_request_head(&mut stream).await {
+                            let _ = stream.write_all(second).await;
                             return;
                         }
                     }
@@ -1858,36 +1877,68 @@ mod tests {
         (addr, accepted)
     }
 
-    /// A `GET` on a kept connection that the upstream closes after the
-    /// request went out, before a byte of its answer: sent again on a new
-    /// connection (it was a `502`). A `POST` is not (it may have been
-    /// acted on): its failure is the client's answer, on one connection.
-    #[tokio::test]
-    async fn a_get_on_a_kept_connection_closed_under_it_is_sent_again() {
-        let (addr, accepted) = upstream_closing_its_first_under_the_second().await;
+    /// What a second request on a kept connection gets when the upstream
+    /// does as [`upstream_closing_under_the_second`] says, and how many
+    /// connections the upstream accepted.
+    async fn second_on_a_kept_connection(
+        req: Request<ProxyBody>,
+        second: &'static [u8],
+        later_answer: bool,
+    ) -> (Result<Bytes, H1Error>, usize) {
+        let (addr, accepted) = upstream_closing_under_the_second(second, later_answer).await;
         let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         get_ok(&pool, addr).await;
         assert_eq!(pool.idle_connections(), 1, "kept for reuse");
-        tokio::time::timeout(Duration::from_secs(10), get_ok(&pool, addr))
-            .await
-            .expect("the GET answered on a new connection");
-        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        let mut req = req;
+        *req.uri_mut() = format!("http://{addr}/x").parse().expect("uri");
+        let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+            match pool.request(req).await {
+                Ok(response) => Ok(whole(response).await),
+                Err(err) => Err(err),
+            }
+        })
+        .await
+        .expect("an answer, not a hang");
+        (outcome, accepted.load(Ordering::SeqCst))
+    }
 
-        let (addr, accepted) = upstream_closing_its_first_under_the_second().await;
-        let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
-        get_ok(&pool, addr).await;
-        let body = Full::new(Bytes::from_static(b"{}"))
-            .map_err(|never| match never {})
-            .boxed();
-        let failed = tokio::time::timeout(Duration::from_secs(10), pool.request(post(addr, body)))
-            .await
-            .expect("an answer, not a hang");
+    /// A `GET` on a kept connection that the upstream closes after the
+    /// request went out, before a byte of its answer: sent again on a new
+    /// connection (it was a `502`). Not sent again: a `POST`, even without
+    /// a body (it may have been acted on); a `GET` that got a byte of an
+    /// answer first (an interim `103`, part of a head). And one sent again
+    /// whose new connection closes too is not told to try TLS.
+    #[tokio::test]
+    async fn a_get_on_a_kept_connection_closed_under_it_is_sent_again() {
+        let unused: SocketAddr = "127.0.0.1:9".parse().expect("addr");
+        let (outcome, accepted) = second_on_a_kept_connection(get(unused), b"", true).await;
+        assert_eq!(&outcome.expect("answered on a new connection")[..], b"ok");
+        assert_eq!(accepted, 2);
+
+        let empty = Empty::new().map_err(|never| match never {}).boxed();
+        let (outcome, accepted) = second_on_a_kept_connection(post(unused, empty), b"", true).await;
+        assert!(matches!(outcome, Err(H1Error::Closed)), "POST: {outcome:?}");
+        assert_eq!(accepted, 1, "a POST is not sent again");
+
+        for second in [
+            &b"HTTP/1.1 103 Early Hints\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\n",
+        ] {
+            let (outcome, accepted) = second_on_a_kept_connection(get(unused), second, true).await;
+            assert!(matches!(outcome, Err(H1Error::Closed)), "{outcome:?}");
+            assert_eq!(accepted, 1, "not sent again after {:?}", text(second));
+        }
+
+        let (outcome, accepted) = second_on_a_kept_connection(get(unused), b"", false).await;
         assert!(
-            matches!(failed, Err(H1Error::Closed | H1Error::Read(_))),
-            "{:?}",
-            failed.map(|response| response.status())
+            matches!(outcome, Err(H1Error::Closed)),
+            "not ClosedNew: {outcome:?}"
         );
-        assert_eq!(accepted.load(Ordering::SeqCst), 1, "not sent again");
+        assert_eq!(accepted, 2);
+    }
+
+    fn text(bytes: &[u8]) -> String {
+        String::from_utf8_lossy(bytes).into_owned()
     }
 
     /// Reads from `upstream`'s writing `event` until the whole of it is

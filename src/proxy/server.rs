@@ -1036,7 +1036,7 @@ impl Sched {
 
 /// `SCHED_BATCH` for the calling thread, when it runs under
 /// `SCHED_OTHER` (a policy chosen with `chrt` is kept).
-#[cfg(target_os = "linux")]
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn batch_if_other() -> io::Result<()> {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: both are system calls on the calling thread (pid 0); `param`
@@ -1055,7 +1055,7 @@ fn batch_if_other() -> io::Result<()> {
     }
 }
 
-#[cfg(not(target_os = "linux"))]
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn batch_if_other() -> io::Result<()> {
     Ok(())
 }
