@@ -17,7 +17,8 @@
 //! that opened it, and its streams may be read from the others.) The
 //! multi-thread runtime woke a second worker for about 0.6 events in 1, and
 //! that cost a quarter of `serve`'s CPU per paced event (BENCHMARKS.md,
-//! "Fifth round"). The workers run as `SCHED_BATCH` on Linux ([`Sched`]).
+//! "Fifth round"). The workers run as `SCHED_BATCH` on Linux with glibc
+//! ([`Sched`]).
 
 use std::convert::Infallible;
 use std::future::Future;
