@@ -1926,7 +1926,8 @@ mod tests {
         ] {
             let (outcome, accepted) = second_on_a_kept_connection(get(unused), second, true).await;
             assert!(matches!(outcome, Err(H1Error::Closed)), "{outcome:?}");
-            assert_eq!(accepted, 1, "not sent again after {:?}", text(second));
+            let second = String::from_utf8_lossy(second);
+            assert_eq!(accepted, 1, "not sent again after {second:?}");
         }
 
         let (outcome, accepted) = second_on_a_kept_connection(get(unused), b"", false).await;
@@ -1935,10 +1936,6 @@ mod tests {
             "not ClosedNew: {outcome:?}"
         );
         assert_eq!(accepted, 2);
-    }
-
-    fn text(bytes: &[u8]) -> String {
-        String::from_utf8_lossy(bytes).into_owned()
     }
 
     /// Reads from `upstream`'s writing `event` until the whole of it is
