@@ -437,17 +437,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_THREADS))]
     pub threads: Option<u16>,
 
-    /// How the kernel schedules those threads (Linux): batch or inherit
+    /// How the kernel schedules the process (Linux): batch or inherit
     ///
-    /// batch (the default) runs them as SCHED_BATCH when the process runs
-    /// under the default policy: a thread that an event wakes waits for the
+    /// batch (the default) runs every thread of it as SCHED_BATCH when it
+    /// runs under the default policy: a thread that an event wakes waits for the
     /// task running on its CPU to end its turn instead of cutting in (on an
     /// idle CPU it runs at once), so the upstream and the client are not
     /// cut off mid-write, and on a busy machine a thread takes several
     /// events at once, for less CPU each. While every CPU is busy, an event
     /// can then wait for the running task to sleep or end its turn
-    /// (milliseconds: a scheduler tick, a time slice). Threads the workers
-    /// start (name lookups, recordings' writes) inherit it. inherit keeps
+    /// (milliseconds: a scheduler tick, a time slice). inherit keeps
     /// the policy the process was started with (chrt). Neither needs a
     /// privilege, nor changes the nice value; elsewhere than Linux with
     /// glibc both do nothing.

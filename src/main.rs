@@ -322,6 +322,10 @@ fn ignored_signals() -> u64 {
 }
 
 fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
+    // The scheduling policy first, on this thread, so that every thread
+    // started after it inherits it (aalis_proxy::proxy::server::Sched); a
+    // refusal is told once the log is set up.
+    let sched = args.sched.apply();
     // Spinners on a terminal are drawn by a thread of their own: a paused
     // terminal must not stop the workers. The log is written above them
     // (written past them, a line was erased by the next redraw); plain
@@ -341,6 +345,9 @@ fn serve(args: &ServeArgs, config: ProxyConfig) -> anyhow::Result<()> {
             (log, spinners)
         }
     };
+    if let Err(err) = sched {
+        tracing::warn!("cannot run as SCHED_BATCH ({err}): the process keeps its policy");
+    }
     let result = serve_logged(args, config, log.clone(), Arc::new(spinners));
     end_logging(log.as_ref());
     result
@@ -366,7 +373,7 @@ fn serve_logged(
         .unwrap_or_else(|| {
             std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN)
         });
-    let workers = Workers::start(threads, args.sched).context("cannot start the worker threads")?;
+    let workers = Workers::start(threads).context("cannot start the worker threads")?;
     let result = current_thread_runtime()?.block_on(async {
         let (listener, local) = listen(args.listen).await?;
         if let Some(dir) = &record_dir {

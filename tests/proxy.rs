@@ -29,7 +29,7 @@ use aalis_proxy::encode::{InjectMode, OutputFormat};
 use aalis_proxy::framing::Framing;
 use aalis_proxy::mock::Capture;
 use aalis_proxy::pipeline::{Annotator, AnnotatorConfig};
-use aalis_proxy::proxy::server::{Sched, Workers};
+use aalis_proxy::proxy::server::Workers;
 use aalis_proxy::proxy::service::Proxy;
 use aalis_proxy::proxy::sessions::SessionRegistry;
 use aalis_proxy::proxy::upstream::{Upstream, UpstreamClient, build_client};
@@ -147,8 +147,7 @@ impl TestProxy {
             let proxy = proxy.clone();
             async move { proxy.handle(req, peer).await }
         };
-        let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0"), Sched::default())
-            .expect("worker threads");
+        let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("worker threads");
         let handles = workers.handles().to_vec();
         let task = tokio::spawn(async move {
             let options = server::ServeOptions {

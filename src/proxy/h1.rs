@@ -2023,11 +2023,9 @@ mod tests {
     async fn an_idle_connection_goes_back_to_the_thread_that_made_it() {
         let addr = numbering_upstream().await;
         let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
-        let workers = super::super::server::Workers::start(
-            std::num::NonZeroUsize::new(2).expect("2 > 0"),
-            super::super::server::Sched::Inherit,
-        )
-        .expect("workers");
+        let workers =
+            super::super::server::Workers::start(std::num::NonZeroUsize::new(2).expect("2 > 0"))
+                .expect("workers");
         let [first, second] = workers.handles() else {
             panic!("two workers");
         };

@@ -17,7 +17,7 @@
 //! that opened it, and its streams may be read from the others.) The
 //! multi-thread runtime woke a second worker for about 0.6 events in 1, and
 //! that cost a quarter of `serve`'s CPU per paced event (BENCHMARKS.md,
-//! "Fifth round"). The workers run as `SCHED_BATCH` on Linux with glibc
+//! "Fifth round"). `serve` runs as `SCHED_BATCH` on Linux with glibc
 //! ([`Sched`]).
 
 use std::convert::Infallible;
@@ -999,13 +999,17 @@ pub struct Workers {
     threads: Vec<thread::JoinHandle<()>>,
 }
 
-/// How the kernel schedules the worker threads (`serve --sched`).
+/// How the kernel schedules `serve`'s threads (`serve --sched`).
 ///
 /// Under `SCHED_BATCH` (Linux) a worker that an event wakes does not cut
 /// in on the task running on its CPU, but waits for its turn to end (an
 /// idle CPU runs it at once): an upstream that writes an event and a
 /// client that reads one are not cut off in the middle, and a busy worker
-/// takes several events at once (BENCHMARKS.md, fifty-first round).
+/// takes several events at once (BENCHMARKS.md, fifty-first round). The
+/// policy is the whole process's, set on the main thread before it starts
+/// any other (the log writer, the spinners, the workers, their blocking
+/// threads), which inherit it: a worker that wakes the log writer is not
+/// cut off by it either (fifty-second round).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Sched {
     /// SCHED_BATCH, when the process runs under the default SCHED_OTHER
@@ -1015,22 +1019,15 @@ pub enum Sched {
     Inherit,
 }
 
-/// Said once a process: the workers could not be given [`Sched::Batch`].
-static SCHED_REFUSED: AtomicBool = AtomicBool::new(false);
-
 impl Sched {
-    /// Gives the calling thread this policy, warning once a process when
-    /// the kernel refuses it (the thread keeps its policy).
-    fn apply(self) {
-        if self == Sched::Inherit {
-            return;
-        }
-        if let Err(err) = batch_if_other()
-            && !SCHED_REFUSED.swap(true, Ordering::Relaxed)
-        {
-            tracing::warn!(
-                "cannot run the worker threads as SCHED_BATCH ({err}): they keep the process's policy"
-            );
+    /// Gives the calling thread this policy, which the threads it starts
+    /// afterwards inherit (Linux copies a thread's policy to the threads
+    /// it makes). An `Err` is the kernel's refusal: the thread keeps its
+    /// policy. Called before the log is set up, so the caller tells it.
+    pub fn apply(self) -> io::Result<()> {
+        match self {
+            Sched::Batch => batch_if_other(),
+            Sched::Inherit => Ok(()),
         }
     }
 }
@@ -1065,8 +1062,9 @@ impl Workers {
     /// Starts `count` threads, named `worker-0`, `worker-1`, …, each with
     /// its own list of idle upstream connections (up to
     /// [`SHARDS`](super::h1::SHARDS) threads; see
-    /// [`H1Pool`](super::h1::H1Pool)), scheduled as `sched` says.
-    pub fn start(count: NonZeroUsize, sched: Sched) -> io::Result<Workers> {
+    /// [`H1Pool`](super::h1::H1Pool)), with the calling thread's scheduling
+    /// policy (see [`Sched`]).
+    pub fn start(count: NonZeroUsize) -> io::Result<Workers> {
         let mut workers = Workers {
             handles: Vec::with_capacity(count.get()),
             stops: Vec::with_capacity(count.get()),
@@ -1081,7 +1079,6 @@ impl Workers {
             let thread = thread::Builder::new()
                 .name(format!("worker-{i}"))
                 .spawn(move || {
-                    sched.apply();
                     super::h1::pin_shard(i);
                     // Err is the sender dropped: the signal to stop.
                     let _ = runtime.block_on(stopped);
@@ -1170,8 +1167,7 @@ mod tests {
     /// its response).
     #[tokio::test]
     async fn connections_are_served_on_the_least_busy_worker() {
-        let workers =
-            Workers::start(NonZeroUsize::new(2).expect("2 > 0"), Sched::Inherit).expect("workers");
+        let workers = Workers::start(NonZeroUsize::new(2).expect("2 > 0")).expect("workers");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let handler = |_req: Request<Incoming>, _peer: Peer| async {
