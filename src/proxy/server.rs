@@ -1006,10 +1006,10 @@ pub struct Workers {
 /// idle CPU runs it at once): an upstream that writes an event and a
 /// client that reads one are not cut off in the middle, and a busy worker
 /// takes several events at once (BENCHMARKS.md, fifty-first round). The
-/// policy is the whole process's, set on the main thread before it starts
-/// any other (the log writer, the spinners, the workers, their blocking
-/// threads), which inherit it: a worker that wakes the log writer is not
-/// cut off by it either (fifty-second round).
+/// policy is the whole process's, as under `chrt -b`: set on the main
+/// thread before it starts any other (the log writer, the spinners, the
+/// workers, their blocking threads), which inherit it (fifty-second
+/// round).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Sched {
     /// SCHED_BATCH, when the process runs under the default SCHED_OTHER
