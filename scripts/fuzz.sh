@@ -13,7 +13,7 @@
 #   --seconds N        fuzzing time per target (default 15)
 #   --sanitizer S      address | none (default: address when the toolchain
 #                      can build it, else none). The crate's one `unsafe`
-#                      (a system call as serve's workers start) is in no
+#                      (a system call as serve starts) is in no
 #                      target's path; without ASan a target runs several times more inputs
 #                      per second (TESTING.md), which CI's short run wants.
 #   --toolchain T      nightly | stable (default: nightly when installed;
