@@ -1877,11 +1877,12 @@ mod tests {
         (addr, accepted)
     }
 
-    /// What a second request on a kept connection gets when the upstream
-    /// does as [`upstream_closing_under_the_second`] says, and how many
+    /// What a second request on a kept connection (`request`, made for
+    /// the upstream's address) gets when the upstream does as
+    /// [`upstream_closing_under_the_second`] says, and how many
     /// connections the upstream accepted.
     async fn second_on_a_kept_connection(
-        req: Request<ProxyBody>,
+        request: impl FnOnce(SocketAddr) -> Request<ProxyBody>,
         second: &'static [u8],
         later_answer: bool,
     ) -> (Result<Bytes, H1Error>, usize) {
@@ -1889,8 +1890,7 @@ mod tests {
         let pool = H1Pool::new(Duration::from_secs(1), Duration::from_secs(5));
         get_ok(&pool, addr).await;
         assert_eq!(pool.idle_connections(), 1, "kept for reuse");
-        let mut req = req;
-        *req.uri_mut() = format!("http://{addr}/x").parse().expect("uri");
+        let req = request(addr);
         let outcome = tokio::time::timeout(Duration::from_secs(10), async {
             match pool.request(req).await {
                 Ok(response) => Ok(whole(response).await),
@@ -1910,13 +1910,13 @@ mod tests {
     /// whose new connection closes too is not told to try TLS.
     #[tokio::test]
     async fn a_get_on_a_kept_connection_closed_under_it_is_sent_again() {
-        let unused: SocketAddr = "127.0.0.1:9".parse().expect("addr");
-        let (outcome, accepted) = second_on_a_kept_connection(get(unused), b"", true).await;
+        let (outcome, accepted) = second_on_a_kept_connection(get, b"", true).await;
         assert_eq!(&outcome.expect("answered on a new connection")[..], b"ok");
         assert_eq!(accepted, 2);
 
         let empty = Empty::new().map_err(|never| match never {}).boxed();
-        let (outcome, accepted) = second_on_a_kept_connection(post(unused, empty), b"", true).await;
+        let (outcome, accepted) =
+            second_on_a_kept_connection(|addr| post(addr, empty), b"", true).await;
         assert!(matches!(outcome, Err(H1Error::Closed)), "POST: {outcome:?}");
         assert_eq!(accepted, 1, "a POST is not sent again");
 
@@ -1924,13 +1924,13 @@ mod tests {
             &b"HTTP/1.1 103 Early Hints\r\n\r\n"[..],
             b"HTTP/1.1 200 OK\r\n",
         ] {
-            let (outcome, accepted) = second_on_a_kept_connection(get(unused), second, true).await;
+            let (outcome, accepted) = second_on_a_kept_connection(get, second, true).await;
             assert!(matches!(outcome, Err(H1Error::Closed)), "{outcome:?}");
             let second = String::from_utf8_lossy(second);
             assert_eq!(accepted, 1, "not sent again after {second:?}");
         }
 
-        let (outcome, accepted) = second_on_a_kept_connection(get(unused), b"", false).await;
+        let (outcome, accepted) = second_on_a_kept_connection(get, b"", false).await;
         assert!(
             matches!(outcome, Err(H1Error::Closed)),
             "not ClosedNew: {outcome:?}"

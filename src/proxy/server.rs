@@ -1010,10 +1010,9 @@ pub struct Workers {
 /// thread before it starts any other (the log writer, the spinners, the
 /// workers, their blocking threads), which inherit it (fifty-second
 /// round).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Sched {
     /// SCHED_BATCH, when the process runs under the default SCHED_OTHER
-    #[default]
     Batch,
     /// the policy the process was started with (chrt), kept
     Inherit,
