@@ -265,10 +265,22 @@ impl Running {
         env: &[(&str, &str)],
         stderr_to: StderrTo,
     ) -> Running {
+        Running::start_made(name, aalis_proxy, args, env, stderr_to)
+    }
+
+    /// [`Running::start_with`], with the command that `make` makes (the
+    /// base command with something added) instead of the base command.
+    fn start_made(
+        name: &str,
+        make: impl Fn() -> Command,
+        args: impl Fn(u16) -> Vec<String>,
+        env: &[(&str, &str)],
+        stderr_to: StderrTo,
+    ) -> Running {
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port();
-            let mut cmd = aalis_proxy();
+            let mut cmd = make();
             cmd.args(args(port)).envs(env.iter().copied());
             let mut running =
                 Running::spawn(&format!("{name} on port {port}"), cmd, port, stderr_to);
@@ -1672,32 +1684,92 @@ fn serve_runs_as_sched_batch_unless_told_to_inherit() {
         let mut args = vec!["--threads", "2"];
         args.extend_from_slice(extra);
         let mut serve = start_serve(upstream_port, &args, &[]);
-        let pid = serve.pid();
-        // The workers name themselves as they start: both names are waited for.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let named = |threads: &[(u32, String, u32)], prefix: &str| {
-            threads
-                .iter()
-                .filter(|(_, name, _)| name.starts_with(prefix))
-                .count()
-        };
-        let mut threads = thread_policies(pid);
-        while named(&threads, "worker-") < 2 && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(20));
-            threads = thread_policies(pid);
-        }
+        let threads = threads_once_started(&serve);
         serve.stop();
-        assert_eq!(named(&threads, "worker-"), 2, "{args:?}: {threads:?}");
-        assert_eq!(named(&threads, "aalis-log"), 1, "{args:?}: {threads:?}");
-        assert!(
-            threads.iter().any(|&(tid, _, _)| tid == pid),
-            "{args:?}: the main thread in {threads:?}"
-        );
         assert!(
             threads.iter().all(|&(_, _, policy)| policy == expected),
             "{args:?}, expected {expected}: {threads:?}"
         );
     }
+}
+
+/// `serve`'s threads ([`thread_policies`]) once the two workers of
+/// `--threads 2` have named themselves (waited for, as they start),
+/// checked to hold the main thread, the log writer and both workers.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn threads_once_started(serve: &Running) -> Vec<(u32, String, u32)> {
+    let pid = serve.pid();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let named = |threads: &[(u32, String, u32)], prefix: &str| {
+        threads
+            .iter()
+            .filter(|(_, name, _)| name.starts_with(prefix))
+            .count()
+    };
+    let mut threads = thread_policies(pid);
+    while named(&threads, "worker-") < 2 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+        threads = thread_policies(pid);
+    }
+    assert_eq!(named(&threads, "worker-"), 2, "{threads:?}");
+    assert_eq!(named(&threads, "aalis-log"), 1, "{threads:?}");
+    assert!(
+        threads.iter().any(|&(tid, _, _)| tid == pid),
+        "the main thread in {threads:?}"
+    );
+    threads
+}
+
+/// Started as `chrt -R -o 0` starts it (`SCHED_OTHER` with the
+/// `SCHED_RESET_ON_FORK` flag, which the kernel reports ORed into the
+/// policy), `serve` still runs as `SCHED_BATCH`, every thread of it, and
+/// the main thread keeps the flag. It took the flag for another policy,
+/// and kept `SCHED_OTHER`.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn serve_runs_as_sched_batch_when_started_with_reset_on_fork() {
+    let upstream = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let upstream_port = upstream.local_addr().expect("local_addr").port();
+    let make = || {
+        let mut cmd = aalis_proxy();
+        // SAFETY: the closure makes one system call on the child (pid 0),
+        // which is async-signal-safe; `param` outlives it and the kernel
+        // only reads it.
+        unsafe {
+            cmd.pre_exec(|| {
+                let param = libc::sched_param { sched_priority: 0 };
+                let policy = libc::SCHED_OTHER | libc::SCHED_RESET_ON_FORK;
+                match libc::sched_setscheduler(0, policy, &param) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                }
+            });
+        }
+        cmd
+    };
+    let args = |port| serve_args(upstream_port, port, &["--threads", "2"]);
+    let mut serve = Running::start_made("serve", make, args, &[], StderrTo::Pipe);
+    // /proc shows the policy without the flag: the kernel is asked.
+    let threads: Vec<_> = threads_once_started(&serve)
+        .into_iter()
+        .map(|(tid, name, _)| {
+            let tid = libc::pid_t::try_from(tid).expect("a thread id");
+            // SAFETY: a system call that reads the thread `tid`'s policy.
+            (tid, name, unsafe { libc::sched_getscheduler(tid) })
+        })
+        .collect();
+    serve.stop();
+    // The flag stays with the main thread; the kernel clears it in each
+    // thread it makes (a thread is a fork to it), and leaves the policy.
+    let pid = libc::pid_t::try_from(serve.pid()).expect("a pid");
+    let reset = libc::SCHED_RESET_ON_FORK;
+    assert!(
+        threads
+            .iter()
+            .all(|&(tid, _, policy)| policy
+                == libc::SCHED_BATCH | if tid == pid { reset } else { 0 }),
+        "{threads:#x?}"
+    );
 }
 
 /// A `HEAD` to a streaming route gets the head its `GET` would: no

@@ -1032,7 +1032,10 @@ impl Sched {
 }
 
 /// `SCHED_BATCH` for the calling thread, when it runs under
-/// `SCHED_OTHER` (a policy chosen with `chrt` is kept).
+/// `SCHED_OTHER` (a policy chosen with `chrt` is kept). The
+/// `SCHED_RESET_ON_FORK` flag (`chrt -R`), which the kernel reports ORed
+/// into the policy, is not a policy: `SCHED_OTHER` with it becomes
+/// `SCHED_BATCH` with it.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn batch_if_other() -> io::Result<()> {
     let param = libc::sched_param { sched_priority: 0 };
@@ -1042,8 +1045,12 @@ fn batch_if_other() -> io::Result<()> {
     // (rustix leaves them out; thread-priority sets the nice value too).
     let ret = unsafe {
         match libc::sched_getscheduler(0) {
-            libc::SCHED_OTHER => libc::sched_setscheduler(0, libc::SCHED_BATCH, &param),
-            current => current.min(0),
+            ..0 => -1,
+            current if current & !libc::SCHED_RESET_ON_FORK == libc::SCHED_OTHER => {
+                let flag = current & libc::SCHED_RESET_ON_FORK;
+                libc::sched_setscheduler(0, libc::SCHED_BATCH | flag, &param)
+            }
+            _ => 0,
         }
     };
     match ret {
