@@ -13,7 +13,10 @@
 # Each drive sends EVENTS events per stream (unpaced: 200,000 / C) through
 # one target while `perf stat` counts that target's syscall tracepoints,
 # context switches and task clock; one line per drive, the counts divided
-# by the events the driver received. After each drive of serve or nginx,
+# by the events the driver received, with the CPU an event of the stamping
+# upstream (its threads' schedstat) and of the load driver (`perf stat`'s
+# task clock) beside the target's: the whole machine's work an event
+# (fifty-third round). After each drive of serve or nginx,
 # the CPU each worker thread or process spent in it (/proc/*/schedstat)
 # shows how the load was spread between them. BIN is serve's build
 # (default: this checkout's release build); OTHER, when set, is driven as
@@ -74,6 +77,10 @@ workers() {
     ls -d "/proc/${procs[$1]}"/task/*
   fi
 }
+# A process's CPU so far in ns, all its threads (schedstat).
+task_ns() {
+  cat "/proc/$1"/task/*/schedstat | awk '{s += $1} END {printf "%.0f", s}'
+}
 # Per worker: its CPU in ms (schedstat), then its user and system time in
 # clock ticks (stat's fields 14 and 15; the command name, field 2, may hold
 # spaces, so fields are counted after its closing parenthesis).
@@ -98,16 +105,21 @@ for c in ${CS:-256 64 16}; do
       perf_pid=$!
       sleep 0.3
       cpu_ms "$t" >"$work/before"
-      result=$(timeout 300 "$loadgen" drive --target "127.0.0.1:${ports[$t]}" --concurrency "$c" --events "$n" \
+      up_before=$(task_ns "$up_pid")
+      result=$(timeout 300 perf stat -x, -e task-clock -o "$work/driver" -- \
+        "$loadgen" drive --target "127.0.0.1:${ports[$t]}" --concurrency "$c" --events "$n" \
         --delay-us "$delay_us" --timeout-seconds 280)
+      up_after=$(task_ns "$up_pid")
       cpu_ms "$t" >"$work/after"
       kill -INT "$perf_pid"
       wait "$perf_pid" || true
-      python3 - "$work/stat" "$result" "$t" "$c" "$rep" "$work/before" "$work/after" <<'PY'
+      python3 - "$work/stat" "$result" "$t" "$c" "$rep" "$work/before" "$work/after" \
+        "$((up_after - up_before))" "$work/driver" <<'PY'
 import json, sys
-path, result, target, c, rep, before, after = sys.argv[1:]
+path, result, target, c, rep, before, after, up_ns, driver = sys.argv[1:]
 r = json.loads(result)
 n = max(r["events"], 1)
+driver_ms = next((float(l.split(",")[0]) for l in open(driver) if "task-clock" in l), 0.0)
 counts = {}
 for line in open(path):
     f = line.strip().split(",")
@@ -123,7 +135,8 @@ user, system = sum(v[1] for v in d.values()), sum(v[2] for v in d.values())
 spread += f"; user {100 * user / max(user + system, 1):.0f} % of ticks"
 print(f"{target:5} C={c:>3} drive {rep}: {r['events_per_s']:>8.0f} events/s, "
       f"p50 {r['latency_us']['p50']:.0f} p99 {r['latency_us']['p99']:.0f} µs, "
-      f"CPU {cpu:.2f} µs/event; per event {per}; workers' CPU ms {spread}")
+      f"CPU {cpu:.2f} µs/event (upstream {int(up_ns) / 1000 / n:.2f}, driver "
+      f"{driver_ms * 1000 / n:.2f}); per event {per}; workers' CPU ms {spread}")
 PY
     done
   done

@@ -1,7 +1,7 @@
 # Sourced by the scripts that drive `serve` (profile_proxy.sh, per_event.sh,
 # callgrind_serve.sh, scripts/pgo.sh), after they make `work`: the load
 # driver's build (`loadgen`), the sample capture, the stamping upstream on a
-# free loopback port (`up_port`), cleanup of every process started (add its
+# free loopback port (`up_port`; its pid `up_pid`), cleanup of every process started (add its
 # pid to `pids`), and `start_nginx` for the scripts that compare with nginx. A caller may set `cargo_dir` (`release`, the default,
 # or `debug`) and `sample` (the capture to serve; by default a tool-heavy
 # one of 2 MB, seed 8, the benchmark suite's) first.
@@ -29,6 +29,7 @@ wait_port() { timeout "${2:-10}" bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$1) 
 rm -f "$work/upstream.out"
 "$loadgen" upstream --events "$sample" --max-seconds 600 >"$work/upstream.out" 2>/dev/null &
 pids+=($!)
+up_pid=$!
 timeout 10 bash -c "until [ -s '$work/upstream.out' ]; do sleep 0.05; done"
 up_port=$(sed 's/.*://' "$work/upstream.out")
 
