@@ -15,7 +15,7 @@
 # context switches and task clock; one line per drive, the counts divided
 # by the events the driver received, with the CPU an event of the stamping
 # upstream (its threads' schedstat) and of the load driver (`perf stat`'s
-# task clock) beside the target's: the whole machine's work an event
+# task clock) beside the target's: the three processes' CPU an event
 # (fifty-third round). After each drive of serve or nginx,
 # the CPU each worker thread or process spent in it (/proc/*/schedstat)
 # shows how the load was spread between them. BIN is serve's build
@@ -119,7 +119,8 @@ import json, sys
 path, result, target, c, rep, before, after, up_ns, driver = sys.argv[1:]
 r = json.loads(result)
 n = max(r["events"], 1)
-driver_ms = next((float(l.split(",")[0]) for l in open(driver) if "task-clock" in l), 0.0)
+driver_ms = next((float(l.split(",")[0]) for l in open(driver) if "task-clock" in l), None)
+driver_us = "n/a" if driver_ms is None else f"{driver_ms * 1000 / n:.2f}"
 counts = {}
 for line in open(path):
     f = line.strip().split(",")
@@ -135,8 +136,8 @@ user, system = sum(v[1] for v in d.values()), sum(v[2] for v in d.values())
 spread += f"; user {100 * user / max(user + system, 1):.0f} % of ticks"
 print(f"{target:5} C={c:>3} drive {rep}: {r['events_per_s']:>8.0f} events/s, "
       f"p50 {r['latency_us']['p50']:.0f} p99 {r['latency_us']['p99']:.0f} µs, "
-      f"CPU {cpu:.2f} µs/event (upstream {int(up_ns) / 1000 / n:.2f}, driver "
-      f"{driver_ms * 1000 / n:.2f}); per event {per}; workers' CPU ms {spread}")
+      f"CPU {cpu:.2f} µs/event (upstream {int(up_ns) / 1000 / n:.2f}, driver {driver_us}); "
+      f"per event {per}; workers' CPU ms {spread}")
 PY
     done
   done

@@ -1,10 +1,12 @@
 # Sourced by the scripts that drive `serve` (profile_proxy.sh, per_event.sh,
-# callgrind_serve.sh, scripts/pgo.sh), after they make `work`: the load
-# driver's build (`loadgen`), the sample capture, the stamping upstream on a
-# free loopback port (`up_port`; its pid `up_pid`), cleanup of every process started (add its
-# pid to `pids`), and `start_nginx` for the scripts that compare with nginx. A caller may set `cargo_dir` (`release`, the default,
-# or `debug`) and `sample` (the capture to serve; by default a tool-heavy
-# one of 2 MB, seed 8, the benchmark suite's) first.
+# interleave.sh, callgrind_serve.sh, dhat_serve.sh, scripts/pgo.sh), after
+# they make `work`: the load driver's build (`loadgen`), the sample capture,
+# the stamping upstream on a free loopback port (`up_port`; its pid
+# `up_pid`), cleanup of every process started (add its pid to `pids`), and
+# `start_nginx` for the scripts that compare with nginx. A caller may set
+# `cargo_dir` (`release`, the default, or `debug`) and `sample` (the capture
+# to serve; by default a tool-heavy one of 2 MB, seed 8, the benchmark
+# suite's) first.
 
 cargo_dir=${cargo_dir:-release}
 if [ "$cargo_dir" = release ]; then

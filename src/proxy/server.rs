@@ -1035,7 +1035,7 @@ impl Sched {
 /// `SCHED_OTHER` (a policy chosen with `chrt` is kept). The
 /// `SCHED_RESET_ON_FORK` flag (`chrt -R`), which the kernel reports ORed
 /// into the policy, is not a policy: `SCHED_OTHER` with it becomes
-/// `SCHED_BATCH` with it.
+/// `SCHED_BATCH` with it (an unprivileged caller may not clear the flag).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn batch_if_other() -> io::Result<()> {
     let param = libc::sched_param { sched_priority: 0 };
