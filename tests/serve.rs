@@ -1663,6 +1663,16 @@ fn thread_policies(pid: u32) -> Vec<(u32, String, u32)> {
         .collect()
 }
 
+/// The calling thread's scheduling policy (from `/proc`, without flags).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn own_policy() -> u32 {
+    std::fs::read_to_string("/proc/thread-self/stat")
+        .ok()
+        .and_then(|stat| policy_and_name(&stat))
+        .map(|(policy, _)| policy)
+        .expect("this thread's policy")
+}
+
 /// `serve` runs as `SCHED_BATCH` when the process runs under
 /// `SCHED_OTHER` (a policy it was started with is kept), every thread of
 /// it: the main thread, the log writer and the workers; with `--sched
@@ -1670,11 +1680,7 @@ fn thread_policies(pid: u32) -> Vec<(u32, String, u32)> {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn serve_runs_as_sched_batch_unless_told_to_inherit() {
-    let own = std::fs::read_to_string("/proc/thread-self/stat")
-        .ok()
-        .and_then(|stat| policy_and_name(&stat))
-        .map(|(policy, _)| policy)
-        .expect("this thread's policy");
+    let own = own_policy();
     // Under a policy other than SCHED_OTHER (the test run under `chrt`),
     // both passes check that it is kept.
     let batch = if own == 0 { 3 } else { own };
@@ -1731,11 +1737,7 @@ fn threads_once_started(serve: &Running, label: &str) -> Vec<(u32, String, u32)>
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn serve_runs_as_sched_batch_when_started_with_reset_on_fork() {
-    let own = std::fs::read_to_string("/proc/thread-self/stat")
-        .ok()
-        .and_then(|stat| policy_and_name(&stat))
-        .map(|(policy, _)| policy)
-        .expect("this thread's policy");
+    let own = own_policy();
     if own == libc::SCHED_IDLE as u32 {
         // Leaving SCHED_IDLE takes a privilege the child may not have:
         // the test above covers a run under `chrt`.
