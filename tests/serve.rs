@@ -1683,7 +1683,11 @@ fn serve_runs_as_sched_batch_unless_told_to_inherit() {
     let own = own_policy();
     // Under a policy other than SCHED_OTHER (the test run under `chrt`),
     // both passes check that it is kept.
-    let batch = if own == 0 { 3 } else { own };
+    let batch = if own == libc::SCHED_OTHER as u32 {
+        libc::SCHED_BATCH as u32
+    } else {
+        own
+    };
     let upstream = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     let upstream_port = upstream.local_addr().expect("local_addr").port();
     for (extra, expected) in [(&[][..], batch), (&["--sched", "inherit"][..], own)] {
